@@ -1,0 +1,34 @@
+"""Reference KV-cache compression for transformers causal LMs: Full, StreamingLLM, SnapKV, SnapStream.
+
+Pure torch + transformers; no Hydra or lm-eval imports here.
+
+    import evalkit.compression as ec
+    policy = ec.SnapStream(capacity=1024, sink=4, window=32, kernel_size=7, pooling="max", recent=256)
+    out = ec.generate(model, input_ids, policy, max_new_tokens=64)
+"""
+
+from .base import Policy, snapkv_scores
+from .budget import POLICIES, budget_capacity, policy_from_budget
+from .cache import CompressedCache
+from .full import Full
+from .generate import GenerationOutput, generate
+from .session import CompressionSession
+from .snapkv import SnapKV
+from .snapstream import SnapStream
+from .streaming_llm import StreamingLLM
+
+__all__ = [
+    "POLICIES",
+    "CompressedCache",
+    "CompressionSession",
+    "Full",
+    "GenerationOutput",
+    "Policy",
+    "SnapKV",
+    "SnapStream",
+    "StreamingLLM",
+    "budget_capacity",
+    "generate",
+    "policy_from_budget",
+    "snapkv_scores",
+]

@@ -1,0 +1,59 @@
+"""Budgets: the user-facing size of a compressed cache (``4x``, ``tokens_4096``)."""
+
+from __future__ import annotations
+
+import re
+
+from .base import Policy
+from .full import Full
+from .snapkv import SnapKV
+from .snapstream import SnapStream
+from .streaming_llm import StreamingLLM
+
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, StreamingLLM, SnapKV, SnapStream)}
+_BUDGET = re.compile(r"^(?:(?P<ratio>\d+(?:\.\d+)?)x|tokens_(?P<tokens>\d+))$")
+
+
+def budget_capacity(budget: str, max_context: int) -> int:
+    """Cache capacity in tokens: ``"4x"`` is ``max_context // 4``; ``"tokens_4096"`` is 4096."""
+    match = _BUDGET.match(str(budget))
+    if match is None:
+        raise ValueError(f"budget must look like '4x' or 'tokens_4096', got {budget!r}")
+    if match["tokens"] is not None:
+        capacity = int(match["tokens"])
+    else:
+        ratio = float(match["ratio"])
+        if ratio < 1:
+            raise ValueError(f"budget ratio must be >= 1, got {budget!r}")
+        if not isinstance(max_context, int) or max_context < 1:
+            raise ValueError(f"max_context must be a positive integer, got {max_context!r}")
+        capacity = int(max_context // ratio)
+    if capacity < 1:
+        raise ValueError(f"budget {budget!r} at max_context {max_context} leaves no cache")
+    return capacity
+
+
+def policy_from_budget(method: str, budget: str | None, max_context: int, **params) -> Policy:
+    """Build the policy ``method`` sized by ``budget`` against ``max_context``.
+
+    ``full`` takes no budget. ``streaming_llm`` spends the capacity on ``sink`` + ``window`` (window = capacity - sink);
+    ``snapkv`` and ``snapstream`` take it as their ``capacity``.
+    """
+    if method not in POLICIES:
+        raise ValueError(f"unknown method {method!r}; choose from {sorted(POLICIES)}")
+    cls = POLICIES[method]
+    if cls is Full:
+        if budget is not None:
+            raise ValueError("method 'full' takes no budget")
+        return Full(**params)
+    if budget is None:
+        raise ValueError(f"method {method!r} needs a budget (e.g. '4x' or 'tokens_4096')")
+    capacity = budget_capacity(budget, max_context)
+    if cls is StreamingLLM:
+        sink = params.pop("sink", 4)
+        if "window" in params:
+            raise ValueError("streaming_llm's window comes from the budget (capacity - sink); do not set both")
+        if capacity <= sink:
+            raise ValueError(f"budget {budget!r} gives capacity {capacity}, not more than sink={sink}")
+        return StreamingLLM(sink=sink, window=capacity - sink, **params)
+    return cls(capacity=capacity, **params)

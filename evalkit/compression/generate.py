@@ -1,0 +1,130 @@
+"""``generate``: sampling or greedy decoding with a compressed cache, and what it realized."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from transformers.generation.logits_process import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers.generation.stopping_criteria import StopStringCriteria
+
+from .base import Policy
+from .session import CompressionSession
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+    sequences: torch.LongTensor  # [batch, prompt + new]
+    logits: torch.FloatTensor | None  # [batch, new, vocab]: next-token logits at each generated step (before sampling)
+    stats: list[dict]  # per sample, see `generate`
+
+
+def _eos_ids(eos_token_id) -> torch.Tensor | None:
+    if eos_token_id is None:
+        return None
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def _validate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_p, stop_strings, tokenizer):
+    if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be [batch, length] with length >= 1, got shape {tuple(input_ids.shape)}")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids {tuple(input_ids.shape)}")
+    if attention_mask is not None and bool((attention_mask[:, -1] == 0).any()):
+        raise ValueError("padding must be on the left (the last column of attention_mask is 0 for some row)")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if temperature is not None and temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if (temperature is not None or top_p is not None) and not do_sample:
+        raise ValueError("temperature and top_p apply only with do_sample=True")
+    if stop_strings and tokenizer is None:
+        raise ValueError("stop_strings needs the tokenizer")
+
+
+def generate(
+    model,
+    input_ids: torch.LongTensor,
+    policy: Policy,
+    attention_mask: torch.Tensor | None = None,
+    max_new_tokens: int = 64,
+    do_sample: bool = False,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | list[int] | None = None,
+    stop_strings: str | list[str] | None = None,
+    tokenizer=None,
+    seed: int | None = None,
+    pad_token_id: int | None = None,
+    return_logits: bool = True,
+) -> GenerationOutput:
+    """Generate up to ``max_new_tokens`` tokens per row with the cache under ``policy``.
+
+    Prompts in a batch are left-padded (``attention_mask`` 0 on padding). A row stops at an EOS id or once its text
+    ends with a stop string; finished rows are filled with ``pad_token_id`` (default: the first EOS id, else 0).
+    ``stats`` per row: ``prompt_tokens``, ``generated_tokens``, ``kept_prompt_tokens`` (per layer, after prefill),
+    ``peak_cache_tokens`` (most tokens the cache held for the row), ``tokens_seen`` (tokens written to the cache)
+    and ``realized_ratio`` = tokens_seen / peak_cache_tokens (1.0 for a full cache).
+    ``return_logits=False`` skips the ``[batch, new, vocab]`` logits, which long generations cannot afford.
+    """
+    _validate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_p, stop_strings, tokenizer)
+    eos = _eos_ids(eos_token_id)
+    if pad_token_id is None:
+        pad_token_id = int(eos[0]) if eos is not None else 0
+    warpers = LogitsProcessorList()
+    if do_sample and temperature is not None:
+        warpers.append(TemperatureLogitsWarper(temperature))
+    if do_sample and top_p is not None:
+        warpers.append(TopPLogitsWarper(top_p))
+    stop = StopStringCriteria(tokenizer, stop_strings) if stop_strings else None
+    generator = None
+    if do_sample:
+        generator = torch.Generator(device=input_ids.device)
+        generator.manual_seed(seed if seed is not None else torch.seed())
+
+    session = CompressionSession(model, policy)
+    batch = input_ids.shape[0]
+    logits = session.prefill(input_ids, attention_mask)
+    unfinished = torch.ones(batch, dtype=torch.bool)
+    generated = torch.zeros(batch, dtype=torch.long)
+    sequences, all_logits = input_ids, []
+    for step in range(max_new_tokens):
+        if return_logits:
+            all_logits.append(logits)
+        if do_sample:
+            probabilities = warpers(sequences, logits).softmax(dim=-1)
+            next_tokens = torch.multinomial(probabilities, 1, generator=generator).squeeze(1)
+        else:
+            next_tokens = logits.argmax(dim=-1)
+        next_tokens = torch.where(unfinished.to(next_tokens.device), next_tokens, pad_token_id)
+        generated += unfinished.long()
+        sequences = torch.cat([sequences, next_tokens[:, None]], dim=1)
+        if eos is not None:
+            unfinished &= ~torch.isin(next_tokens.cpu(), eos)
+        if stop is not None:
+            unfinished &= ~stop(sequences, None).cpu()
+        if not bool(unfinished.any()) or step == max_new_tokens - 1:
+            break
+        logits = session.step(next_tokens[:, None], active=unfinished)[:, -1]
+
+    state = session.state
+    prompt_tokens = (attention_mask.sum(dim=1).cpu() if attention_mask is not None else torch.full((batch,), input_ids.shape[1]))
+    # Tokens written while a row was still generating: its prompt plus every generated token fed back.
+    seen = prompt_tokens + (generated - 1).clamp(min=0)
+    kept = session.kept_per_layer()
+    stats = [
+        {
+            "prompt_tokens": int(prompt_tokens[row]),
+            "generated_tokens": int(generated[row]),
+            "kept_prompt_tokens": kept[row],
+            "peak_cache_tokens": int(state.peak[row]),
+            "tokens_seen": int(seen[row]),
+            "realized_ratio": float(seen[row]) / float(state.peak[row]),
+        }
+        for row in range(batch)
+    ]
+    stacked = torch.stack(all_logits, dim=1) if return_logits else None
+    return GenerationOutput(sequences=sequences, logits=stacked, stats=stats)

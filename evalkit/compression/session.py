@@ -1,0 +1,117 @@
+"""Prefill, compress and decode with a policy: the loop under :func:`evalkit.compression.generate`."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Policy
+from .cache import CompressedCache, RowState, check_hookable, hooked
+
+
+def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    # Same convention as transformers' generate: positions count real tokens; padding gets a harmless 1.
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.masked_fill(attention_mask == 0, 1)
+
+
+class CompressionSession:
+    """One batch going through a model under a policy.
+
+    ``prefill`` runs the prompt and compresses the cache; ``step`` feeds new tokens (one per row, or a chunk that does
+    not wrap a ring) and returns their logits. ``cache`` exposes the real tensors: ``cache.layers[i].keys`` is
+    ``[batch, kv_heads, slots, head_dim]``.
+    """
+
+    def __init__(self, model, policy: Policy):
+        if not isinstance(policy, Policy):
+            raise TypeError(f"policy must be an evalkit.compression policy, got {type(policy).__name__}")
+        check_hookable(model)
+        self.model = model
+        self.policy = policy
+        self.cache = CompressedCache(policy, model.config.num_hidden_layers)
+        self.eager = model.config._attn_implementation == "eager"
+
+    @property
+    def state(self) -> RowState:
+        return self.cache.state
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the prompt, compress every layer, return the next-token logits ``[B, vocab]`` (fp32)."""
+        if self.cache.state is not None:
+            raise RuntimeError("prefill was already run in this session")
+        device = input_ids.device
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        key_valid = attention_mask.bool()
+        real_len = key_valid.sum(dim=1)
+        if bool((real_len == 0).any()):
+            raise ValueError("every row of input_ids needs at least one unmasked token")
+        n = input_ids.shape[1]
+        capacity = self.policy.prompt_capacity()
+        keep = min(n, capacity) if capacity is not None else n
+        compress = bool((real_len > keep).any()) or not bool(key_valid.all())
+        self.cache.prefill_plan = {"key_valid": key_valid, "real_len": real_len, "keep": keep, "compress": compress}
+        with hooked(self.model, self.cache):
+            output = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=_position_ids(attention_mask),
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        missing = set(range(len(self.cache.layers))) - self.cache.compressed_layers
+        if missing:
+            raise RuntimeError(
+                f"the compression hook never ran for layers {sorted(missing)}: this model's attention does not go "
+                "through transformers' AttentionInterface, so it cannot be compressed"
+            )
+        self.cache.prefill_plan = None
+        self.prefill_slots = [layer.keys.shape[-2] for layer in self.cache.layers]
+        kept = torch.minimum(real_len, torch.tensor(keep, device=device)).cpu()
+        fixed, ring = self.policy.decode_layout(kept)
+        self.cache.state = RowState(
+            valid=torch.arange(keep, device=device)[None, :] < kept.to(device)[:, None],
+            slot_pos=torch.full((len(kept), keep), -1, dtype=torch.long, device=device),
+            seq_len=real_len.cpu(),
+            written=kept.clone(),
+            fixed=fixed,
+            ring=ring,
+            kept_prompt=kept.clone(),
+            peak=kept.clone(),
+        )
+        return output.logits[:, -1].float()
+
+    @torch.no_grad()
+    def step(self, input_ids: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed ``input_ids`` ``[B, q]`` after the cached tokens; return their logits ``[B, q, vocab]`` (fp32).
+
+        ``active`` (``[B]`` bool) marks the rows whose tokens count in the statistics (finished rows still run).
+        """
+        if self.cache.state is None:
+            raise RuntimeError("call prefill before step")
+        count = input_ids.shape[1]
+        if active is None:
+            active = torch.ones(input_ids.shape[0], dtype=torch.bool)
+        if self.state.wraps(count):
+            return torch.cat([self.step(input_ids[:, i : i + 1], active) for i in range(count)], dim=1)
+        positions = self.state.seq_len[:, None].to(input_ids.device) + torch.arange(count, device=input_ids.device)
+        mask = self.cache.plan_step(count, active.cpu())
+        if self.eager:
+            mask = torch.zeros(mask.shape, dtype=self.model.dtype, device=mask.device).masked_fill(
+                ~mask, torch.finfo(self.model.dtype).min
+            )
+        with hooked(self.model, self.cache):
+            output = self.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=self.cache,
+                use_cache=True,
+            )
+        return output.logits.float()
+
+    def kept_per_layer(self) -> list[list[int]]:
+        """Per row, the prompt tokens each layer kept after prefill (read off the layer tensors)."""
+        return [[min(int(k), slots) for slots in self.prefill_slots] for k in self.state.kept_prompt]

@@ -118,9 +118,12 @@ class CompressedCache(Cache):
         forced = (position >= n - window)[None, :] | ((position >= first) & (position < first + sink))
         forced |= (real_len <= keep)[:, None]
         scores = scores.masked_fill(forced[:, None], float("inf")).masked_fill(~key_valid[:, None], float("-inf"))
-        top = scores.topk(keep, dim=-1)
+        # Max pooling copies one score to its neighbours, so ties are common: a stable sort breaks them towards the
+        # earlier token, deterministically.
+        ranked = scores.sort(dim=-1, descending=True, stable=True)
+        values, indices = ranked.values[..., :keep], ranked.indices[..., :keep]
         # Real tokens first in text order, then the padding picks that fill a short row's unused slots.
-        order = top.indices + n * (top.values == float("-inf"))
+        order = indices + n * (values == float("-inf"))
         return order.sort(dim=-1).values % n
 
     def compress_layer(self, layer_idx: int, query: torch.Tensor, keys: torch.Tensor, scaling: float) -> None:

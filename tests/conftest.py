@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny random-weight models of the supported families, all with GQA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+VOCAB = 97
+_SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None, "head_dim": 16}),
+}
+
+
+def tiny_model(family: str = "llama", seed: int = 0, attn_implementation: str = "sdpa", **overrides):
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = config_cls(**{**_SHAPE, **extra, **overrides})
+    config._attn_implementation = attn_implementation
+    model = model_cls(config).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family_model(request):
+    return tiny_model(request.param)
+
+
+@pytest.fixture
+def llama():
+    return tiny_model("llama")
+
+
+def random_prompt(length: int, seed: int = 1, batch: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, length), generator=generator)

@@ -1,0 +1,45 @@
+"""``evalkit``: the Hydra entry point. Composition happens here; the work happens in :mod:`evalkit.runner`.
+
+    evalkit task=kv_retrieval                 # full-cache baseline
+    evalkit +budget=4x task=kv_retrieval      # same run, SnapStream at 4x
+    evalkit -m +budget=2x,4x,8x method=snapkv,snapstream task=kv_retrieval
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from evalkit.paths import conf_dir
+from evalkit.runner import ConfigError, run, summary, validate
+
+
+def method_was_chosen(overrides: list[str]) -> bool:
+    """Whether the user picked the method (otherwise a run without budget is the full-cache baseline)."""
+    return any(o.lstrip("+~").split("=", 1)[0] in ("method", "method.name") for o in overrides)
+
+
+def evaluate(cfg: DictConfig, overrides: list[str]) -> None:
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        spec = validate(plain, method_explicit=method_was_chosen(overrides))
+    except ConfigError as error:
+        print(f"evalkit: config error: {error}", file=sys.stderr)
+        sys.exit(2)
+    print(summary(run(spec), spec))
+
+
+@hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")
+def _main(cfg: DictConfig) -> None:
+    evaluate(cfg, list(HydraConfig.get().overrides.task))
+
+
+def main() -> None:
+    _main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""The lm-eval model ``evalkit``: a transformers causal LM whose KV cache is compressed by a policy.
+
+    lm_eval --model evalkit --model_args pretrained=PATH,method=snapstream,budget=4x,max_context=8192 \
+        --include_path tasks/ --tasks kv_retrieval
+
+``generate_until`` prefills each batch, compresses, then decodes with the policy. Log-likelihood requests are scored
+against the compressed cache of the context (compress-then-score): the context is prefilled and compressed, then the
+continuation is fed through the same decode path as generated tokens would be. Rolling log-likelihood (perplexity
+over whole documents) has no compressed meaning here and is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import evalkit.compression as ec
+
+log = logging.getLogger(__name__)
+ASSETS = Path(__file__).parent / "assets"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+POLICY_FIELDS = ("sink", "window", "kernel_size", "pooling", "gqa_reduce", "recent")
+
+
+def resolve_pretrained(pretrained: str) -> str:
+    """``builtin:NAME`` is a model shipped in evalkit/assets; anything else is a hub id or a local path."""
+    if pretrained.startswith("builtin:"):
+        path = ASSETS / pretrained.removeprefix("builtin:")
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"no built-in model at {path} (train it with `python -m evalkit.train_tiny --out {path}`)")
+        return str(path)
+    return pretrained
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def load_model(pretrained: str, dtype: str = "float32", device: str = "auto", attn_implementation: str = "sdpa"):
+    """Model and tokenizer from a hub id, a local path or ``builtin:NAME``; left padding for batched prompts."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    path = resolve_pretrained(pretrained)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attn_implementation)
+    return model.to(resolve_device(device)).eval(), tokenizer
+
+
+@register_model("evalkit")
+class EvalkitLM(LM):
+    """A transformers model plus a compression policy, as an lm-eval ``LM``.
+
+    Per-request statistics of the realized compression are kept in ``request_stats`` (a list per prompt string, in
+    request order) for the result tables.
+    """
+
+    def __init__(
+        self,
+        pretrained=None,
+        model=None,
+        tokenizer=None,
+        policy: ec.Policy | None = None,
+        method: str = "full",
+        budget: str | None = None,
+        max_context: int | None = None,
+        batch_size: int = 8,
+        device: str = "auto",
+        dtype: str = "float32",
+        seed: int = 1234,
+        apply_chat_template: bool = False,
+        **policy_params,
+    ):
+        super().__init__()
+        unknown = set(policy_params) - set(POLICY_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown evalkit model arguments {sorted(unknown)}")
+        if model is None:
+            if pretrained is None:
+                raise ValueError("give either pretrained=<hub id or path> or a loaded model")
+            model, tokenizer = load_model(str(pretrained), dtype=dtype, device=device)
+        if tokenizer is None:
+            raise ValueError("a loaded model needs its tokenizer")
+        self.model, self.tokenizer = model, tokenizer
+        self.max_context = int(max_context or getattr(model.config, "max_position_embeddings", 0) or 0)
+        if self.max_context < 1:
+            raise ValueError("max_context is needed when the model config has no max_position_embeddings")
+        self.policy = policy or ec.policy_from_budget(method, budget, self.max_context, **policy_params)
+        ec.cache.check_hookable(model)
+        self.batch_size = int(batch_size)
+        self.seed = int(seed)
+        self.use_chat_template = bool(apply_chat_template)
+        self.request_stats: dict[str, list[dict]] = {}
+
+    @property
+    def device(self):
+        return self.model.device
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(getattr(self.tokenizer, "name_or_path", "tokenizer")).replace("/", "__")
+
+    def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(
+            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    # -- generation ------------------------------------------------------------------------------------------------
+    def _encode(self, texts: list[str], reserve: int) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
+        """Left-padded ids of ``texts``, each cut from the left to leave ``reserve`` tokens of room in max_context."""
+        limit = self.max_context - reserve
+        if limit < 1:
+            raise ValueError(f"max_context {self.max_context} leaves no room for the prompt after {reserve} new tokens")
+        encoded = [self.tokenizer(text)["input_ids"] for text in texts]
+        truncated = [len(ids) > limit for ids in encoded]
+        encoded = [ids[-limit:] for ids in encoded]
+        width = max(len(ids) for ids in encoded)
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded])
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])
+        return input_ids.to(self.device), mask.to(self.device), truncated
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        if not requests:
+            return []
+        order = sorted(range(len(requests)), key=lambda i: -len(requests[i].args[0]))
+        outputs: list[str | None] = [None] * len(requests)
+        progress = tqdm(total=len(requests), desc="generate", disable=disable_tqdm)
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start : start + self.batch_size]
+            # One batch shares its generation arguments; requests of one task do.
+            gen_kwargs = dict(requests[chunk[0]].args[1])
+            texts = [requests[i].args[0] for i in chunk]
+            for index, text in zip(chunk, self._generate_batch(texts, gen_kwargs)):
+                outputs[index] = text
+            progress.update(len(chunk))
+        progress.close()
+        return outputs
+
+    def _generate_batch(self, texts: list[str], gen_kwargs: dict) -> list[str]:
+        until = gen_kwargs.pop("until", None) or []
+        until = [until] if isinstance(until, str) else list(until)
+        max_new_tokens = int(gen_kwargs.pop("max_gen_toks", gen_kwargs.pop("max_new_tokens", 256)))
+        do_sample = bool(gen_kwargs.pop("do_sample", False))
+        temperature = gen_kwargs.pop("temperature", None)
+        top_p = gen_kwargs.pop("top_p", None)
+        if temperature == 0:
+            do_sample, temperature = False, None
+        if not do_sample:
+            temperature = top_p = None
+        input_ids, mask, truncated = self._encode(texts, max_new_tokens)
+        eos = self.tokenizer.eos_token_id
+        stop_strings = [s for s in until if s and s != self.tokenizer.eos_token]
+        out = ec.generate(
+            self.model, input_ids, self.policy, attention_mask=mask, max_new_tokens=max_new_tokens,
+            do_sample=do_sample, temperature=temperature, top_p=top_p, eos_token_id=eos,
+            stop_strings=stop_strings or None, tokenizer=self.tokenizer, seed=self.seed, pad_token_id=self.tokenizer.pad_token_id,
+            return_logits=False,
+        )
+        self.seed += 1  # the next batch samples afresh, reproducibly
+        texts_out = []
+        for row, text in enumerate(texts):
+            new = out.sequences[row, input_ids.shape[1] :][: out.stats[row]["generated_tokens"]]
+            decoded = self.tokenizer.decode(new, skip_special_tokens=True)
+            for stop in until:
+                if stop and stop in decoded:
+                    decoded = decoded[: decoded.index(stop)]
+            stats = {**out.stats[row], "truncated": truncated[row]}
+            self.request_stats.setdefault(text, []).append(stats)
+            texts_out.append(decoded)
+        return texts_out
+
+    # -- log-likelihood --------------------------------------------------------------------------------------------
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        results = []
+        for request in tqdm(requests, desc="loglikelihood", disable=disable_tqdm):
+            context, continuation = request.args
+            results.append(self._score(context, continuation))
+        return results
+
+    @torch.no_grad()
+    def _score(self, context: str, continuation: str) -> tuple[float, bool]:
+        whole = self.tokenizer(context + continuation)["input_ids"]
+        context_ids = self.tokenizer(context)["input_ids"]
+        split = len(context_ids)
+        if whole[:split] != context_ids or split >= len(whole):
+            split = len(whole) - len(self.tokenizer(continuation, add_special_tokens=False)["input_ids"])
+        if len(whole) > self.max_context:
+            raise ValueError(f"context + continuation is {len(whole)} tokens, more than max_context {self.max_context}")
+        ids = torch.tensor([whole], device=self.device)
+        session = ec.CompressionSession(self.model, self.policy)
+        first = session.prefill(ids[:, :split])
+        rest = session.step(ids[:, split:-1])[0] if len(whole) - split > 1 else first[:0]
+        logits = torch.cat([first, rest]).log_softmax(dim=-1)
+        target = ids[0, split:]
+        logprob = float(logits.gather(1, target[:, None]).sum())
+        greedy = bool((logits.argmax(dim=-1) == target).all())
+        self.request_stats.setdefault(context, []).append(
+            {"prompt_tokens": split, "kept_prompt_tokens": session.kept_per_layer()[0], "peak_cache_tokens": int(session.state.peak[0])}
+        )
+        return logprob, greedy
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        raise NotImplementedError(
+            "evalkit does not score rolling log-likelihood (perplexity) tasks: a compressed cache has no single "
+            "meaning over a whole document. Use generation or log-likelihood tasks."
+        )

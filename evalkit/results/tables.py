@@ -1,0 +1,115 @@
+"""The two tables every run writes, long format, one observation per row.
+
+Layout under ``results_dir``::
+
+    metrics/<run_id>.parquet   one row per run x task x subset x metric
+    samples/<run_id>.parquet   one row per sample (per generation when n > 1)
+    csv/metrics/<run_id>.csv, csv/samples/<run_id>.csv   the same tables as CSV
+
+``pandas.read_parquet(f"{results_dir}/metrics")`` reads every run of a sweep at once. Each file is written to a
+hidden temporary name in the same folder and renamed into place, so a reader never sees half a file and parallel
+jobs (distinct run ids) never write the same file. Every row carries the run id and the flattened run config.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+# Fixed types, so that runs whose configs leave different fields empty still read back as one table.
+CONFIG_COLUMNS: dict[str, pa.DataType] = {
+    "run_id": pa.string(),
+    "model": pa.string(),
+    "method": pa.string(),
+    "budget": pa.string(),
+    "capacity": pa.int64(),
+    "max_context": pa.int64(),
+    "window": pa.int64(),
+    "kernel_size": pa.int64(),
+    "pooling": pa.string(),
+    "gqa_reduce": pa.string(),
+    "sink": pa.int64(),
+    "recent": pa.int64(),
+    "task": pa.string(),
+    "seed": pa.int64(),
+    "limit": pa.int64(),
+    "batch_size": pa.int64(),
+    "dtype": pa.string(),
+    "device": pa.string(),
+    "evalkit_version": pa.string(),
+    "torch_version": pa.string(),
+    "transformers_version": pa.string(),
+    "lm_eval_version": pa.string(),
+    "git_revision": pa.string(),
+    "started_at": pa.string(),
+}
+METRIC_COLUMNS: dict[str, pa.DataType] = {
+    "subset": pa.string(),
+    "metric": pa.string(),
+    "value": pa.float64(),
+    "stderr": pa.float64(),
+    "n": pa.int64(),
+}
+SAMPLE_COLUMNS: dict[str, pa.DataType] = {
+    "doc_id": pa.int64(),
+    "sample_id": pa.string(),
+    "subset": pa.string(),
+    "repeat": pa.int64(),
+    "prediction": pa.string(),
+    "target": pa.string(),
+    "score": pa.float64(),
+    "prompt_tokens": pa.int64(),
+    "generated_tokens": pa.int64(),
+    "kept_prompt_tokens": pa.int64(),
+    "peak_cache_tokens": pa.int64(),
+    "tokens_seen": pa.int64(),
+    "realized_ratio": pa.float64(),
+    "truncated": pa.bool_(),
+}
+
+
+def _table(rows: list[dict], config: dict, columns: dict[str, pa.DataType]) -> pa.Table:
+    schema = pa.schema([(name, kind) for name, kind in {**CONFIG_COLUMNS, **columns}.items()])
+    unknown = set(config) - set(CONFIG_COLUMNS)
+    if unknown:
+        raise ValueError(f"config fields without a column: {sorted(unknown)}")
+    records = [{**config, **row} for row in rows]
+    data = {field.name: [record.get(field.name) for record in records] for field in schema}
+    return pa.Table.from_pydict(data, schema=schema)
+
+
+def metrics_table(rows: list[dict], config: dict) -> pa.Table:
+    return _table(rows, config, METRIC_COLUMNS)
+
+
+def samples_table(rows: list[dict], config: dict) -> pa.Table:
+    return _table(rows, config, SAMPLE_COLUMNS)
+
+
+def _atomic(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_table(table: pa.Table, results_dir: str | os.PathLike, name: str, run_id: str) -> Path:
+    """Write ``table`` as ``<results_dir>/<name>/<run_id>.parquet`` and ``<results_dir>/csv/<name>/<run_id>.csv``."""
+    parquet = Path(results_dir) / name / f"{run_id}.parquet"
+    csv = Path(results_dir) / "csv" / name / f"{run_id}.csv"
+    for path in (parquet, csv):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic(parquet, lambda tmp: pq.write_table(table, tmp))
+    _atomic(csv, lambda tmp: table.to_pandas().to_csv(tmp, index=False))
+    return parquet
+
+
+def read_table(results_dir: str | os.PathLike, name: str = "metrics") -> pd.DataFrame:
+    """Every run's rows of table ``name`` under ``results_dir``, as one DataFrame."""
+    return pd.read_parquet(Path(results_dir) / name)

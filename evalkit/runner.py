@@ -1,0 +1,284 @@
+"""One evaluation run, callable without Hydra: validate -> build model and policy -> lm-eval -> tidy tables.
+
+The Hydra entry point (:mod:`evalkit.cli`) only composes the config and calls :func:`run`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import hashlib
+import json
+import logging
+import subprocess
+import uuid
+from importlib import metadata
+from pathlib import Path
+
+import pandas as pd
+
+import evalkit.compression as ec
+from evalkit.paths import tasks_dir
+from evalkit.results import metrics_table, samples_table, write_table
+
+log = logging.getLogger(__name__)
+BUDGET_METHODS = ("streaming_llm", "snapkv", "snapstream")
+METHOD_PARAMS = {
+    "full": (),
+    "streaming_llm": ("sink",),
+    "snapkv": ("window", "kernel_size", "pooling", "gqa_reduce"),
+    "snapstream": ("sink", "window", "kernel_size", "pooling", "gqa_reduce", "recent"),
+}
+
+
+class ConfigError(ValueError):
+    """A run config that cannot run; the message is one line meant for the user."""
+
+
+@dataclasses.dataclass
+class RunSpec:
+    """What a run does, validated, before any model is loaded."""
+
+    model_name: str
+    pretrained: str
+    max_context: int
+    dtype: str
+    apply_chat_template: bool
+    task: str
+    method: str
+    budget: str | None
+    policy: ec.Policy
+    seed: int
+    limit: int | None
+    batch_size: int
+    device: str
+    results_dir: Path
+
+    def flat_config(self) -> dict:
+        params = dataclasses.asdict(self.policy)
+        return {
+            "model": self.model_name,
+            "method": self.method,
+            "budget": self.budget,
+            "capacity": self.policy.cache_capacity(),
+            "max_context": self.max_context,
+            "window": params.get("window"),
+            "kernel_size": params.get("kernel_size"),
+            "pooling": params.get("pooling"),
+            "gqa_reduce": params.get("gqa_reduce"),
+            "sink": params.get("sink"),
+            "recent": params.get("recent"),
+            "task": self.task,
+            "seed": self.seed,
+            "limit": self.limit,
+            "batch_size": self.batch_size,
+            "dtype": self.dtype,
+            "device": self.device,
+        }
+
+
+def _require(section: dict, key: str, where: str):
+    if section.get(key) is None:
+        raise ConfigError(f"{where}.{key} is required")
+    return section[key]
+
+
+def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
+    """Check a composed config (plain dict) and build the policy; raise ConfigError with one clear line."""
+    model, method_cfg, task = cfg.get("model") or {}, dict(cfg.get("method") or {}), cfg.get("task") or {}
+    budget_cfg = cfg.get("budget")
+    budget = None if budget_cfg is None else str(budget_cfg.get("spec") if isinstance(budget_cfg, dict) else budget_cfg)
+    method = method_cfg.pop("name", None)
+    if method not in METHOD_PARAMS:
+        raise ConfigError(f"unknown method {method!r}; choose one of {sorted(METHOD_PARAMS)}")
+    if budget is None and method != "full":
+        if method_explicit:
+            raise ConfigError(f"method={method} needs a budget: add +budget=4x (or 2x, 8x, 16x, tokens_N)")
+        method, method_cfg = "full", {}  # `evalkit task=X` with no budget is the full-cache baseline
+    if budget is not None and method == "full":
+        raise ConfigError("method=full takes no budget; drop +budget or pick a compressing method")
+    unknown = set(method_cfg) - set(METHOD_PARAMS[method])
+    if unknown:
+        raise ConfigError(f"method {method} has no parameter(s) {sorted(unknown)}")
+    max_context = _require(model, "max_context", "model")
+    if not isinstance(max_context, int) or max_context < 1:
+        raise ConfigError(f"model.max_context must be a positive integer, got {max_context!r}")
+    params = {key: value for key, value in method_cfg.items() if value is not None}
+    try:
+        policy = ec.policy_from_budget(method, budget, max_context, **params)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(str(error)) from None
+    for key in ("seed", "batch_size"):
+        if not isinstance(cfg.get(key), int) or cfg[key] < (1 if key == "batch_size" else 0):
+            raise ConfigError(f"{key} must be a {'positive' if key == 'batch_size' else 'non-negative'} integer, got {cfg.get(key)!r}")
+    limit = cfg.get("limit")
+    if limit is not None and (not isinstance(limit, int) or limit < 1):
+        raise ConfigError(f"limit must be a positive integer or null, got {limit!r}")
+    task_name = _require(task, "name", "task")
+    if not (tasks_dir() / task_name).is_dir():
+        available = sorted(p.name for p in tasks_dir().iterdir() if p.is_dir() and not p.name.startswith(("_", ".")))
+        raise ConfigError(f"unknown task {task_name!r}; available: {available}")
+    return RunSpec(
+        model_name=str(_require(model, "name", "model")),
+        pretrained=str(_require(model, "pretrained", "model")),
+        max_context=max_context,
+        dtype=str(model.get("dtype", "float32")),
+        apply_chat_template=bool(model.get("apply_chat_template", False)),
+        task=task_name,
+        method=method,
+        budget=budget,
+        policy=policy,
+        seed=cfg["seed"],
+        limit=limit,
+        batch_size=cfg["batch_size"],
+        device=str(cfg.get("device", "auto")),
+        results_dir=Path(cfg.get("results_dir", "results")),
+    )
+
+
+def _versions() -> dict:
+    def version(package: str) -> str | None:
+        try:
+            return metadata.version(package)
+        except metadata.PackageNotFoundError:
+            return None
+
+    try:
+        revision = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5
+        ).stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        revision = None
+    return {
+        "evalkit_version": version("evalkit"),
+        "torch_version": version("torch"),
+        "transformers_version": version("transformers"),
+        "lm_eval_version": version("lm_eval") or version("lm-eval"),
+        "git_revision": revision,
+    }
+
+
+def _run_id(spec: RunSpec, started: dt.datetime) -> str:
+    digest = hashlib.sha1(json.dumps(spec.flat_config(), sort_keys=True, default=str).encode()).hexdigest()[:8]
+    budget = spec.budget or "nobudget"
+    return f"{started:%Y%m%dT%H%M%S}-{spec.task}-{spec.method}-{budget}-{digest}-{uuid.uuid4().hex[:6]}"
+
+
+def _sample_context(sample: dict) -> str | None:
+    arguments = sample.get("arguments")
+    if isinstance(arguments, dict):
+        first = next(iter(arguments.values()), {})
+        return first.get("arg_0") if isinstance(first, dict) else None
+    if isinstance(arguments, (list, tuple)) and arguments:
+        return arguments[0][0]
+    return None
+
+
+def tidy_rows(results: dict, task: str, stats: dict[str, list[dict]]) -> tuple[list[dict], list[dict]]:
+    """Metrics and sample rows from lm-eval's results dict (with ``log_samples``) and the adapter's stats."""
+    task_config = results.get("configs", {}).get(task, {})
+    subset_field = (task_config.get("metadata") or {}).get("subset_field")
+    metric_names = [entry["metric"] for entry in task_config.get("metric_list", [])]
+    stats = {context: list(rows) for context, rows in stats.items()}
+    samples = []
+    for sample in results["samples"][task]:
+        context = _sample_context(sample)
+        realized = stats.get(context, [])
+        predictions = sample.get("filtered_resps") or sample.get("resps") or []
+        metric = metric_names[0] if metric_names else None
+        for repeat, prediction in enumerate(predictions):
+            row_stats = realized.pop(0) if realized else {}
+            kept = row_stats.get("kept_prompt_tokens")
+            samples.append(
+                {
+                    "doc_id": sample.get("doc_id"),
+                    "sample_id": str(sample.get("doc", {}).get("id", sample.get("doc_id"))),
+                    "subset": str(sample.get("doc", {}).get(subset_field)) if subset_field else None,
+                    "repeat": repeat,
+                    "prediction": prediction if isinstance(prediction, str) else json.dumps(prediction, default=str),
+                    "target": str(sample.get("target")),
+                    "score": float(sample[metric]) if metric in sample else None,
+                    "prompt_tokens": row_stats.get("prompt_tokens"),
+                    "generated_tokens": row_stats.get("generated_tokens"),
+                    "kept_prompt_tokens": min(kept) if kept else None,
+                    "peak_cache_tokens": row_stats.get("peak_cache_tokens"),
+                    "tokens_seen": row_stats.get("tokens_seen"),
+                    "realized_ratio": row_stats.get("realized_ratio"),
+                    "truncated": row_stats.get("truncated"),
+                }
+            )
+    n = len({s["doc_id"] for s in samples})
+    metrics = []
+    for key, value in results["results"][task].items():
+        if "," not in key or "_stderr" in key or not isinstance(value, (int, float)):
+            continue
+        name = key.split(",")[0]
+        stderr = results["results"][task].get(key.replace(name, f"{name}_stderr", 1))
+        metrics.append({"subset": "all", "metric": name, "value": float(value),
+                        "stderr": float(stderr) if isinstance(stderr, (int, float)) else None, "n": n})
+    if subset_field and samples:
+        frame = pd.DataFrame(samples)
+        for subset, group in frame.groupby("subset"):
+            per_doc = group.groupby("doc_id")["score"].mean()
+            stderr = float(per_doc.std(ddof=1) / len(per_doc) ** 0.5) if len(per_doc) > 1 else None
+            metrics.append({"subset": subset, "metric": metric_names[0], "value": float(per_doc.mean()),
+                            "stderr": stderr, "n": len(per_doc)})
+    realized = pd.DataFrame(samples)["realized_ratio"].dropna() if samples else pd.Series(dtype=float)
+    if len(realized):
+        metrics.append({"subset": "all", "metric": "realized_ratio_mean", "value": float(realized.mean()),
+                        "stderr": None, "n": len(realized)})
+    return metrics, samples
+
+
+@dataclasses.dataclass
+class RunResult:
+    run_id: str
+    metrics: pd.DataFrame
+    samples: pd.DataFrame
+    paths: list[Path]
+
+
+def run(spec: RunSpec, model=None, tokenizer=None) -> RunResult:
+    """Evaluate ``spec`` (a loaded model/tokenizer may be passed in) and write its tables."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from evalkit.lm import EvalkitLM
+
+    started = dt.datetime.now(dt.timezone.utc)
+    run_id = _run_id(spec, started)
+    lm = EvalkitLM(
+        pretrained=spec.pretrained, model=model, tokenizer=tokenizer, policy=spec.policy, max_context=spec.max_context,
+        batch_size=spec.batch_size, device=spec.device, dtype=spec.dtype, seed=spec.seed,
+        apply_chat_template=spec.apply_chat_template,
+    )
+    results = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=[spec.task],
+        task_manager=TaskManager(include_path=str(tasks_dir()), include_defaults=False),
+        limit=spec.limit,
+        log_samples=True,
+        apply_chat_template=spec.apply_chat_template,
+        random_seed=spec.seed,
+        numpy_random_seed=spec.seed,
+        torch_random_seed=spec.seed,
+        fewshot_random_seed=spec.seed,
+        bootstrap_iters=1000,
+    )
+    metrics, samples = tidy_rows(results, spec.task, lm.request_stats)
+    config = {"run_id": run_id, **spec.flat_config(), **_versions(), "started_at": started.isoformat()}
+    paths = [
+        write_table(metrics_table(metrics, config), spec.results_dir, "metrics", run_id),
+        write_table(samples_table(samples, config), spec.results_dir, "samples", run_id),
+    ]
+    return RunResult(run_id, pd.DataFrame(metrics), pd.DataFrame(samples), paths)
+
+
+def summary(result: RunResult, spec: RunSpec) -> str:
+    """A short table for the terminal."""
+    head = (f"run {result.run_id}\nmodel={spec.model_name} task={spec.task} method={spec.method} "
+            f"budget={spec.budget or '-'} capacity={spec.policy.cache_capacity() or 'all'}")
+    table = result.metrics[["subset", "metric", "value", "stderr", "n"]].to_string(index=False, float_format="%.4f")
+    where = "\n".join(f"  {path}" for path in result.paths)
+    return f"{head}\n{table}\nwritten (CSV copies under csv/):\n{where}"
+

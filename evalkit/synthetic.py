@@ -1,0 +1,63 @@
+"""The built-in known-answer task: long-context key -> value retrieval, generated deterministically from a seed.
+
+A prompt lists ``n_pairs`` random ``k<i> v<j>`` pairs, then asks ``? k<i> =`` for one key (the needle) whose depth in
+the list varies from the first pair to the last; the answer is that key's value token. A model trained on it (see
+:mod:`evalkit.train_tiny`) answers near-perfectly with a full cache, so any loss under compression is the
+compression's: a StreamingLLM window that no longer holds the needle loses it, SnapKV whose observation window holds
+the question keeps it.
+"""
+
+from __future__ import annotations
+
+import random
+
+NUM_KEYS = 256
+NUM_VALUES = 128
+SPECIAL = ["<pad>", "<s>", "</s>", "?", "="]
+
+
+def vocabulary() -> list[str]:
+    return SPECIAL + [f"k{i}" for i in range(NUM_KEYS)] + [f"v{i}" for i in range(NUM_VALUES)]
+
+
+def make_example(rng: random.Random, n_pairs: int, depth: float) -> dict:
+    """One prompt with ``n_pairs`` pairs and the needle at relative ``depth`` in [0, 1]."""
+    if not 1 <= n_pairs <= NUM_KEYS:
+        raise ValueError(f"n_pairs must be in [1, {NUM_KEYS}], got {n_pairs}")
+    keys = rng.sample(range(NUM_KEYS), n_pairs)
+    values = [rng.randrange(NUM_VALUES) for _ in keys]
+    needle = round(depth * (n_pairs - 1))
+    return {
+        "context": " ".join(f"k{k} v{v}" for k, v in zip(keys, values)),
+        "question": f"? k{keys[needle]} =",
+        "answer": f"v{values[needle]}",
+        "n_pairs": n_pairs,
+        "needle_index": needle,
+        "depth": needle / max(1, n_pairs - 1),
+    }
+
+
+def build_examples(n_samples: int = 100, seed: int = 1234, min_pairs: int = 64, max_pairs: int = 112) -> list[dict]:
+    """``n_samples`` prompts, needle depths evenly spread over [0, 1], sizes drawn in [min_pairs, max_pairs]."""
+    if n_samples < 1:
+        raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+    if not 1 <= min_pairs <= max_pairs <= NUM_KEYS:
+        raise ValueError(f"need 1 <= min_pairs <= max_pairs <= {NUM_KEYS}, got {min_pairs}, {max_pairs}")
+    rng = random.Random(seed)
+    depths = [index / max(1, n_samples - 1) for index in range(n_samples)]
+    rng.shuffle(depths)  # so that the first N documents (limit=N) still span all depths
+    rows = []
+    for index, depth in enumerate(depths):
+        row = make_example(rng, rng.randint(min_pairs, max_pairs), depth)
+        rows.append({"id": f"kv-{seed}-{index:05d}", **row})
+    return rows
+
+
+def first_word(text: str) -> str:
+    words = text.strip().split()
+    return words[0] if words else ""
+
+
+def depth_bucket(depth: float) -> str:
+    """Where the needle sits, in thirds of the list: the subsets of the metrics table."""
+    return "depth_early" if depth < 1 / 3 else "depth_middle" if depth < 2 / 3 else "depth_late"

@@ -1,0 +1,141 @@
+"""Train the tiny retrieval model shipped with evalkit (CPU, a few minutes).
+
+    python -m evalkit.train_tiny --out evalkit/assets/kv_retrieval_tiny
+
+Builds a word-level tokenizer over the synthetic task's vocabulary and a small Llama (GQA), trains it on random
+prompts of the built-in task (loss on the answer and the end-of-sequence token only) and saves both with
+``save_pretrained``, so ``AutoModelForCausalLM.from_pretrained(out)`` loads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from tqdm import tqdm
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from evalkit import synthetic
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {token: index for index, token in enumerate(synthetic.vocabulary())}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<pad>",
+        model_max_length=512, padding_side="left",
+    )
+
+
+def build_model(tokenizer) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config)
+
+
+def batch(tokenizer, rng: random.Random, size: int, min_pairs: int, max_pairs: int, queries: int = 1):
+    """Left-padded prompts, each followed by ``queries`` question/answer rounds; labels on the answers only.
+
+    Several questions per prompt give several answers to learn from per sequence; evaluation asks one.
+    """
+    rows, answer_positions = [], []
+    for _ in range(size):
+        n_pairs = rng.randint(min_pairs, max_pairs)
+        example = synthetic.make_example(rng, n_pairs, rng.random())
+        pairs = example["context"].split()
+        rounds = [(example["question"], example["answer"])]
+        for _ in range(queries - 1):
+            needle = rng.randrange(n_pairs)
+            rounds.append((f"? {pairs[2 * needle]} =", pairs[2 * needle + 1]))
+        ids = tokenizer(example["context"])["input_ids"]
+        positions = []
+        for question, answer in rounds:
+            ids += tokenizer(question, add_special_tokens=False)["input_ids"]
+            positions.append(len(ids))
+            ids += tokenizer(answer, add_special_tokens=False)["input_ids"]
+        ids.append(tokenizer.eos_token_id)
+        positions.append(len(ids) - 1)
+        rows.append(ids)
+        answer_positions.append(positions)
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((size, width), tokenizer.pad_token_id)
+    mask = torch.zeros(size, width, dtype=torch.long)
+    labels = torch.full((size, width), -100)
+    for i, (ids, positions) in enumerate(zip(rows, answer_positions)):
+        offset = width - len(ids)
+        input_ids[i, offset:] = torch.tensor(ids)
+        mask[i, offset:] = 1
+        for position in positions:
+            labels[i, offset + position] = input_ids[i, offset + position]
+    return input_ids, mask, labels
+
+
+@torch.no_grad()
+def accuracy(model, tokenizer, rng, n=256, min_pairs=64, max_pairs=112) -> float:
+    model.eval()
+    input_ids, mask, labels = batch(tokenizer, rng, n, min_pairs, max_pairs)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions).logits
+    model.train()
+    return (logits[:, -3].argmax(-1) == input_ids[:, -2]).float().mean().item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=4000)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--target", type=float, default=0.995, help="stop early once held-out accuracy reaches it")
+    args = parser.parse_args()
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer)
+    model.config._attn_implementation = "sdpa"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 100))
+    model.train()
+    start = time.time()
+    progress = tqdm(range(args.steps), desc="train", mininterval=10)
+    max_pairs = 8
+    for step in progress:
+        input_ids, mask, labels = batch(tokenizer, rng, args.batch_size, 2, max_pairs, queries=8)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        loss = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if step % 100 == 99:
+            # Curriculum: lengthen the lists once the current length is mastered.
+            acc = accuracy(model, tokenizer, random.Random(10_000 + step), n=64, min_pairs=max_pairs // 2, max_pairs=max_pairs)
+            progress.set_postfix(loss=f"{loss.item():.3f}", max_pairs=max_pairs, acc=f"{acc:.2f}")
+            if acc > 0.9 and max_pairs < 120:
+                max_pairs = min(120, max_pairs + 16)
+            elif acc >= args.target and max_pairs >= 120:
+                held_out = accuracy(model, tokenizer, random.Random(20_000 + step))
+                tqdm.write(f"step {step + 1}: held-out accuracy {held_out:.3f} ({time.time() - start:.0f}s)")
+                if held_out >= args.target:
+                    break
+    model.eval()
+    args.out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(args.out)
+    tokenizer.save_pretrained(args.out)
+    print(f"saved to {args.out}; final held-out accuracy {accuracy(model, tokenizer, random.Random(99)):.3f}")
+
+
+if __name__ == "__main__":
+    main()

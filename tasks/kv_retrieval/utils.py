@@ -1,0 +1,16 @@
+"""lm-eval hooks of the kv_retrieval task: the dataset comes from evalkit.synthetic, scoring is exact match."""
+
+import datasets
+
+from evalkit import synthetic
+
+
+def load(n_samples=100, seed=1234, min_pairs=64, max_pairs=112, **_metadata):
+    rows = synthetic.build_examples(int(n_samples), int(seed), int(min_pairs), int(max_pairs))
+    for row in rows:
+        row["depth_bucket"] = synthetic.depth_bucket(row["depth"])
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
+
+
+def process_results(doc, results):
+    return {"exact_match": float(synthetic.first_word(results[0]) == doc["answer"])}

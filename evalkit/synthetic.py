@@ -1,7 +1,9 @@
 """The built-in known-answer task: long-context key -> value retrieval, generated deterministically from a seed.
 
-A prompt lists ``n_pairs`` random ``k<i> v<j>`` pairs, then asks ``? k<i> =`` for one key (the needle) whose depth in
-the list varies from the first pair to the last; the answer is that key's value token. A model trained on it (see
+A prompt lists ``n_pairs`` random pairs, each written value first (``v<j> k<i>``), then asks ``? k<i>`` for one key (the
+needle) whose depth in the list varies from the first pair to the last; the answer is that key's value token. Value
+first makes the lookup learnable by a two-layer model: one head copies each value onto the key after it, another
+matches the asked key to its earlier occurrence. A model trained on it (see
 :mod:`evalkit.train_tiny`) answers near-perfectly with a full cache, so any loss under compression is the
 compression's: a StreamingLLM window that no longer holds the needle loses it, SnapKV whose observation window holds
 the question keeps it.
@@ -28,8 +30,8 @@ def make_example(rng: random.Random, n_pairs: int, depth: float) -> dict:
     values = [rng.randrange(NUM_VALUES) for _ in keys]
     needle = round(depth * (n_pairs - 1))
     return {
-        "context": " ".join(f"k{k} v{v}" for k, v in zip(keys, values)),
-        "question": f"? k{keys[needle]} =",
+        "context": " ".join(f"v{v} k{k}" for k, v in zip(keys, values)),
+        "question": f"? k{keys[needle]}",
         "answer": f"v{values[needle]}",
         "n_pairs": n_pairs,
         "needle_index": needle,

@@ -35,7 +35,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 def build_model(tokenizer) -> LlamaForCausalLM:
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=True,
@@ -56,7 +56,7 @@ def batch(tokenizer, rng: random.Random, size: int, min_pairs: int, max_pairs: i
         rounds = [(example["question"], example["answer"])]
         for _ in range(queries - 1):
             needle = rng.randrange(n_pairs)
-            rounds.append((f"? {pairs[2 * needle]} =", pairs[2 * needle + 1]))
+            rounds.append((f"? {pairs[2 * needle + 1]}", pairs[2 * needle]))
         ids = tokenizer(example["context"])["input_ids"]
         positions = []
         for question, answer in rounds:

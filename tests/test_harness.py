@@ -1,0 +1,242 @@
+"""The harness: config composition and validation, the CLI as a subprocess, the lm-eval adapter, result tables."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+import evalkit.compression as ec
+from evalkit.cli import method_was_chosen
+from evalkit.paths import conf_dir
+from evalkit.results import metrics_table, read_table, write_table
+from evalkit.runner import ConfigError, validate
+from evalkit.train_tiny import build_model, build_tokenizer
+
+
+@pytest.fixture(scope="session")
+def random_model_dir(tmp_path_factory) -> Path:
+    """A random-weight model with the built-in task's tokenizer, saved like a real checkpoint."""
+    path = tmp_path_factory.mktemp("random_model")
+    torch.manual_seed(0)
+    tokenizer = build_tokenizer()
+    build_model(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def composed(*overrides: str) -> dict:
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides))
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def spec_for(*overrides: str):
+    return validate(composed(*overrides), method_explicit=method_was_chosen(list(overrides)))
+
+
+# -- composition and validation ----------------------------------------------------------------------------------
+def test_no_budget_is_the_full_cache_baseline():
+    spec = spec_for("task=kv_retrieval")
+    assert spec.method == "full" and spec.budget is None and isinstance(spec.policy, ec.Full)
+
+
+def test_plus_budget_compresses_with_snapstream():
+    spec = spec_for("+budget=4x", "task=kv_retrieval")
+    assert spec.method == "snapstream" and spec.budget == "4x"
+    assert spec.policy.cache_capacity() == 256 // 4
+    assert spec.flat_config()["capacity"] == 64 and spec.flat_config()["window"] == 32
+
+
+def test_sweep_axes_reach_the_policy():
+    spec = spec_for("+budget=tokens_128", "method=snapkv", "method.window=16", "method.kernel_size=5", "method.pooling=avg") \
+        if (conf_dir() / "budget" / "tokens_128.yaml").exists() else \
+        spec_for("+budget=2x", "method=snapkv", "method.window=16", "method.kernel_size=5", "method.pooling=avg")
+    assert (spec.policy.window, spec.policy.kernel_size, spec.policy.pooling) == (16, 5, "avg")
+    streaming = spec_for("+budget=8x", "method=streaming_llm")
+    assert (streaming.policy.sink, streaming.policy.window) == (4, 28)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["method=snapkv"], "needs a budget"),
+        (["method=full", "+budget=4x"], "takes no budget"),
+        (["+budget=4x", "method.window=0"], "window"),
+        (["+budget=4x", "method.kernel_size=4"], "kernel_size"),
+        (["+budget=4x", "method.pooling=median"], "pooling"),
+        (["+budget=16x"], "capacity"),  # 16 slots cannot hold sink + window + recent
+        (["+budget=4x", "model.max_context=-3"], "max_context"),
+        (["+budget=4x", "batch_size=0"], "batch_size"),
+        (["+budget=4x", "task.name=nonexistent"], "unknown task"),
+        (["+budget=4x", "+method.bogus=1"], "bogus"),
+    ],
+)
+def test_bad_configs_give_one_clear_error(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        spec_for(*overrides)
+
+
+# -- the CLI as a subprocess ---------------------------------------------------------------------------------------
+def evalkit(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run(
+        [sys.executable, "-m", "evalkit.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_bad_config_exits_nonzero_and_writes_nothing(tmp_path):
+    result = evalkit("method=snapkv", f"results_dir={tmp_path / 'results'}", cwd=tmp_path)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("evalkit:")]
+    assert errors == ["evalkit: config error: method=snapkv needs a budget: add +budget=4x (or 2x, 8x, 16x, tokens_N)"]
+    assert not (tmp_path / "results").exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unknown_method_group_is_refused_before_loading(tmp_path):
+    result = evalkit("method=h2o", f"results_dir={tmp_path / 'results'}", cwd=tmp_path)
+    assert result.returncode != 0
+    assert "method" in result.stderr and "h2o" in result.stderr
+    assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.slow
+def test_cli_run_writes_tidy_tables(tmp_path, random_model_dir):
+    results = tmp_path / "results"
+    result = evalkit("+budget=4x", "task=kv_retrieval", f"model.pretrained={random_model_dir}", "limit=6",
+                     f"results_dir={results}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "exact_match" in result.stdout
+    metrics, samples = read_table(results, "metrics"), read_table(results, "samples")
+    assert set(metrics["metric"]) >= {"exact_match", "realized_ratio_mean"}
+    assert "all" in set(metrics["subset"]) and len(set(metrics["subset"])) > 1
+    assert len(samples) == 6 and samples["doc_id"].is_unique
+    for frame in (metrics, samples):
+        row = frame.iloc[0]
+        assert (row["method"], row["budget"], row["capacity"], row["window"], row["kernel_size"]) == ("snapstream", "4x", 64, 32, 7)
+        assert (row["pooling"], row["sink"], row["recent"], row["task"], row["seed"]) == ("max", 4, 16, "kv_retrieval", 1234)
+        assert row["torch_version"] and row["transformers_version"] and row["run_id"]
+    # Realized compression is real: prompts of 130-230 tokens held in at most 64 slots.
+    assert (samples["peak_cache_tokens"] <= 64).all()
+    assert (samples["realized_ratio"] > 2).all()
+    assert (samples["prompt_tokens"] > 128).all()
+    assert len(list((results / "csv" / "metrics").glob("*.csv"))) == 1
+
+
+@pytest.mark.slow
+def test_multirun_sweep_reads_back_in_one_call(tmp_path, random_model_dir):
+    results = tmp_path / "results"
+    result = evalkit("-m", "+budget=2x,4x", "method=snapkv,snapstream", "method.window=16", "limit=2",
+                     f"model.pretrained={random_model_dir}", f"results_dir={results}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    metrics = pd.read_parquet(results / "metrics")
+    runs = metrics.groupby("run_id")[["method", "budget"]].first()
+    assert sorted(map(tuple, runs.values)) == [("snapkv", "2x"), ("snapkv", "4x"), ("snapstream", "2x"), ("snapstream", "4x")]
+    assert set(metrics["window"]) == {16}
+
+
+# -- the lm-eval adapter -------------------------------------------------------------------------------------------
+class Request:
+    def __init__(self, *args):
+        self.args = args
+
+
+@pytest.fixture(scope="module")
+def adapter_parts(random_model_dir):
+    from evalkit.lm import load_model
+
+    return load_model(str(random_model_dir), device="cpu")
+
+
+def test_evalkit_is_a_registered_lm_eval_model():
+    from lm_eval.api.registry import get_model
+
+    from evalkit.lm import EvalkitLM
+
+    assert get_model("evalkit") is EvalkitLM
+
+
+def test_generate_until_uses_the_policy_and_records_realized_compression(adapter_parts):
+    from evalkit.lm import EvalkitLM
+    from evalkit.synthetic import build_examples
+
+    model, tokenizer = adapter_parts
+    rows = build_examples(3, seed=5)
+    prompts = [f"{r['context']} {r['question']}" for r in rows]
+    requests = [Request(p, {"until": ["</s>"], "max_gen_toks": 3, "do_sample": False}) for p in prompts]
+    compressed = EvalkitLM(model=model, tokenizer=tokenizer, method="snapkv", budget="4x", max_context=256, window=8, kernel_size=3)
+    outputs = compressed.generate_until(requests, disable_tqdm=True)
+    assert len(outputs) == 3 and all(isinstance(o, str) for o in outputs)
+    for prompt in prompts:
+        (stats,) = compressed.request_stats[prompt]
+        assert stats["kept_prompt_tokens"] == [64] * 3
+        assert stats["prompt_tokens"] > 64
+    full = EvalkitLM(model=model, tokenizer=tokenizer, method="full", max_context=256)
+    full.generate_until(requests, disable_tqdm=True)
+    assert all(full.request_stats[p][0]["realized_ratio"] == 1.0 for p in prompts)
+
+
+def test_loglikelihood_is_compress_then_score(adapter_parts):
+    from evalkit.lm import EvalkitLM
+    from evalkit.synthetic import build_examples
+
+    model, tokenizer = adapter_parts
+    row = build_examples(1, seed=8)[0]
+    context, continuation = f"{row['context']} {row['question']}", f" {row['answer']} ?"
+    ids = tokenizer(context + continuation, return_tensors="pt")["input_ids"]
+    split = len(tokenizer(context)["input_ids"])
+    with torch.no_grad():
+        logprobs = model(ids).logits[0].log_softmax(-1)
+    expected = float(sum(logprobs[i - 1, ids[0, i]] for i in range(split, ids.shape[1])))
+    full = EvalkitLM(model=model, tokenizer=tokenizer, method="full", max_context=256)
+    (value, _), = full.loglikelihood([Request(context, continuation)], disable_tqdm=True)
+    assert value == pytest.approx(expected, abs=1e-3)
+    compressed = EvalkitLM(model=model, tokenizer=tokenizer, method="streaming_llm", budget="8x", max_context=256)
+    (squeezed, _), = compressed.loglikelihood([Request(context, continuation)], disable_tqdm=True)
+    assert squeezed != pytest.approx(expected, abs=1e-3)
+    assert compressed.request_stats[context][0]["peak_cache_tokens"] == 32
+
+
+def test_rolling_loglikelihood_is_refused(adapter_parts):
+    from evalkit.lm import EvalkitLM
+
+    model, tokenizer = adapter_parts
+    lm = EvalkitLM(model=model, tokenizer=tokenizer, method="full", max_context=256)
+    with pytest.raises(NotImplementedError, match="rolling"):
+        lm.loglikelihood_rolling([Request("text")])
+
+
+def test_unknown_adapter_argument_is_refused(adapter_parts):
+    from evalkit.lm import EvalkitLM
+
+    model, tokenizer = adapter_parts
+    with pytest.raises(ValueError, match="windw"):
+        EvalkitLM(model=model, tokenizer=tokenizer, method="snapkv", budget="4x", max_context=256, windw=8)
+
+
+# -- result tables -------------------------------------------------------------------------------------------------
+def test_tables_of_different_runs_read_back_as_one(tmp_path):
+    base = {"model": "m", "task": "t", "seed": 1}
+    rows = [{"subset": "all", "metric": "exact_match", "value": 0.5, "stderr": 0.1, "n": 10}]
+    write_table(metrics_table(rows, {**base, "run_id": "a", "method": "full"}), tmp_path, "metrics", "a")
+    write_table(metrics_table(rows, {**base, "run_id": "b", "method": "snapkv", "capacity": 64, "window": 8}), tmp_path, "metrics", "b")
+    (tmp_path / "metrics" / ".c.parquet.123.tmp").write_bytes(b"half a file")  # a crashed writer's leftover
+    frame = read_table(tmp_path, "metrics")
+    assert sorted(frame["run_id"]) == ["a", "b"]
+    assert frame.set_index("run_id").loc["b", "capacity"] == 64
+    assert pd.isna(frame.set_index("run_id").loc["a", "capacity"])
+    assert str(frame["capacity"].dtype) == "Int64" or frame["capacity"].dtype.kind in "if"
+
+
+def test_table_refuses_config_fields_without_a_column(tmp_path):
+    with pytest.raises(ValueError, match="colour"):
+        metrics_table([], {"run_id": "a", "colour": "red"})

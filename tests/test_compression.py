@@ -66,8 +66,6 @@ def test_full_cache_grows_with_the_sequence(llama):
 # -- 2. positions ----------------------------------------------------------------------------------------------------
 def test_new_tokens_get_their_true_positions_not_the_cache_length(llama):
     seen = []
-    hook = llama.model.rotary_emb.register_forward_hook(lambda mod, args, kwargs_out: None)
-    hook.remove()
     handle = llama.model.rotary_emb.register_forward_pre_hook(
         lambda module, args, kwargs: seen.append(kwargs["position_ids"].clone()), with_kwargs=True
     )

@@ -57,10 +57,8 @@ def test_plus_budget_compresses_with_snapstream():
 
 
 def test_sweep_axes_reach_the_policy():
-    spec = spec_for("+budget=tokens_128", "method=snapkv", "method.window=16", "method.kernel_size=5", "method.pooling=avg") \
-        if (conf_dir() / "budget" / "tokens_128.yaml").exists() else \
-        spec_for("+budget=2x", "method=snapkv", "method.window=16", "method.kernel_size=5", "method.pooling=avg")
-    assert (spec.policy.window, spec.policy.kernel_size, spec.policy.pooling) == (16, 5, "avg")
+    spec = spec_for("+budget=2x", "method=snapkv", "method.window=16", "method.kernel_size=5", "method.pooling=avg")
+    assert (spec.policy.capacity, spec.policy.window, spec.policy.kernel_size, spec.policy.pooling) == (128, 16, 5, "avg")
     streaming = spec_for("+budget=8x", "method=streaming_llm")
     assert (streaming.policy.sink, streaming.policy.window) == (4, 28)
 

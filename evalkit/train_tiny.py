@@ -111,7 +111,7 @@ def main() -> None:
     progress = tqdm(range(args.steps), desc="train", mininterval=10)
     max_pairs = 8
     for step in progress:
-        input_ids, mask, labels = batch(tokenizer, rng, args.batch_size, 2, max_pairs, queries=8)
+        input_ids, mask, labels = batch(tokenizer, rng, args.batch_size, 2, max_pairs, queries=32)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         loss = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, labels=labels).loss
         optimizer.zero_grad()

@@ -11,7 +11,6 @@ over whole documents) has no compressed meaning here and is refused.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
@@ -22,7 +21,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import evalkit.compression as ec
 
-log = logging.getLogger(__name__)
 ASSETS = Path(__file__).parent / "assets"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 POLICY_FIELDS = ("sink", "window", "kernel_size", "pooling", "gqa_reduce", "recent")

@@ -9,7 +9,6 @@ import dataclasses
 import datetime as dt
 import hashlib
 import json
-import logging
 import subprocess
 import uuid
 from importlib import metadata
@@ -21,7 +20,6 @@ import evalkit.compression as ec
 from evalkit.paths import tasks_dir
 from evalkit.results import metrics_table, samples_table, write_table
 
-log = logging.getLogger(__name__)
 BUDGET_METHODS = ("streaming_llm", "snapkv", "snapstream")
 METHOD_PARAMS = {
     "full": (),

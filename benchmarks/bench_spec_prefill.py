@@ -48,7 +48,7 @@ def main() -> None:
     target = llama(len(tokenizer), 768, 8, 12, 4, seed=0)
     draft = llama(len(tokenizer), 128, 2, 4, 2, seed=1)
     text = long_prompt(1024 if args.quick else 4096)
-    spec = ec.SpecPrefill(draft=draft, draft_tokenizer=tokenizer, keep=0.1, chunk_size=32, lookahead=8, tail=64)
+    spec = ec.SpecPrefill(draft=draft, draft_tokenizer=tokenizer, keep=0.1, chunk_size=32, look_ahead_cnt=8)
     whole = tokenizer([text], return_tensors="pt")
     repeats = 3 if args.quick else 5
     full_times, spec_times, draft_times = [], [], []

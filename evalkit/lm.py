@@ -48,17 +48,36 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def load_model(pretrained: str, dtype: str = "float32", device: str = "auto", attn_implementation: str = "sdpa"):
-    """Model and tokenizer from a hub id, a local path or ``builtin:NAME``; left padding for batched prompts."""
+def load_model(pretrained: str, dtype: str = "float32", device: str = "auto", attn_implementation: str = "sdpa",
+               revision: str | None = None):
+    """Model and tokenizer from a hub id (at ``revision``), a local path or ``builtin:NAME``; left padding for
+    batched prompts."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     path = resolve_pretrained(pretrained)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attn_implementation,
+                                                 revision=revision)
     return model.to(resolve_device(device)).eval(), tokenizer
+
+
+def truncate_middle(tokenizer, text: str, max_len: int) -> tuple[str, bool]:
+    """LongBench's truncation (pred.py), on the raw prompt before any chat template: ``ids = tokenizer.encode(prompt)``
+    (special tokens included, as there); if longer than ``max_len``, keep ``ids[:max_len//2] + ids[-max_len//2:]`` and
+    decode with ``skip_special_tokens=True``. The :data:`CONTEXT_END` mark is put back before the text that followed
+    it when that text survived the cut (otherwise the document's end was cut away and the mark is dropped)."""
+    head, marker, tail = text.partition(CONTEXT_END)
+    ids = tokenizer.encode(head + tail)
+    if len(ids) <= max_len:
+        return text, False
+    ids = ids[: max_len // 2] + ids[-max_len // 2 :]
+    cut = tokenizer.decode(ids, skip_special_tokens=True)
+    if marker and tail and cut.endswith(tail):
+        cut = cut[: len(cut) - len(tail)] + CONTEXT_END + tail
+    return cut, True
 
 
 @register_model("evalkit")
@@ -87,6 +106,7 @@ class EvalkitLM(LM):
         progress=None,
         fidelity_tokens: int = 0,
         spec_prefill: dict | None = None,
+        revision: str | None = None,
         **policy_params,
     ):
         super().__init__()
@@ -99,7 +119,7 @@ class EvalkitLM(LM):
         if model is None:
             if pretrained is None:
                 raise ValueError("give either pretrained=<hub id or path> or a loaded model")
-            model, tokenizer = load_model(str(pretrained), dtype=dtype, device=device)
+            model, tokenizer = load_model(str(pretrained), dtype=dtype, device=device, revision=revision)
         if tokenizer is None:
             raise ValueError("a loaded model needs its tokenizer")
         self.model, self.tokenizer = model, tokenizer
@@ -111,6 +131,7 @@ class EvalkitLM(LM):
         self.batch_size = int(batch_size)
         self.seed = int(seed)
         self.use_chat_template = bool(apply_chat_template)
+        self.chats: dict[str, list[dict]] = {}  # templated prompt -> its messages (to truncate before the template)
         self.request_stats: dict[str, list[dict]] = {}
         self.progress = progress  # an evalkit.progress.Progress: finished generations survive a crash
         # > 0: also compare this many greedy tokens with a full-cache run (agreement, KL); no labels needed.
@@ -130,10 +151,57 @@ class EvalkitLM(LM):
     def tokenizer_name(self) -> str:
         return str(getattr(self.tokenizer, "name_or_path", "tokenizer")).replace("/", "__")
 
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        """``lm_eval --model evalkit --model_args ...``: model_args win over lm-eval's own options. lm-eval fills
+        ``device`` with ``cuda:0`` when none is given; without CUDA that default becomes ``auto`` (said once)."""
+        from lm_eval.utils import simple_parse_args_string
+
+        args = simple_parse_args_string(arg_string)
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k in ("batch_size", "device")}
+        if str(extra.get("device", "")).startswith("cuda") and "device" not in args and not torch.cuda.is_available():
+            print(f"evalkit: lm-eval's device {extra['device']} is not available here; running on the CPU "
+                  "(pass --device cpu to silence this)", flush=True)
+            extra["device"] = "auto"
+        if str(extra.get("batch_size", "")).startswith("auto"):
+            extra.pop("batch_size")  # evalkit has no batch size search; model_args batch_size=N sets it
+        return cls(**{**extra, **args})
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
+        return cls.create_from_arg_string(",".join(f"{k}={v}" for k, v in arg_dict.items()), additional_config)
+
     def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(
-            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        """The chat template over ``chat_history``. A final assistant message (lm-eval's ``gen_prefix``, such as R1's
+        ``<think>\\n``) is continued verbatim after the generation prompt."""
+        prefix = ""
+        if not add_generation_prompt and chat_history and chat_history[-1]["role"] == "assistant":
+            prefix, chat_history = chat_history[-1]["content"], chat_history[:-1]
+        text = self.tokenizer.apply_chat_template(chat_history, tokenize=False, add_generation_prompt=True) + prefix
+        self.chats[text] = [dict(message) for message in chat_history] + (
+            [{"role": "assistant", "content": prefix}] if prefix else [])
+        return text
+
+    def _special_tokens(self, text: str) -> bool:
+        """Whether tokenizing ``text`` should add the tokenizer's special tokens: not for chat-templated text, nor
+        for text that already starts with BOS (templates such as Llama-3's write it; a second would shift every
+        position)."""
+        bos = self.tokenizer.bos_token
+        return not (text in self.chats or (bos and text.startswith(bos)))
+
+    def _truncate_raw(self, text: str, max_len: int) -> tuple[str, bool]:
+        """LongBench's middle truncation of the raw prompt (the user turn when templated), then the template."""
+        messages = self.chats.get(text)
+        if messages is None:
+            return truncate_middle(self.tokenizer, text, max_len)
+        turn = max(i for i, m in enumerate(messages) if m["role"] == "user")
+        content, truncated = truncate_middle(self.tokenizer, messages[turn]["content"], max_len)
+        if not truncated:
+            return text, False
+        messages = [*messages[:turn], {**messages[turn], "content": content}, *messages[turn + 1 :]]
+        prefix = messages.pop()["content"] if messages[-1]["role"] == "assistant" else ""
+        return self.apply_chat_template(messages + ([{"role": "assistant", "content": prefix}] if prefix else []),
+                                        add_generation_prompt=not prefix), True
 
     # -- generation ------------------------------------------------------------------------------------------------
     def _encode(
@@ -153,7 +221,7 @@ class EvalkitLM(LM):
         encoded, prefixes = [], []
         for text in texts:
             head, marker, tail = text.partition(CONTEXT_END)
-            ids = self.tokenizer(head)["input_ids"]
+            ids = self.tokenizer(head, add_special_tokens=self._special_tokens(text))["input_ids"]
             prefix = len(ids) if marker else None
             if marker:
                 ids += self.tokenizer(tail, add_special_tokens=False)["input_ids"]
@@ -225,16 +293,21 @@ class EvalkitLM(LM):
             temperature = top_p = None
         truncation = gen_kwargs.pop("truncation", "left")
         max_len = gen_kwargs.pop("max_len", None)
+        cut = [False] * len(texts)
+        if truncation == "middle" and max_len:  # LongBench: on the raw prompt, before the chat template
+            texts, cut = map(list, zip(*(self._truncate_raw(text, int(max_len)) for text in texts)))
         positions, spec_stats = None, [{}] * len(texts)
         if self.spec_prefill is not None:
             # The draft reads each whole prompt; only the tokens it keeps reach the target, at their positions.
+            special = [self._special_tokens(text) for text in texts]
             texts = [text.replace(CONTEXT_END, "") for text in texts]
             input_ids, mask, positions, spec_stats = self.spec_prefill.select(
-                texts, self.tokenizer, self.tokenizer.pad_token_id, max_tokens=self.max_context - max_new_tokens)
+                texts, self.tokenizer, self.tokenizer.pad_token_id, max_tokens=self.max_context - max_new_tokens,
+                add_special_tokens=special)
             input_ids, mask, positions = input_ids.to(self.device), mask.to(self.device), positions.to(self.device)
             truncated, compress_prefix = [s["truncated"] for s in spec_stats], None
         else:
-            input_ids, mask, truncated, starts = self._encode(texts, max_new_tokens, truncation, max_len)
+            input_ids, mask, truncated, starts = self._encode(texts, max_new_tokens, truncation)
             compress_prefix = starts[0] if self.compression_scope == "context" and len(texts) == 1 else None
         eos = self.tokenizer.eos_token_id
         stop_strings = [s for s in until if s and s != self.tokenizer.eos_token]
@@ -255,7 +328,7 @@ class EvalkitLM(LM):
             for stop in until:
                 if stop and stop in decoded:
                     decoded = decoded[: decoded.index(stop)]
-            stats = {**out.stats[row], **fidelity[row], "truncated": truncated[row],
+            stats = {**out.stats[row], **fidelity[row], "truncated": truncated[row] or cut[row],
                      "compression_scope": self.compression_scope}
             if spec_stats[row]:
                 stats |= {"prompt_tokens": spec_stats[row]["prompt_tokens"], "spec_kept_tokens": spec_stats[row]["kept_tokens"],
@@ -275,8 +348,9 @@ class EvalkitLM(LM):
     @torch.no_grad()
     def _score(self, context: str, continuation: str) -> tuple[float, bool]:
         text = context.replace(CONTEXT_END, "")
-        whole = self.tokenizer(text + continuation)["input_ids"]
-        context_ids = self.tokenizer(text)["input_ids"]
+        special = self._special_tokens(context)
+        whole = self.tokenizer(text + continuation, add_special_tokens=special)["input_ids"]
+        context_ids = self.tokenizer(text, add_special_tokens=special)["input_ids"]
         split = len(context_ids)
         if whole[:split] != context_ids or split >= len(whole):
             split = len(whole) - len(self.tokenizer(continuation, add_special_tokens=False)["input_ids"])

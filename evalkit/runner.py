@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 import evalkit.compression as ec
-from evalkit import memory
+from evalkit import identity, memory
 from evalkit.paths import tasks_dir
 from evalkit.progress import Progress
 from evalkit.results import metrics_table, samples_table, write_table
@@ -34,11 +34,24 @@ METHOD_PARAMS = {
 
 # conf/task/<name>.yaml beyond its name: `dataset` (arguments of the task's loader: hub id or path, release, ...),
 # `generation` (overrides of the task's generation_kwargs), `repeats` (samples per prompt), `system_instruction`.
-TASK_OPTION_KEYS = ("dataset", "generation", "repeats", "system_instruction")
+# `gen_prefix`: text the assistant turn starts with (AIME's "<think>\n" switch).
+TASK_OPTION_KEYS = ("dataset", "generation", "repeats", "system_instruction", "gen_prefix")
 
 
 class ConfigError(ValueError):
     """A run config that cannot run; the message is one line meant for the user."""
+
+
+class RunError(RuntimeError):
+    """A run that cannot go on (missing model, unwritable results dir, bad data); the message is one line."""
+
+
+class Interrupted(RuntimeError):
+    """Ctrl-C during a run; ``kept`` generations are in the progress file and a restart resumes from them."""
+
+    def __init__(self, kept: int):
+        super().__init__(f"interrupted: {kept} generations kept; run the same command again to resume")
+        self.kept = kept
 
 
 class InvalidCombination(ConfigError):
@@ -72,11 +85,16 @@ class RunSpec:
     decode_method: str | None = None  # the KV policy while decoding (the method itself unless spec_prefill)
     resume: bool = True
     fidelity_tokens: int = 0
+    revision: str | None = None  # hub revision of the model (branch, tag or commit)
+    bad_rows: str = "error"  # error | skip: what a malformed data row does
+    identity: dict | None = None  # filled by identify(): resolved sources, fingerprints
 
     def flat_config(self) -> dict:
         params = dataclasses.asdict(self.policy)
         return {
             "model": self.model_name,
+            "model_pretrained": self.pretrained,
+            "apply_chat_template": self.apply_chat_template,
             "method": self.method,
             "budget": self.budget,
             "capacity": self.policy.cache_capacity(),
@@ -101,6 +119,9 @@ class RunSpec:
             "batch_size": self.batch_size,
             "dtype": self.dtype,
             "device": self.device,
+            "bad_rows": self.bad_rows,
+            "policy_params": json.dumps(params, sort_keys=True, default=str),
+            "spec_prefill": json.dumps(self.spec_prefill, sort_keys=True, default=str) if self.spec_prefill else None,
         }
 
 
@@ -160,6 +181,9 @@ def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
             raise ConfigError(f"task.{key} must be a mapping, got {options[key]!r}")
     if "repeats" in options and (not isinstance(options["repeats"], int) or options["repeats"] < 1):
         raise ConfigError(f"task.repeats must be a positive integer, got {options['repeats']!r}")
+    apply_chat_template = bool(model.get("apply_chat_template", False))
+    if task_name == "livecodebench":
+        apply_chat_template = _livecodebench_style(options, apply_chat_template)
     scope = cfg.get("compression_scope", "prompt")
     if scope not in ("prompt", "context"):
         raise ConfigError(f"compression_scope must be prompt or context, got {scope!r}")
@@ -167,6 +191,11 @@ def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
     fidelity_tokens = cfg.get("fidelity_tokens", 0)
     if not isinstance(fidelity_tokens, int) or fidelity_tokens < 0:
         raise ConfigError(f"fidelity_tokens must be a non-negative integer, got {fidelity_tokens!r}")
+    bad_rows = cfg.get("bad_rows", "error")
+    if bad_rows not in ("error", "skip"):
+        raise ConfigError(f"bad_rows must be error or skip, got {bad_rows!r}")
+    device = str(cfg.get("device", "auto"))
+    _check_device(device)
     return RunSpec(
         spec_prefill=spec_prefill,
         decode_method=method,
@@ -174,7 +203,7 @@ def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
         pretrained=str(_require(model, "pretrained", "model")),
         max_context=max_context,
         dtype=str(model.get("dtype", "float32")),
-        apply_chat_template=bool(model.get("apply_chat_template", False)),
+        apply_chat_template=apply_chat_template,
         task=task_name,
         method=label if spec_prefill else method,
         budget=budget,
@@ -182,14 +211,53 @@ def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
         seed=cfg["seed"],
         limit=limit,
         batch_size=cfg["batch_size"],
-        device=str(cfg.get("device", "auto")),
+        device=device,
         results_dir=Path(cfg.get("results_dir", "results")),
         task_options=options,
         compression_scope=scope,
         memory=verdict,
         resume=bool(cfg.get("resume", True)),
         fidelity_tokens=fidelity_tokens,
+        revision=model.get("revision"),
+        bad_rows=bad_rows,
     )
+
+
+def _livecodebench_style(options: dict, apply_chat_template: bool) -> bool:
+    """LiveCodeBench's ``prompt_style`` sets the system turn, the stop strings and whether the chat template wraps
+    the prompt (the DeepSeek-R1 style is a raw prompt with R1's own tokens); explicit options win."""
+    from evalkit.scoring.livecodebench import PROMPT_STYLES
+
+    name = (options.get("dataset") or {}).get("prompt_style") or "generic"
+    if name not in PROMPT_STYLES:
+        raise ConfigError(f"task.dataset.prompt_style must be one of {sorted(PROMPT_STYLES)}, got {name!r}")
+    style = PROMPT_STYLES[name]
+    if "system_instruction" not in options and style.system_instruction:
+        options["system_instruction"] = style.system_instruction
+    generation = options.setdefault("generation", {})
+    generation.setdefault("until", list(style.until))
+    return apply_chat_template and style.chat_template
+
+
+def _check_device(device: str) -> None:
+    """A device this machine has, or one line saying why not (before any model loads)."""
+    import torch
+
+    kind, _, index = device.partition(":")
+    if kind == "auto" and not index or kind == "cpu" and not index:
+        return
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device={device} but CUDA is not available on this machine (torch {torch.__version__}); "
+                              "use device=cpu or device=auto")
+        if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+            raise ConfigError(f"device={device} but this machine has {torch.cuda.device_count()} CUDA device(s)")
+        return
+    if kind == "mps" and not index:
+        if not torch.backends.mps.is_available():
+            raise ConfigError("device=mps but MPS is not available on this machine")
+        return
+    raise ConfigError(f"device must be auto, cpu, cuda, cuda:N or mps, got {device!r}")
 
 
 # SpecPrefill's own settings, with its defaults; the draft is named by draft_model, the decoding policy by `then`.
@@ -239,15 +307,17 @@ def memory_rows(verdict: memory.Verdict) -> list[dict]:
     return [{"subset": "memory", "metric": name, "value": float(value), "stderr": None, "n": 1} for name, value in values.items()]
 
 
-def task_with_options(task: str, options: dict) -> dict:
+def task_with_options(task: str, options: dict, bad_rows: str = "error") -> dict:
     """The task's lm-eval YAML as a dict, with the run's dataset/generation/repeats options applied."""
     from lm_eval.tasks._yaml_loader import load_yaml
 
     config = load_yaml(tasks_dir() / task / f"{task}.yaml", resolve_func=True)
-    config["dataset_kwargs"] = {**(config.get("dataset_kwargs") or {}), **options.get("dataset", {})}
+    config["dataset_kwargs"] = {**(config.get("dataset_kwargs") or {}), **options.get("dataset", {}), "bad_rows": bad_rows}
     config["generation_kwargs"] = {**(config.get("generation_kwargs") or {}), **options.get("generation", {})}
     if "repeats" in options:
         config["repeats"] = options["repeats"]
+    if options.get("gen_prefix"):
+        config["gen_prefix"] = options["gen_prefix"]
     return config
 
 
@@ -273,9 +343,57 @@ def _versions() -> dict:
     }
 
 
+def identify(spec: RunSpec) -> dict:
+    """What the run's outputs depend on beyond its config values, resolved (see :mod:`evalkit.identity`): the model
+    (hub commit, or a fingerprint of the local files: weights, config, tokenizer, chat template), the speculative
+    prefill draft, the dataset (hub commit or file fingerprint), the task's own definition, and the device class.
+
+    Computed once per spec; a model or dataset path that does not exist is a :class:`RunError`.
+    """
+    if spec.identity is not None:
+        return spec.identity
+    from evalkit.lm import resolve_device, resolve_pretrained
+
+    def source(label: str, name: str, repo_type: str = "model", revision: str | None = None) -> str:
+        try:
+            return identity.source_identity(name, repo_type, revision)
+        except (identity.MissingSource, FileNotFoundError) as error:
+            raise RunError(f"{label}: {error}") from None
+
+    dataset = task_with_options(spec.task, spec.task_options).get("dataset_kwargs") or {}
+    data_source = dataset.get("path") or (lcb_release_sources(dataset["release"]) if dataset.get("release") else None)
+    draft = (spec.spec_prefill or {}).get("draft_model")
+    spec.identity = {
+        "model_source": source("model.pretrained", _resolved(resolve_pretrained, spec.pretrained), revision=spec.revision),
+        "draft_source": source("method.draft_model", _resolved(resolve_pretrained, draft)) if draft else None,
+        "dataset_source": source("task.dataset.path", data_source, "dataset", dataset.get("revision")) if data_source else None,
+        "task_definition": identity.fingerprint([tasks_dir() / spec.task]),
+        "device_class": resolve_device(spec.device).split(":")[0],
+    }
+    return spec.identity
+
+
+def _resolved(resolve, name: str) -> str:
+    try:
+        return resolve(name)
+    except FileNotFoundError as error:
+        raise RunError(str(error)) from None
+
+
+def lcb_release_sources(release: str) -> list[str]:
+    from evalkit.scoring.livecodebench import release_sources
+
+    try:
+        return release_sources(release)
+    except ValueError as error:
+        raise ConfigError(f"task.dataset.release: {error}") from None
+
+
 def config_digest(spec: RunSpec) -> str:
-    """Identifies a run's configuration: the same config restarted resumes; a sweep skips configs already done."""
-    return hashlib.sha1(json.dumps(spec.flat_config(), sort_keys=True, default=str).encode()).hexdigest()[:8]
+    """Identifies everything that can change a run's outputs (its config values and :func:`identify`): the same
+    config restarted resumes; a sweep skips configs already done; any difference gives another digest."""
+    ident = {**spec.flat_config(), **identify(spec)}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def _run_id(spec: RunSpec, started: dt.datetime) -> str:
@@ -382,16 +500,18 @@ def run(spec: RunSpec, model=None, tokenizer=None) -> RunResult | None:
     """Evaluate ``spec`` (a loaded model/tokenizer may be passed in) and write its tables.
 
     With ``spec.resume`` (the default) a config whose tables exist is skipped (None is returned) and an interrupted
-    one continues from its progress file.
+    one continues from its progress file. Everything that can be checked before the model loads is checked first:
+    the model and data sources, the results directory, the data rows. Ctrl-C raises :class:`Interrupted`.
     """
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     from evalkit.lm import EvalkitLM
 
+    digest = config_digest(spec)
     if spec.resume and completed_runs(spec.results_dir, spec):
         return None
-    progress_path = spec.results_dir / ".progress" / f"{config_digest(spec)}.jsonl"
+    _check_writable(spec.results_dir)
+    progress_path = spec.results_dir / ".progress" / f"{digest}.jsonl"
     if not spec.resume:
         progress_path.unlink(missing_ok=True)
     progress = Progress(progress_path)
@@ -399,19 +519,24 @@ def run(spec: RunSpec, model=None, tokenizer=None) -> RunResult | None:
         print(f"resuming: {progress.resumed} generations already done ({progress_path})", flush=True)
     started = dt.datetime.now(dt.timezone.utc)
     run_id = _run_id(spec, started)
-    task_config = task_with_options(spec.task, spec.task_options)
-    lm = EvalkitLM(
-        pretrained=spec.pretrained, model=model, tokenizer=tokenizer, policy=spec.policy, max_context=spec.max_context,
-        batch_size=spec.batch_size, device=spec.device, dtype=spec.dtype, seed=spec.seed,
-        apply_chat_template=spec.apply_chat_template, compression_scope=spec.compression_scope, progress=progress,
-        fidelity_tokens=spec.fidelity_tokens, spec_prefill=spec.spec_prefill,
-    )
-    def evaluate(config: dict) -> dict:
+    task_config = task_with_options(spec.task, spec.task_options, spec.bad_rows)
+    task, skipped_rows = _load_task(task_config)  # bad data fails here, before the model loads
+    try:
+        lm = EvalkitLM(
+            pretrained=spec.pretrained, model=model, tokenizer=tokenizer, policy=spec.policy,
+            max_context=spec.max_context, batch_size=spec.batch_size, device=spec.device, dtype=spec.dtype,
+            seed=spec.seed, apply_chat_template=spec.apply_chat_template, compression_scope=spec.compression_scope,
+            progress=progress, fidelity_tokens=spec.fidelity_tokens, spec_prefill=spec.spec_prefill,
+            revision=spec.revision,
+        )
+    except (OSError, ValueError) as error:
+        raise RunError(f"model {spec.pretrained}: {_one_line(error)}") from None
+
+    def evaluate(config) -> dict:  # a task config, or the task already built from one
         return lm_eval.simple_evaluate(
             model=lm,
-            tasks=[config],
+            tasks=[_task_object(config) if isinstance(config, dict) else config],
             system_instruction=spec.task_options.get("system_instruction"),
-            task_manager=TaskManager(include_path=str(tasks_dir()), include_defaults=False),
             limit=spec.limit,
             log_samples=True,
             apply_chat_template=spec.apply_chat_template,
@@ -422,22 +547,76 @@ def run(spec: RunSpec, model=None, tokenizer=None) -> RunResult | None:
             bootstrap_iters=1000,
         )
 
-    stats, reasoning = lm.request_stats, None
-    if (task_config.get("dataset_kwargs") or {}).get("cot"):
-        task_config, stats, reasoning = _reasoning_pass(evaluate, task_config, lm.request_stats, progress_path)
-    results = evaluate(task_config)
+    try:
+        stats, reasoning = lm.request_stats, None
+        if (task_config.get("dataset_kwargs") or {}).get("cot"):
+            task_config, stats, reasoning = _reasoning_pass(evaluate, task_config, lm.request_stats, progress_path)
+        results = evaluate(task_config if reasoning is not None else task)
+    except KeyboardInterrupt:
+        raise Interrupted(len(Progress(progress_path).done)) from None
     if reasoning is not None:
         stats = _stats_of_reasoning_pass(results, spec.task, stats)
     metrics, samples = tidy_rows(results, spec.task, stats, reasoning)
+    if skipped_rows:
+        metrics.append({"subset": "all", "metric": "rows_skipped", "value": float(len(skipped_rows)), "stderr": None,
+                        "n": len(skipped_rows)})
     if spec.memory is not None:
         metrics += memory_rows(spec.memory)
-    config = {"run_id": run_id, **spec.flat_config(), **_versions(), "started_at": started.isoformat()}
+    config = {"run_id": run_id, **spec.flat_config(), **identify(spec), "config_digest": digest,
+              "chat_template_sha": _chat_template_sha(lm.tokenizer) if spec.apply_chat_template else None,
+              **_versions(), "started_at": started.isoformat()}
     # Samples first, metrics last: a metrics file means the run is complete.
     samples_path = write_table(samples_table(samples, config), spec.results_dir, "samples", run_id)
     paths = [write_table(metrics_table(metrics, config), spec.results_dir, "metrics", run_id), samples_path]
     progress.remove()
     progress_path.with_name(f"{progress_path.stem}-reasoning.jsonl").unlink(missing_ok=True)
     return RunResult(run_id, pd.DataFrame(metrics), pd.DataFrame(samples), paths)
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _check_writable(results_dir: Path) -> None:
+    """The results directory can take the tables: checked before the model loads, so a bad path costs nothing."""
+    existed = results_dir.exists()
+    try:
+        results_dir.mkdir(parents=True, exist_ok=True)
+        probe = results_dir / f".write-check-{uuid.uuid4().hex[:8]}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        if not existed and results_dir.is_dir() and not any(results_dir.iterdir()):
+            results_dir.rmdir()
+        raise RunError(f"results_dir {results_dir} is not writable: {error.strerror or error}") from None
+
+
+def _chat_template_sha(tokenizer) -> str | None:
+    template = getattr(tokenizer, "chat_template", None)
+    return hashlib.sha256(str(template).encode()).hexdigest()[:16] if template else None
+
+
+def _task_object(config: dict):
+    """The lm-eval task built from its config dict (dataset loaded)."""
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    manager = TaskManager(include_path=str(tasks_dir()), include_defaults=False)
+    (task,) = get_task_dict([config], manager).values()
+    return task
+
+
+def _load_task(config: dict):
+    """The task with its data loaded and checked, and the rows it skipped (``bad_rows=skip``). A malformed file or
+    row is a :class:`RunError` naming the file, the row and the field."""
+    from evalkit.scoring.data import DataError, skipped_rows
+
+    skipped_rows.clear()
+    try:
+        task = _task_object(config)
+    except DataError as error:
+        raise RunError(f"data: {error}") from None
+    return task, list(skipped_rows)
 
 
 def _doc_key(doc: dict) -> str:

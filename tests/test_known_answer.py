@@ -66,7 +66,7 @@ def test_spec_prefill_with_the_tiny_model_as_draft_keeps_the_needle():
     from evalkit.lm import load_model
 
     model, tokenizer = load_model("builtin:kv_retrieval_tiny", device="cpu")
-    spec = ec.SpecPrefill(draft=model, draft_tokenizer=tokenizer, keep=0.1, chunk_size=None, lookahead=1, tail=2)
+    spec = ec.SpecPrefill(draft=model, draft_tokenizer=tokenizer, keep=0.1, chunk_size=None, look_ahead_cnt=2, tail=2, keep_first=True)
     rows = synthetic.build_examples(40, seed=99)
     kept_needles = correct = 0
     for row in rows:

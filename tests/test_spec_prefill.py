@@ -34,7 +34,7 @@ def prompt_text(seed: int = 5, pairs: int = 30) -> str:
 
 def test_keep_all_reproduces_the_full_run_exactly(word_model):
     model, tokenizer = word_model
-    spec = ec.SpecPrefill(draft=model, draft_tokenizer=tokenizer, keep=1.0, chunk_size=8, lookahead=2)
+    spec = ec.SpecPrefill(draft=model, draft_tokenizer=tokenizer, keep=1.0, chunk_size=8, look_ahead_cnt=3)
     texts = [prompt_text(1), prompt_text(2, pairs=20)]
     ids, mask, positions, stats = spec.select(texts, tokenizer, tokenizer.pad_token_id)
     assert [s["kept_tokens"] for s in stats] == [s["prompt_tokens"] for s in stats]
@@ -49,7 +49,7 @@ def test_keep_all_reproduces_the_full_run_exactly(word_model):
 def test_kept_tokens_keep_their_original_positions(word_model):
     """Prefilling only the kept tokens equals a full run whose attention masks the dropped ones (same positions)."""
     model, tokenizer = word_model
-    spec = ec.SpecPrefill(draft=model, draft_tokenizer=tokenizer, keep=0.3, chunk_size=4, lookahead=2, tail=4)
+    spec = ec.SpecPrefill(draft=model, draft_tokenizer=tokenizer, keep=0.3, chunk_size=4, look_ahead_cnt=3, tail=4, keep_first=True)
     ids, mask, positions, stats = spec.select([prompt_text(3)], tokenizer, tokenizer.pad_token_id)
     whole = torch.tensor([tokenizer(prompt_text(3))["input_ids"]])
     n = whole.shape[1]
@@ -95,7 +95,7 @@ def test_cross_tokenizer_importance_follows_the_characters():
     torch.manual_seed(0)
     draft = LlamaForCausalLM(LlamaConfig(vocab_size=len(chars), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)).eval()
-    spec = ec.SpecPrefill(draft=draft, draft_tokenizer=chars, keep=0.5, chunk_size=None, lookahead=3, pool_kernel=None)
+    spec = ec.SpecPrefill(draft=draft, draft_tokenizer=chars, keep=0.5, chunk_size=None, look_ahead_cnt=4, pool_kernel=None)
     target_ids, mapped = spec.target_importance(text, pieces)
     assert pieces.convert_ids_to_tokens(target_ids) == ["al", "##pha", "beta", "gam", "##ma", "delta"]
     # Independently: each target piece's characters, and the draft's importance of those characters.
@@ -112,16 +112,66 @@ def test_mapping_gives_each_target_token_its_overlapping_draft_tokens():
     assert mapped.tolist() == [1.0, 5.0, 2.0, 9.0]  # special token (no characters): the maximum, never dropped
 
 
-def test_choose_keeps_top_chunks_the_tail_and_the_first_token():
-    spec = ec.SpecPrefill(draft=None, draft_tokenizer=None, keep=0.25, chunk_size=4, tail=2)
+def test_choose_keeps_whole_top_chunks_and_forces_nothing_by_default():
+    # The reference: 70 tokens in chunks of 32, 32 and 6; ceil(3 x 0.1) = 1 whole chunk, the best by mean score.
+    spec = ec.SpecPrefill(draft=None, draft_tokenizer=None, keep=0.1, chunk_size=32)
+    importance = torch.zeros(70)
+    importance[64:] = 1.0  # the short last chunk has the best mean
+    assert spec.choose(importance).tolist() == list(range(64, 70))  # token 0 is not forced
+    spec = ec.SpecPrefill(draft=None, draft_tokenizer=None, keep=0.1, chunk_size=None)
+    importance = torch.arange(70, dtype=torch.float)
+    assert spec.choose(importance).tolist() == list(range(63, 70))  # ceil(70 x 0.1) = 7 single tokens
+
+
+def test_choose_options_force_the_tail_and_the_first_token():
+    spec = ec.SpecPrefill(draft=None, draft_tokenizer=None, keep=0.375, chunk_size=4, tail=2, keep_first=True)
     importance = torch.zeros(32)
     importance[8:12] = 1.0  # chunk 2 is the important one
-    kept = spec.choose(importance).tolist()
-    assert kept[0] == 0 and {8, 9, 10, 11} <= set(kept) and {30, 31} <= set(kept) and len(kept) == 8
+    kept = spec.choose(importance).tolist()  # ceil(8 x 0.375) = 3 chunks: the forced first and last, then chunk 2
+    assert kept == [0, 1, 2, 3, 8, 9, 10, 11, 28, 29, 30, 31]
+
+
+def one_head_draft(seed: int = 0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=128)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def test_lookahead_queries_softmax_over_the_prompt_keys_only():
+    # One layer, one head, no pooling: the importance is the mean of the queries' attention rows over the prompt. The
+    # reference takes each softmax over the prompt keys alone, so every row, and their mean, sums to exactly 1 (a
+    # softmax over all keys would leave look-ahead rows short of 1 by the attention on earlier look-ahead tokens).
+    draft, ids = one_head_draft(), torch.randint(0, 40, (20,), generator=torch.Generator().manual_seed(1))
+    spec = ec.SpecPrefill(draft=draft, draft_tokenizer=None, look_ahead_cnt=6, pool_kernel=None)
+    assert float(spec.draft_importance(ids).sum()) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_pooling_counts_padding_as_the_reference():
+    draft, ids = one_head_draft(), torch.randint(0, 40, (20,), generator=torch.Generator().manual_seed(2))
+    raw = ec.SpecPrefill(draft=draft, draft_tokenizer=None, look_ahead_cnt=4, pool_kernel=None).draft_importance(ids)
+    pooled = ec.SpecPrefill(draft=draft, draft_tokenizer=None, look_ahead_cnt=4, pool_kernel=5).draft_importance(ids)
+    expected = torch.nn.functional.avg_pool1d(raw[None, None], 5, stride=1, padding=2, count_include_pad=True)[0, 0]
+    torch.testing.assert_close(pooled, expected)
+    assert float(pooled.sum()) < 1.0  # the padding's zeros count at the edges
+
+
+def test_lookahead_stops_at_eos():
+    draft, ids = one_head_draft(), torch.randint(0, 40, (20,), generator=torch.Generator().manual_seed(3))
+    first = int(draft(ids[None]).logits[0, -1].argmax())
+    draft.generation_config.eos_token_id = first  # the first look-ahead token is EOS: only the prompt's query counts
+    stopped = ec.SpecPrefill(draft=draft, draft_tokenizer=None, look_ahead_cnt=8, pool_kernel=None).draft_importance(ids)
+    single = ec.SpecPrefill(draft=draft, draft_tokenizer=None, look_ahead_cnt=1, pool_kernel=None).draft_importance(ids)
+    torch.testing.assert_close(stopped, single)
+    draft.generation_config.eos_token_id = None
+    assert not torch.allclose(
+        ec.SpecPrefill(draft=draft, draft_tokenizer=None, look_ahead_cnt=8, pool_kernel=None).draft_importance(ids), single)
 
 
 @pytest.mark.parametrize("kwargs, message", [({"keep": 0}, "keep"), ({"chunk_size": 0}, "chunk_size"),
-                                             ({"pool_kernel": 4}, "pool_kernel"), ({"lookahead": -1}, "lookahead")])
+                                             ({"pool_kernel": 4}, "pool_kernel"), ({"look_ahead_cnt": 0}, "look_ahead_cnt")])
 def test_bad_spec_prefill_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ec.SpecPrefill(draft=None, draft_tokenizer=None, **kwargs)
@@ -135,7 +185,7 @@ def test_a_qwen_target_with_a_llama_draft_runs_end_to_end():
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)).eval()
     target = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(pieces), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)).eval()
-    spec = ec.SpecPrefill(draft=draft, draft_tokenizer=chars, keep=0.3, chunk_size=2, lookahead=2, tail=3)
+    spec = ec.SpecPrefill(draft=draft, draft_tokenizer=chars, keep=0.3, chunk_size=2, look_ahead_cnt=3, tail=3, keep_first=True)
     ids, mask, positions, stats = spec.select([text], pieces, pieces.pad_token_id)
     out = ec.generate(target, ids, ec.Full(), attention_mask=mask, position_ids=positions, max_new_tokens=3)
     assert stats[0]["kept_tokens"] < stats[0]["prompt_tokens"] == 36

@@ -1,12 +1,21 @@
 """Speculative prefill: a small draft model picks the prompt tokens the target model prefills.
 
-Liu et al., "Speculative Prefill" (ICML 2025, arXiv 2502.02789); cross-family drafts: arXiv 2603.02631. The draft
-reads the prompt and greedily decodes ``lookahead`` tokens; the attention of the last prompt token and of those
-look-ahead tokens over the prompt scores every prompt token (softmax per head, optional average pooling along the
-prompt, max over layers x heads, mean over the look-ahead queries). The top ``keep`` fraction is kept, by chunks of
-``chunk_size`` tokens when set (a chunk scores the mean of its tokens), always with the last ``tail`` tokens (where
-the question is) and the first token (BOS, the attention sink). The target prefills only the kept tokens, each at its
-ORIGINAL position, then decodes as usual (with any KV policy).
+Liu et al., "Speculative Prefill" (ICML 2025, arXiv 2502.02789; reference code Jingyu6/speculative_prefill,
+``look_ahead_spec_worker.py``); cross-family drafts: arXiv 2603.02631. Defaults follow the reference code:
+
+* ``look_ahead_cnt`` queries in all: the last prompt token, then up to ``look_ahead_cnt - 1`` tokens the draft
+  decodes greedily (stopping at its EOS);
+* each query's attention is a softmax over the PROMPT keys only (look-ahead tokens attend to the context, not to each
+  other), per layer and head, in fp32;
+* average pooling along the prompt with kernel ``pool_kernel`` (13), stride 1, padding counted (torch's default
+  ``count_include_pad=True``); then max over layers x heads, mean over the queries;
+* by chunks of ``chunk_size`` (32; the last one shorter), a chunk scoring the mean of its tokens, the top
+  ``ceil(chunks x keep)`` WHOLE chunks are kept (without chunks: the top ``ceil(n x keep)`` tokens);
+* nothing is forced.
+
+Options beyond the reference (off by default): ``tail`` always keeps the prompt's last tokens (the question),
+``keep_first`` the first token (the attention sink), ``pool_count_pad=False`` averages the edges over real tokens only.
+The target prefills only the kept tokens, each at its ORIGINAL position, then decodes as usual (with any KV policy).
 
 Draft and target may tokenize differently: importance then goes through characters. Each target token takes the
 largest importance of the draft tokens whose character spans (fast tokenizers' offset mappings) overlap its own.
@@ -28,17 +37,21 @@ class SpecPrefill:
     draft_tokenizer: object  # its (fast) tokenizer
     keep: float = 0.1
     chunk_size: int | None = 32
-    lookahead: int = 8
+    look_ahead_cnt: int = 8
     pool_kernel: int | None = 13
-    tail: int = 64
+    pool_count_pad: bool = True
+    tail: int = 0
+    keep_first: bool = False
 
     def __post_init__(self):
         if not 0 < self.keep <= 1:
             raise ValueError(f"keep must be in (0, 1], got {self.keep}")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1 or None, got {self.chunk_size}")
-        if self.lookahead < 0 or self.tail < 0:
-            raise ValueError(f"lookahead and tail must be >= 0, got {self.lookahead}, {self.tail}")
+        if self.look_ahead_cnt < 1:
+            raise ValueError(f"look_ahead_cnt must be >= 1 (the last prompt token counts), got {self.look_ahead_cnt}")
+        if self.tail < 0:
+            raise ValueError(f"tail must be >= 0, got {self.tail}")
         if self.pool_kernel is not None and (self.pool_kernel < 1 or self.pool_kernel % 2 == 0):
             raise ValueError(f"pool_kernel must be a positive odd integer or None, got {self.pool_kernel}")
 
@@ -49,31 +62,36 @@ class SpecPrefill:
         model = self.draft
         ids = draft_ids[None].to(model.device)
         n = ids.shape[1]
+        eos = _eos_ids(model, self.draft_tokenizer)
         original = model.config._attn_implementation
         model.config._attn_implementation = "eager"  # attention probabilities are needed
         try:
             out = model(input_ids=ids, use_cache=True, output_attentions=True)
-            rows = [torch.stack([a[0, :, -1, :n] for a in out.attentions])]  # [layers, heads, n] per query
+            rows = [_prompt_attention(out.attentions, n)]
             cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-            for step in range(self.lookahead):
+            for step in range(self.look_ahead_cnt - 1):
+                if int(token) in eos:  # the reference stops looking ahead at EOS
+                    break
                 out = model(input_ids=token, past_key_values=cache, use_cache=True, output_attentions=True,
                             position_ids=torch.tensor([[n + step]], device=ids.device))
-                rows.append(torch.stack([a[0, :, -1, :n] for a in out.attentions]))
+                rows.append(_prompt_attention(out.attentions, n))
                 cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
         finally:
             model.config._attn_implementation = original
-        scores = torch.stack(rows).float()  # [queries, layers, heads, n]; each row already a softmax per head
+        scores = torch.stack(rows)  # [queries, layers, heads, n]
         if self.pool_kernel and self.pool_kernel > 1:
             flat = scores.reshape(-1, 1, n)
             flat = torch.nn.functional.avg_pool1d(flat, self.pool_kernel, stride=1, padding=self.pool_kernel // 2,
-                                                  count_include_pad=False)
+                                                  count_include_pad=self.pool_count_pad)
             scores = flat.reshape(scores.shape)
         return scores.amax(dim=(1, 2)).mean(dim=0).cpu()
 
     # -- mapping to the target's tokens and choosing -----------------------------------------------------------------
-    def target_importance(self, text: str, target_tokenizer) -> tuple[list[int], torch.Tensor]:
-        """The target's token ids of ``text`` and the importance of each, mapped from the draft through characters."""
-        target = target_tokenizer(text, return_offsets_mapping=True)
+    def target_importance(self, text: str, target_tokenizer, add_special_tokens: bool = True
+                          ) -> tuple[list[int], torch.Tensor]:
+        """The target's token ids of ``text`` and the importance of each, mapped from the draft through characters.
+        ``add_special_tokens=False`` for text that already holds them (a chat-templated prompt)."""
+        target = target_tokenizer(text, return_offsets_mapping=True, add_special_tokens=add_special_tokens)
         if _same_tokenizer(target_tokenizer, self.draft_tokenizer):
             return target["input_ids"], self.draft_importance(torch.tensor(target["input_ids"]))
         draft = self.draft_tokenizer(text, return_offsets_mapping=True)
@@ -81,33 +99,36 @@ class SpecPrefill:
         return target["input_ids"], map_by_characters(draft["offset_mapping"], importance, target["offset_mapping"])
 
     def choose(self, importance: torch.Tensor) -> torch.Tensor:
-        """Sorted indices of the kept target tokens."""
+        """Sorted indices of the kept target tokens: the top ``ceil(chunks x keep)`` whole chunks (or
+        ``ceil(n x keep)`` tokens), plus the forced ones when ``tail``/``keep_first`` ask for them. Equal scores keep
+        the earlier chunk."""
         n = len(importance)
-        forced = torch.zeros(n, dtype=torch.bool)
-        forced[max(0, n - self.tail):] = True
-        forced[0] = True
-        budget = max(int(forced.sum()), math.ceil(self.keep * n))
-        if self.chunk_size:
-            chunks = torch.arange(n) // self.chunk_size
-            chunk_score = torch.zeros(int(chunks.max()) + 1).index_add_(0, chunks, importance)
-            chunk_score /= torch.bincount(chunks).float()
-            scores = chunk_score[chunks]
-        else:
-            scores = importance.clone()
-        scores = scores.masked_fill(forced, math.inf)
-        # Stable: equal scores keep the earlier tokens; whole chunks are ranked together.
-        order = scores.sort(descending=True, stable=True).indices[:budget]
-        return order.sort().values
+        size = self.chunk_size or 1
+        chunks = torch.arange(n) // size
+        count = int(chunks.max()) + 1
+        chunk_score = torch.zeros(count).index_add_(0, chunks, importance.float()) / torch.bincount(chunks).float()
+        forced = torch.zeros(count, dtype=torch.bool)
+        if self.tail:
+            forced[chunks[max(0, n - self.tail):]] = True
+        if self.keep_first:
+            forced[0] = True
+        budget = max(int(forced.sum()), math.ceil(count * self.keep))
+        order = chunk_score.masked_fill(forced, math.inf).sort(descending=True, stable=True).indices[:budget]
+        kept = torch.zeros(count, dtype=torch.bool)
+        kept[order] = True
+        return torch.nonzero(kept[chunks]).flatten()
 
-    def select(self, texts: list[str], target_tokenizer, pad_token_id: int, max_tokens: int | None = None):
+    def select(self, texts: list[str], target_tokenizer, pad_token_id: int, max_tokens: int | None = None,
+               add_special_tokens: list[bool] | None = None):
         """Left-padded kept ids, attention mask and ORIGINAL position ids for the target, plus per-prompt stats.
 
         More than ``max_tokens`` kept tokens are cut from the left (the end of the prompt stays).
         """
         rows, stats = [], []
-        for text in texts:
+        special = add_special_tokens or [True] * len(texts)
+        for text, add in zip(texts, special):
             start = time.perf_counter()
-            ids, importance = self.target_importance(text, target_tokenizer)
+            ids, importance = self.target_importance(text, target_tokenizer, add)
             kept = self.choose(importance).tolist()
             truncated = max_tokens is not None and len(kept) > max_tokens
             kept = kept[-max_tokens:] if truncated else kept
@@ -119,6 +140,19 @@ class SpecPrefill:
         mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i, _ in rows])
         positions = torch.tensor([[1] * (width - len(p)) + p for _, p in rows])
         return input_ids, mask, positions, stats
+
+
+def _prompt_attention(attentions, n: int) -> torch.Tensor:
+    """``[layers, heads, n]``: the last query's attention renormalized over the first ``n`` (prompt) keys, which is
+    the softmax over those keys alone (the reference's look-ahead queries attend to the context only)."""
+    rows = torch.stack([a[0, :, -1, :n] for a in attentions]).float()
+    return rows / rows.sum(dim=-1, keepdim=True)
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = getattr(model.generation_config, "eos_token_id", None)
+    ids = ids if isinstance(ids, (list, tuple)) else [ids]
+    return {int(i) for i in [*ids, getattr(tokenizer, "eos_token_id", None)] if i is not None}
 
 
 def _same_tokenizer(a, b) -> bool:

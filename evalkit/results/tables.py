@@ -24,6 +24,10 @@ import pyarrow.parquet as pq
 CONFIG_COLUMNS: dict[str, pa.DataType] = {
     "run_id": pa.string(),
     "model": pa.string(),
+    "model_pretrained": pa.string(),
+    "model_source": pa.string(),  # hub:<id>@<commit> or local:sha256:<fingerprint of weights, config, tokenizer>
+    "apply_chat_template": pa.bool_(),
+    "chat_template_sha": pa.string(),
     "method": pa.string(),
     "budget": pa.string(),
     "capacity": pa.int64(),
@@ -48,6 +52,14 @@ CONFIG_COLUMNS: dict[str, pa.DataType] = {
     "batch_size": pa.int64(),
     "dtype": pa.string(),
     "device": pa.string(),
+    "device_class": pa.string(),
+    "bad_rows": pa.string(),
+    "policy_params": pa.string(),  # every field of the policy, JSON
+    "spec_prefill": pa.string(),  # every speculative prefill setting, JSON
+    "draft_source": pa.string(),
+    "dataset_source": pa.string(),  # hub:<id>@<commit> or local:sha256:<fingerprint>
+    "task_definition": pa.string(),  # fingerprint of the task's folder (YAML + hooks)
+    "config_digest": pa.string(),  # over all of the above: what skip/resume compare
     "evalkit_version": pa.string(),
     "torch_version": pa.string(),
     "transformers_version": pa.string(),

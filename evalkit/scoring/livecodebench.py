@@ -1,20 +1,28 @@
 """LiveCodeBench code generation: official prompts and extraction, tests run in :mod:`evalkit.sandbox`.
 
-Every program runs in the sandbox, one process per test. Verdicts are decided here, in the harness, from the
-program's output: a program cannot fake a pass by exiting early, patching builtins or printing a marker, because the
-expected outputs never enter its process.
+Every program runs in the sandbox, one process per program over all of a problem's tests, with lcb_runner's
+prelude, rewriting and comparisons (see :data:`PRELUDE` and the driver). Verdicts are decided here, in the harness,
+from what the program produced: a program cannot fake a pass by exiting early, patching builtins or printing a marker,
+because the expected outputs never enter its process.
 """
 
 from __future__ import annotations
 
+import ast
 import base64
+import contextlib
+import dataclasses
+import datetime as dt
 import json
 import math
 import pickle
 import secrets
+import sys
 import zlib
+from decimal import Decimal, InvalidOperation
 
 from evalkit import sandbox
+from evalkit.scoring.data import RowError, require_text
 
 HUB_REPO = "livecodebench/code_generation_lite"
 RELEASE_FILES = {f"release_v{n}": ["test.jsonl"] + [f"test{i}.jsonl" for i in range(2, n + 1)] for n in range(1, 7)}
@@ -36,32 +44,116 @@ def release_sources(release: str) -> list[str]:
 
 
 def decode_tests(field: str) -> list[dict]:
-    """Test cases from their JSON string, or from the compressed form: base64 -> zlib -> pickle -> JSON string."""
+    """Test cases from their JSON string, or from the compressed form: base64 -> zlib -> pickle -> JSON string.
+
+    The pickle comes from the dataset, as in lcb_runner (data, not model output)."""
+    if not isinstance(field, str):
+        raise RowError("test cases", f"must be a string, got {type(field).__name__}")
     try:
         tests = json.loads(field)
     except json.JSONDecodeError:
-        tests = json.loads(pickle.loads(zlib.decompress(base64.b64decode(field.encode("utf-8")))))
-    if not isinstance(tests, list) or any(not {"input", "output", "testtype"} <= set(t) for t in tests):
-        raise ValueError("test cases must be a list of {input, output, testtype}")
+        try:
+            tests = json.loads(pickle.loads(zlib.decompress(base64.b64decode(field.encode("utf-8")))))
+        except Exception as error:  # noqa: BLE001 (binascii, zlib, pickle and JSON each raise their own)
+            raise RowError("test cases", f"neither JSON nor base64/zlib/pickle-encoded JSON ({type(error).__name__})") from None
+    if not isinstance(tests, list) or any(not isinstance(t, dict) or not {"input", "output", "testtype"} <= set(t)
+                                          for t in tests):
+        raise RowError("test cases", "must be a list of {input, output, testtype}")
     return tests
 
 
+def contest_datetime(value) -> dt.datetime:
+    """``contest_date`` as lcb_runner reads it (``datetime.fromisoformat``)."""
+    if isinstance(value, dt.datetime):
+        return value
+    try:
+        return dt.datetime.fromisoformat(str(value))
+    except ValueError:
+        raise RowError("contest_date", f"not an ISO date/time: {value!r}") from None
+
+
+def in_window(contest: dt.datetime, start_date: str | None, end_date: str | None) -> bool:
+    """lcb_runner's filter: ``start <= contest_date <= end`` on full datetimes, the bounds read as ``%Y-%m-%d``
+    (midnight), so a contest at 10:00 on the end date is outside."""
+    start = dt.datetime.strptime(str(start_date), "%Y-%m-%d") if start_date else None
+    end = dt.datetime.strptime(str(end_date), "%Y-%m-%d") if end_date else None
+    return (start is None or start <= contest) and (end is None or contest <= end)
+
+
+def is_date(value) -> bool:
+    try:
+        dt.datetime.strptime(str(value), "%Y-%m-%d")
+        return True
+    except ValueError:
+        return False
+
+
 def prepare(row: dict) -> dict:
-    """Check a raw row, decode its tests and add the fields the task uses."""
-    missing = [key for key in REQUIRED if key not in row]
-    if missing:
-        raise ValueError(f"LiveCodeBench row {row.get('question_id', '?')} lacks fields {missing}")
-    tests = decode_tests(row["public_test_cases"]) + decode_tests(row["private_test_cases"])
-    metadata = json.loads(row["metadata"] or "{}")
+    """Check a raw row, decode its tests and add the fields the task uses; :class:`RowError` names what is wrong."""
+    require_text(row, tuple(key for key in REQUIRED if key != "contest_date"))
+    if row.get("contest_date") is None:
+        raise RowError("contest_date", "missing")
+    contest = contest_datetime(row["contest_date"])
+    public = _field_tests(row, "public_test_cases")
+    tests = public + _field_tests(row, "private_test_cases")
+    try:
+        metadata = json.loads(row["metadata"] or "{}")
+    except json.JSONDecodeError:
+        raise RowError("metadata", "not valid JSON") from None
+    if not isinstance(metadata, dict):
+        raise RowError("metadata", "must be a JSON object")
     functional = any(test["testtype"] == "functional" for test in tests)
     if functional and not metadata.get("func_name"):
-        raise ValueError(f"LiveCodeBench row {row['question_id']}: functional tests but no func_name in metadata")
-    return {**row, "tests": json.dumps(tests), "func_name": metadata.get("func_name") or "",
-            "contest_day": str(row["contest_date"])[:10]}
+        raise RowError("metadata", "functional tests but no func_name")
+    return {**row, "contest_date": contest.isoformat(), "tests": json.dumps(tests),
+            "func_name": metadata.get("func_name") or ""}  # lcb_runner: a func_name makes every test call-based
+
+
+def _field_tests(row: dict, field: str) -> list[dict]:
+    try:
+        return decode_tests(row[field])
+    except RowError as error:
+        raise RowError(field, str(error).split(": ", 1)[-1]) from None
+
+
+# lcb_runner/prompts/code_generation.py: the generic style (OpenAI-style chat: system message + user turn, stop
+# "###") and the DeepSeek-R1 style (one raw prompt string with R1's own tokens, no system message, no chat template).
+SYSTEM_MESSAGE_GENERIC = (
+    "You are an expert Python programmer. You will be given a question (problem specification) and will generate a "
+    "correct Python program that matches the specification and passes all tests."
+)
+SYSTEM_MESSAGE_DEEPSEEK_R1 = (
+    "<｜begin▁of▁sentence｜>A conversation between User and Assistant. The user asks a question, and the Assistant "
+    "solves it. The assistant first thinks about the reasoning process in the mind and then provides the user with "
+    "the answer. The reasoning process and answer are enclosed within <think> </think> and <answer> </answer> tags, "
+    "respectively, i.e., <think> reasoning process here </think> <answer> answer here </answer>.<｜User｜>"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptStyle:
+    system_instruction: str | None  # the system turn (None: none)
+    chat_template: bool  # whether the model's chat template wraps the prompt
+    until: tuple[str, ...]  # stop strings of the official runner for this style
+
+
+PROMPT_STYLES = {
+    "generic": PromptStyle(SYSTEM_MESSAGE_GENERIC, True, ("###",)),
+    "deepseek_r1": PromptStyle(None, False, ()),
+}
 
 
 def prompt(doc: dict) -> str:
-    """The official user turn (lcb_runner's generic template)."""
+    """The official prompt of ``doc["prompt_style"]`` (default generic): the user turn, or R1's whole raw prompt."""
+    style = doc.get("prompt_style") or "generic"
+    if style == "deepseek_r1":
+        text = ("You will be given a question (problem specification) and will generate a correct Python program that "
+                f"matches the specification and passes all tests.\n\nQuestion: {doc['question_content']}\n\n")
+        if doc["starter_code"]:
+            text += f"{WITH_STARTER}\n```python\n{doc['starter_code']}\n```\n\n"
+        else:
+            text += f"{WITHOUT_STARTER}\n```python\n# YOUR CODE HERE\n```\n\n"
+        return SYSTEM_MESSAGE_DEEPSEEK_R1 + text + "<｜Assistant｜>"
     text = f"### Question:\n{doc['question_content']}\n\n"
     if doc["starter_code"]:
         text += f"### Format: {WITH_STARTER}\n```python\n{doc['starter_code']}\n```\n\n"
@@ -79,73 +171,274 @@ def extract_code(response: str) -> str | None:
     return "\n".join(lines[fences[-2] + 1 : fences[-1]])
 
 
-_CALL_DRIVER = """
-import json, sys
-_arguments = [json.loads(line) for line in sys.stdin.read().split("\\n") if line.strip()]
-{code}
-_holder = Solution() if "Solution" in globals() else None
-_function = getattr(_holder, {name!r}) if _holder is not None else globals()[{name!r}]
-_result = _function(*_arguments)
-sys.stdout.write("\\n{marker}" + json.dumps(_result))
+# lcb_runner/evaluation/testing_util.py `import_string`, exactly: every program runs after these lines.
+PRELUDE = (
+    "from string import *\nfrom re import *\nfrom datetime import *\nfrom collections import *\nfrom heapq import *\n"
+    "from bisect import *\nfrom copy import *\nfrom math import *\nfrom random import *\nfrom statistics import *\n"
+    "from itertools import *\nfrom functools import *\nfrom operator import *\nfrom io import *\nfrom sys import *\n"
+    "from json import *\nfrom builtins import *\nfrom typing import *\nimport string\nimport re\nimport datetime\n"
+    "import collections\nimport heapq\nimport bisect\nimport copy\nimport math\nimport random\nimport statistics\n"
+    "import itertools\nimport functools\nimport operator\nimport io\nimport sys\nimport json\n"
+    "sys.setrecursionlimit(50000)\n"
+)
+INT_MAX_STR_DIGITS = 50000  # compute_code_generation_metrics.py: sys.set_int_max_str_digits(50000)
+
+# Runs inside the sandbox, one process per program and problem, as lcb_runner's grade_stdio / grade_call_based run a
+# program over all of a problem's tests in one process: the same rewriting of stdin programs (clean_if_name,
+# make_function), the same mocked stdin and captured stdout, the same module namespace ("tmp_sol", a `Solution()`
+# instance when the code says `class Solution`), a per-test alarm. What a test produced goes back to the harness as
+# one line per test after a random marker; expected outputs never enter this process.
+_DRIVER = r"""
+import ast, json, signal, sys, types
+from io import StringIO
+from unittest.mock import mock_open, patch
+sys.set_int_max_str_digits(__DIGITS__)
+_MARKER, _KIND, _NAME, _TIMEOUT, _PRELUDE, _SOURCE = __SETTINGS__
+_TESTS = json.loads(sys.stdin.read())
+
+
+def clean_if_name(code):
+    try:
+        astree = ast.parse(code)
+        last_block = astree.body[-1]
+        if isinstance(last_block, ast.If):
+            condition = last_block.test
+            if ast.unparse(condition).strip() == "__name__ == '__main__'":
+                code = ast.unparse(astree.body[:-1]) + "\n" + ast.unparse(last_block.body)
+    except:
+        pass
+    return code
+
+
+def make_function(code):
+    try:
+        import_stmts, all_other_stmts = [], []
+        astree = ast.parse(code)
+        for stmt in astree.body:
+            (import_stmts if isinstance(stmt, (ast.Import, ast.ImportFrom)) else all_other_stmts).append(stmt)
+        function_ast = ast.FunctionDef(name="wrapped_function", args=ast.arguments(posonlyargs=[], args=[], kwonlyargs=[],
+                                       kw_defaults=[], defaults=[]), body=all_other_stmts, decorator_list=[], lineno=-1)
+        return _PRELUDE + "\n" + ast.unparse(import_stmts) + "\n" + ast.unparse(function_ast)
+    except Exception:
+        return code
+
+
+class MockBuffer:
+    def __init__(self, inputs):
+        self.inputs = inputs.encode("utf-8")
+
+    def read(self, *args):
+        return self.inputs
+
+    def readline(self, *args):
+        return self.inputs.split(b"\n")[0] + b"\n"
+
+
+class MockStdinWithBuffer:
+    def __init__(self, inputs):
+        self.inputs = inputs
+        self._stringio = StringIO(inputs)
+        self.buffer = MockBuffer(inputs)
+
+    def read(self, *args):
+        return self.inputs
+
+    def readline(self, *args):
+        return self._stringio.readline(*args)
+
+    def readlines(self, *args):
+        return self.inputs.split("\n")
+
+    def __getattr__(self, name):
+        return getattr(self._stringio, name)
+
+
+def call_method(method, inputs):
+    inputs_line_iterator = iter(inputs.split("\n"))
+    mock_stdin = MockStdinWithBuffer(inputs)
+
+    @patch("builtins.open", mock_open(read_data=inputs))
+    @patch("sys.stdin", mock_stdin)
+    @patch("sys.stdin.readline", lambda *args: next(inputs_line_iterator))
+    @patch("sys.stdin.readlines", lambda *args: inputs.split("\n"))
+    @patch("sys.stdin.read", lambda *args: inputs)
+    def _inner_call_method(_method):
+        try:
+            return _method()
+        except SystemExit:
+            pass
+
+    return _inner_call_method(method)
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise _Timeout
+
+
+_out = sys.stdout
+signal.signal(signal.SIGALRM, _alarm)
+
+
+def _report(index, status, value=None):
+    _out.write("\n" + _MARKER + json.dumps({"test": index, "status": status, "value": value}) + "\n")
+    _out.flush()
+
+
+code = _PRELUDE + "\n\n" + _SOURCE if _KIND == "functional" else make_function(clean_if_name(_SOURCE))
+signal.alarm(int(_TIMEOUT))
+try:
+    module = types.ModuleType("tmp_sol", "")
+    exec(code, module.__dict__)
+    holder = module.Solution() if "class Solution" in code else module
+finally:
+    signal.alarm(0)
+method = getattr(holder, _NAME if _KIND == "functional" else "wrapped_function", None)
+if method is None:
+    _report(0, "no_function")
+    sys.exit(0)
+for index, test_input in enumerate(_TESTS):
+    signal.alarm(int(_TIMEOUT))
+    try:
+        if _KIND == "functional":
+            prediction = method(*[json.loads(line) for line in test_input.split("\n")])
+            if isinstance(prediction, tuple):
+                prediction = list(prediction)
+            signal.alarm(0)
+            _report(index, "ok", repr(prediction))
+        else:
+            captured = StringIO()
+            captured.close = lambda *args: 1
+            sys.stdout = captured
+            try:
+                call_method(method, test_input)
+            finally:
+                sys.stdout = _out
+            signal.alarm(0)
+            _report(index, "ok", captured.getvalue())
+    except _Timeout:
+        _report(index, "timeout")
+        break
+    except BaseException as error:
+        signal.alarm(0)
+        _report(index, "error", type(error).__name__)
+        break
+    finally:
+        signal.alarm(0)
 """
 
 
+def driver(code: str, kind: str, func_name: str, timeout_s: float, marker: str) -> str:
+    """The sandboxed program that runs ``code`` over a problem's test inputs (given as JSON on stdin)."""
+    settings = repr((marker, kind, func_name, max(1, round(timeout_s)), PRELUDE, code))
+    return _DRIVER.replace("__DIGITS__", str(INT_MAX_STR_DIGITS)).replace("__SETTINGS__", settings, 1)
+
+
+def _stripped_lines(text: str) -> list[str]:
+    return [line.strip() for line in text.strip().split("\n")]
+
+
+def _decimals(line: str) -> list[Decimal] | None:
+    try:
+        return [Decimal(element) for element in line.split()]
+    except (InvalidOperation, ValueError):
+        return None
+
+
 def _stdout_matches(output: str, expected: str) -> bool:
-    """Official stdin/stdout rule: stripped lines equal, else equal as numbers line by line."""
-    got, want = output.strip().split("\n"), expected.strip().split("\n")
+    """lcb_runner's grade_stdio: stripped lines, equal line by line, else element-wise equal as ``Decimal`` (exactly:
+    ``1.0`` equals ``1``, ``1.0000000001`` does not)."""
+    got, want = _stripped_lines(output), _stripped_lines(expected)
     if len(got) != len(want):
         return False
     for line_got, line_want in zip(got, want):
-        if line_got.strip() == line_want.strip():
+        if line_got == line_want:
             continue
-        try:
-            numbers_got = [float(x) for x in line_got.split()]
-            numbers_want = [float(x) for x in line_want.split()]
-        except ValueError:
-            return False
-        if len(numbers_got) != len(numbers_want) or not all(
-            math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9) for a, b in zip(numbers_got, numbers_want)
-        ):
+        numbers_got, numbers_want = _decimals(line_got), _decimals(line_want)
+        if numbers_got is None or numbers_want is None or numbers_got != numbers_want:
             return False
     return True
 
 
-def _job(code: str, func_name: str, test: dict, timeout_s: float, memory_mb: int) -> tuple[dict, str | None]:
-    if test["testtype"] == "functional":
-        marker = f"@@evalkit-result-{secrets.token_hex(8)}@@"
-        driver = _CALL_DRIVER.format(code=code, name=func_name, marker=marker)
-        return {"code": driver, "stdin": test["input"], "timeout_s": timeout_s, "memory_mb": memory_mb}, marker
-    return {"code": code, "stdin": test["input"], "timeout_s": timeout_s, "memory_mb": memory_mb}, None
-
-
-def _passed(result: sandbox.SandboxResult, test: dict, marker: str | None) -> bool:
-    if result.status != "ok":
-        return False
-    if marker is None:
-        return _stdout_matches(result.stdout, test["output"])
-    head, found, payload = result.stdout.rpartition(marker)
-    if not found:
-        return False
+def _call_matches(prediction_repr: str, expected: str) -> bool:
+    """lcb_runner's grade_call_based: the returned value (a top-level tuple made a list) ``==`` the JSON-decoded
+    expected output. The value comes back as its ``repr``, read with ``ast.literal_eval`` (never executed)."""
     try:
-        return json.loads(payload) == json.loads(test["output"])
-    except json.JSONDecodeError:
+        prediction = ast.literal_eval(prediction_repr)
+        return prediction == json.loads(expected)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         return False
 
 
-def run_tests(code: str, doc: dict, timeout_s: float = 6.0, memory_mb: int = 2048, workers: int | None = None) -> dict:
-    """Run every test of ``doc`` on ``code`` in the sandbox, a pool's worth at a time, stopping after a failure."""
+@contextlib.contextmanager
+def _int_digits(limit: int):
+    """Big integers in test outputs convert as in the official harness (the default limit is 4300 digits)."""
+    previous = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(limit)
+    try:
+        yield
+    finally:
+        sys.set_int_max_str_digits(previous)
+
+
+def _verdicts(result: sandbox.SandboxResult, tests: list[dict], marker: str) -> list[str]:
+    """One verdict per test, in order, up to the first that did not pass (as the official grader stops there)."""
+    reports: dict[int, dict] = {}
+    for line in result.stdout.split("\n"):
+        if line.startswith(marker):
+            try:
+                record = json.loads(line[len(marker):])
+                reports[int(record["test"])] = record
+            except (ValueError, KeyError, TypeError):
+                continue
+    verdicts = []
+    with _int_digits(INT_MAX_STR_DIGITS):
+        for index, test in enumerate(tests):
+            record = reports.get(index)
+            if record is None:
+                verdicts.append(result.status if result.status != "ok" else "no_result")
+            elif record["status"] != "ok" or not isinstance(record.get("value"), str):
+                verdicts.append(str(record["status"]))
+            elif test["testtype"] == "functional":
+                verdicts.append("passed" if _call_matches(record["value"], test["output"]) else "wrong")
+            else:
+                verdicts.append("passed" if _stdout_matches(record["value"], test["output"]) else "wrong")
+            if verdicts[-1] != "passed":
+                break
+    return verdicts
+
+
+def _job(code: str, doc: dict, timeout_s: float, memory_mb: int) -> tuple[dict, str]:
     tests = json.loads(doc["tests"])
-    jobs = [_job(code, doc["func_name"], test, timeout_s, memory_mb) for test in tests]
-    workers = workers or sandbox.default_workers()
-    statuses: list[str] = []
-    for start in range(0, len(jobs), workers):
-        batch = jobs[start : start + workers]
-        results = sandbox.run_many([job for job, _ in batch], workers=workers)
-        for (_, marker), test, result in zip(batch, tests[start:], results):
-            statuses.append("passed" if _passed(result, test, marker) else result.status if result.status != "ok" else "wrong")
-        if any(status != "passed" for status in statuses):
-            break
-    return {"passed": len(statuses) == len(tests) and all(s == "passed" for s in statuses), "statuses": statuses}
+    kind = "functional" if doc["func_name"] else "stdin"
+    marker = f"@@evalkit-{secrets.token_hex(16)}@@"
+    # lcb_runner's global timeout for one program over all tests: (timeout + 1) * tests + 5 seconds.
+    total = (timeout_s + 1) * len(tests) + 5
+    program = driver(code, kind, doc["func_name"], timeout_s, marker)
+    return {"code": program, "stdin": json.dumps([t["input"] for t in tests]), "timeout_s": total,
+            "memory_mb": memory_mb}, marker
+
+
+def run_tests(code: str, doc: dict, timeout_s: float = 6.0, memory_mb: int = 2048) -> dict:
+    """Run every test of ``doc`` on ``code`` in one sandboxed process (as the official grader does)."""
+    (result,) = run_programs([code], doc, timeout_s, memory_mb)
+    return result
+
+
+def run_programs(codes: list[str], doc: dict, timeout_s: float = 6.0, memory_mb: int = 2048,
+                 workers: int | None = None) -> list[dict]:
+    """:func:`run_tests` for several programs of one problem, on a pool of sandboxes."""
+    tests = json.loads(doc["tests"])
+    jobs = [_job(code, doc, timeout_s, memory_mb) for code in codes]
+    results = sandbox.run_many([job for job, _ in jobs], workers=workers) if jobs else []
+    out = []
+    for (_, marker), result in zip(jobs, results):
+        verdicts = _verdicts(result, tests, marker)
+        out.append({"passed": len(verdicts) == len(tests) and all(v == "passed" for v in verdicts), "statuses": verdicts})
+    return out
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -157,7 +450,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def score(doc: dict, responses: list[str], timeout_s: float = 6.0, ks: tuple[int, ...] = (1, 5, 10)) -> dict:
     codes = [extract_code(response) for response in responses]
-    passed = [code is not None and run_tests(code, doc, timeout_s)["passed"] for code in codes]
+    runnable = [code for code in codes if code is not None]
+    verdicts = iter(run_programs(runnable, doc, timeout_s))
+    passed = [code is not None and next(verdicts)["passed"] for code in codes]
     n, c = len(responses), sum(passed)
     metrics = {f"pass@{k}": pass_at_k(n, c, k) if k <= n else math.nan for k in ks}  # undefined with fewer samples
     metrics["extraction_failed"] = sum(code is None for code in codes) / n

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 from evalkit.lm import CONTEXT_END
+from evalkit.scoring.data import RowError, require_text
 
 HUB_ID = "THUDM/LongBench-v2"
 CHOICES = "What is the correct answer to this question: $Q$\nChoices:\n(A) $C_A$\n(B) $C_B$\n(C) $C_C$\n(D) $C_D$\n\n"
@@ -51,12 +52,12 @@ def extract_answer(response: str) -> str | None:
     return None
 
 
-def check_row(row: dict) -> None:
-    missing = [key for key in REQUIRED if key not in row]
-    if missing:
-        raise ValueError(f"LongBench-v2 row {row.get('_id', '?')} lacks fields {missing}")
+def check_row(row: dict) -> dict:
+    """The row, if it has every field the protocol reads with the right type; else :class:`RowError`."""
+    require_text(row, REQUIRED)
     if row["answer"] not in ("A", "B", "C", "D"):
-        raise ValueError(f"LongBench-v2 row {row['_id']}: answer must be A-D, got {row['answer']!r}")
+        raise RowError("answer", f"must be A, B, C or D, got {row['answer']!r}")
+    return row
 
 
 def score(doc: dict, response: str) -> dict:

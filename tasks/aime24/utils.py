@@ -3,11 +3,11 @@
 import datasets
 
 from evalkit.scoring import aime, all_responses, keep_all_samples  # noqa: F401 (the filter named in the YAML)
-from evalkit.scoring.data import load_rows
+from evalkit.scoring.data import checked_rows, load_rows
 
 
-def load(path=aime.HUB_IDS[0], **_metadata):
-    rows = [aime.normalize_row(row) for row in load_rows(path, split="train")]
+def load(path=aime.HUB_IDS[0], bad_rows="error", **_options):
+    rows = checked_rows(load_rows(path, split="train"), path, aime.normalize_row, bad_rows)
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
 
 

@@ -4,18 +4,23 @@ import datasets
 
 from evalkit.scoring import all_responses, keep_all_samples  # noqa: F401 (the filter named in the YAML)
 from evalkit.scoring import livecodebench as lcb
-from evalkit.scoring.data import load_rows
+from evalkit.scoring.data import DataError, checked_rows, load_rows
 
 
-def load(release="release_v6", path=None, start_date=None, end_date=None, timeout_s=6, **_metadata):
-    rows = load_rows(path or lcb.release_sources(release))
-    rows = [lcb.prepare(row) for row in rows]
-    rows = [row for row in rows if (not start_date or row["contest_day"] >= str(start_date))
-            and (not end_date or row["contest_day"] <= str(end_date))]
+def load(release="release_v6", path=None, start_date=None, end_date=None, timeout_s=6, prompt_style="generic",
+         bad_rows="error", **_options):
+    if prompt_style not in lcb.PROMPT_STYLES:
+        raise DataError(f"unknown prompt_style {prompt_style!r}; choose one of {sorted(lcb.PROMPT_STYLES)}")
+    for name, bound in (("start_date", start_date), ("end_date", end_date)):
+        if bound is not None and not lcb.is_date(bound):
+            raise DataError(f"task.dataset.{name} must be YYYY-MM-DD, got {bound!r}")
+    source = path or lcb.release_sources(release)
+    rows = checked_rows(load_rows(source), source, lcb.prepare, bad_rows, id_field="question_id")
+    rows = [row for row in rows if lcb.in_window(lcb.contest_datetime(row["contest_date"]), start_date, end_date)]
     if not rows:
-        raise ValueError(f"no LiveCodeBench problems between {start_date} and {end_date}")
+        raise DataError(f"no LiveCodeBench problems between {start_date} and {end_date}")
     for row in rows:
-        row["id"], row["timeout_s"] = row["question_id"], float(timeout_s)
+        row["id"], row["timeout_s"], row["prompt_style"] = row["question_id"], float(timeout_s), prompt_style
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
 
 

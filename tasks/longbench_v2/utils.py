@@ -5,21 +5,20 @@ import json
 import datasets
 
 from evalkit.scoring import longbench
-from evalkit.scoring.data import load_rows
+from evalkit.scoring.data import checked_rows, load_rows
 
 
-def load(path=longbench.HUB_ID, cot=False, reasoning_file=None, reasoning_max_gen_toks=1024, **_metadata):
+def load(path=longbench.HUB_ID, cot=False, reasoning_file=None, reasoning_max_gen_toks=1024, bad_rows="error",
+         **_metadata):
     """``cot``: the two-call protocol; the runner first runs the reasoning call, then passes its ``reasoning_file``."""
-    rows = load_rows(path, split="train")
-    for row in rows:
-        longbench.check_row(row)
+    rows = checked_rows(load_rows(path, split="train"), path, longbench.check_row, bad_rows, id_field="_id")
     reasoning = {}
     if reasoning_file:
         with open(reasoning_file, encoding="utf-8") as handle:
             reasoning = {r["id"]: r["reasoning"] for r in map(json.loads, handle)}
     mode = "answer" if cot and reasoning_file else "reasoning" if cot else "zero_shot"
-    return datasets.DatasetDict({"test": rows.map(
-        lambda row: {"id": row["_id"], "prompt_mode": mode, "reasoning": reasoning.get(row["_id"], "")})})
+    rows = [{**row, "id": row["_id"], "prompt_mode": mode, "reasoning": reasoning.get(row["_id"], "")} for row in rows]
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
 
 
 def doc_to_text(doc):

@@ -15,14 +15,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from evalkit.paths import conf_dir
-from evalkit.runner import (
-    ConfigError,
-    InvalidCombination,
-    completed_runs,
-    run,
-    summary,
-    validate,
-)
+from evalkit.runner import ConfigError, Interrupted, RunError, completed_runs, run, summary, validate
 
 
 def method_was_chosen(overrides: list[str]) -> bool:
@@ -31,19 +24,26 @@ def method_was_chosen(overrides: list[str]) -> bool:
 
 
 def evaluate(cfg: DictConfig, overrides: list[str], sweeping: bool = False) -> None:
-    plain = OmegaConf.to_container(cfg, resolve=True)
+    """One job. A mistake is one line on stderr and exit status 2 with nothing written; in a sweep the job is
+    skipped with that line instead, so one bad pairing never stops the others. Ctrl-C exits 130, keeping what was
+    generated for the next start to resume."""
     try:
+        plain = OmegaConf.to_container(cfg, resolve=True)
         spec = validate(plain, method_explicit=method_was_chosen(overrides))
-    except InvalidCombination as error:
-        if not sweeping:
-            print(f"evalkit: config error: {error}", file=sys.stderr)
-            sys.exit(2)
-        print(f"evalkit: skipped in this sweep: {error}")
-        return
-    except ConfigError as error:
-        print(f"evalkit: config error: {error}", file=sys.stderr)
+        result = run(spec)
+    except (ConfigError, RunError) as error:
+        kind = "config error" if isinstance(error, ConfigError) else "error"
+        if sweeping:
+            print(f"evalkit: skipped in this sweep: {error}", flush=True)
+            return
+        print(f"evalkit: {kind}: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
-    result = run(spec)
+    except Interrupted as interrupted:
+        print(f"evalkit: {interrupted}", file=sys.stderr, flush=True)
+        sys.exit(130)
+    except KeyboardInterrupt:
+        print("evalkit: interrupted before any generation; nothing written", file=sys.stderr, flush=True)
+        sys.exit(130)
     if result is None:
         done = completed_runs(spec.results_dir, spec)
         print(f"skipped: this config already has results ({done[-1]}); resume=false runs it again")

@@ -5,6 +5,7 @@ The Hydra entry point (:mod:`evalkit.cli`) only composes the config and calls :f
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import datetime as dt
@@ -579,17 +580,20 @@ def _one_line(error: BaseException) -> str:
 
 
 def _check_writable(results_dir: Path) -> None:
-    """The results directory can take the tables: checked before the model loads, so a bad path costs nothing."""
-    existed = results_dir.exists()
+    """The results directory can take the tables: checked before the model loads, so a bad path costs nothing. The
+    check leaves nothing behind (folders it made are removed again)."""
+    made = [p for p in [results_dir, *results_dir.parents] if not p.exists()]
     try:
         results_dir.mkdir(parents=True, exist_ok=True)
         probe = results_dir / f".write-check-{uuid.uuid4().hex[:8]}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as error:
-        if not existed and results_dir.is_dir() and not any(results_dir.iterdir()):
-            results_dir.rmdir()
         raise RunError(f"results_dir {results_dir} is not writable: {error.strerror or error}") from None
+    finally:
+        for folder in made:  # deepest first
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
 
 def _chat_template_sha(tokenizer) -> str | None:

@@ -6,7 +6,7 @@ taken over these, so two runs that differ only in a model's weights or a dataset
 
 Local content is hashed in full (SHA-256) once; the hash is kept in ``$EVALKIT_CACHE/fingerprints.json`` (default
 ``~/.cache/evalkit``) keyed by path, size, modification time and inode, so a large checkpoint is read once, not on
-every run.
+every run (a file modified in the last two seconds is always read again).
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 SKIPPED_DIRS = {".git", ".cache", "__pycache__", ".ipynb_checkpoints"}
+RACY_SECONDS = 2.0
 
 
 class MissingSource(FileNotFoundError):
@@ -44,14 +46,18 @@ class _HashCache:
     def file_hash(self, path: Path) -> str:
         stat = path.stat()
         key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ino}"
-        if key not in self.entries:
-            digest = hashlib.sha256()
-            with open(path, "rb") as handle:
-                for block in iter(lambda: handle.read(1 << 22), b""):
-                    digest.update(block)
+        if key in self.entries:
+            return self.entries[key]
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 22), b""):
+                digest.update(block)
+        # A file changed within the clock's resolution could change again with the same key ("racy git"): such a
+        # file is hashed again next time rather than trusted from the cache.
+        if time.time() - stat.st_mtime > RACY_SECONDS:
             self.entries[key] = digest.hexdigest()
             self.changed = True
-        return self.entries[key]
+        return digest.hexdigest()
 
     def save(self) -> None:
         if not self.changed:

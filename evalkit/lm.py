@@ -256,29 +256,31 @@ class EvalkitLM(LM):
                 self.request_stats.setdefault(requests[index].args[0], []).append(record["stats"])
         todo = [i for i in range(len(requests)) if outputs[i] is None]
         order = sorted(todo, key=lambda i: -len(requests[i].args[0]))
-        progress = tqdm(total=len(requests), initial=len(requests) - len(todo), desc="generate", disable=disable_tqdm)
-        for start in range(0, len(order), self.batch_size):
-            chunk = order[start : start + self.batch_size]
-            # One batch shares its generation arguments; requests of one task do.
-            gen_kwargs = dict(requests[chunk[0]].args[1])
-            texts = [requests[i].args[0] for i in chunk]
-            # Sampling seed from the batch's own requests: reproducible, whatever ran before it.
-            seed = self.seed + int(keys[chunk[0]][:8], 16)
-            if self.compression_scope == "context" and any(CONTEXT_END in text for text in texts):
-                # The document/question split differs per prompt: one prompt at a time.
-                generated = [self._generate_batch([text], dict(gen_kwargs), seed) for text in texts]
-                generated = [(texts_out[0], stats[0]) for texts_out, stats in generated]
-            else:
-                texts_out, stats = self._generate_batch(texts, gen_kwargs, seed)
-                generated = list(zip(texts_out, stats))
-            for index, (text, stats) in zip(chunk, generated):
-                outputs[index] = text
-                self.request_stats.setdefault(requests[index].args[0], []).append(stats)
-            if self.progress is not None:
-                self.progress.add([{"key": keys[i], "text": text, "stats": stats} for i, (text, stats) in zip(chunk, generated)])
-            progress.update(len(chunk))
-        progress.close()
+        with tqdm(total=len(requests), initial=len(requests) - len(todo), desc="generate", disable=disable_tqdm) as bar:
+            for start in range(0, len(order), self.batch_size):
+                chunk = order[start : start + self.batch_size]
+                self._generate_chunk(requests, keys, chunk, outputs)
+                bar.update(len(chunk))
         return outputs
+
+    def _generate_chunk(self, requests, keys: list[str], chunk: list[int], outputs: list) -> None:
+        """Generate the requests ``chunk`` (indices) as one batch; record outputs, statistics and progress."""
+        # One batch shares its generation arguments; requests of one task do.
+        gen_kwargs = dict(requests[chunk[0]].args[1])
+        texts = [requests[i].args[0] for i in chunk]
+        # Sampling seed from the batch's own requests: reproducible, whatever ran before it.
+        seed = self.seed + int(keys[chunk[0]][:8], 16)
+        if self.compression_scope == "context" and any(CONTEXT_END in text for text in texts):
+            # The document/question split differs per prompt: one prompt at a time.
+            generated = [self._generate_batch([text], dict(gen_kwargs), seed) for text in texts]
+            generated = [(texts_out[0], stats[0]) for texts_out, stats in generated]
+        else:
+            generated = list(zip(*self._generate_batch(texts, gen_kwargs, seed)))
+        for index, (text, stats) in zip(chunk, generated):
+            outputs[index] = text
+            self.request_stats.setdefault(requests[index].args[0], []).append(stats)
+        if self.progress is not None:
+            self.progress.add([{"key": keys[i], "text": text, "stats": stats} for i, (text, stats) in zip(chunk, generated)])
 
     def _generate_batch(self, texts: list[str], gen_kwargs: dict, seed: int) -> tuple[list[str], list[dict]]:
         until = gen_kwargs.pop("until", None) or []

@@ -132,6 +132,38 @@ def adapter_parts(random_model_dir):
     return load_model(str(random_model_dir), device="cpu")
 
 
+@pytest.mark.slow
+def test_lm_eval_cli_runs_the_documented_command(tmp_path):
+    """The README's `lm_eval --model evalkit ...` as written (plus --limit), through lm-eval's own CLI, on the CPU."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from evalkit.paths import tasks_dir
+
+    executable = shutil.which("lm_eval", path=os.path.dirname(sys.executable))
+    assert executable, "lm-eval's CLI is not installed beside this python"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    result = subprocess.run(
+        [executable, "--model", "evalkit", "--model_args",
+         "pretrained=builtin:kv_retrieval_tiny,method=snapstream,budget=4x,max_context=256",
+         "--include_path", str(tasks_dir()), "--tasks", "kv_retrieval", "--limit", "8"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    row = next(line for line in result.stdout.splitlines() if line.startswith("|kv_retrieval"))
+    assert "exact_match" in row and float(row.split("|")[7]) >= 0.0
+    assert "'method': 'snapstream', 'budget': '4x'" in result.stdout
+
+
+def test_lm_eval_plugin_is_only_loaded_for_lm_eval():
+    from evalkit.lm_eval_plugin import is_lm_eval_cli
+
+    assert is_lm_eval_cli(["python", "/venv/bin/lm_eval", "--model", "evalkit"])
+    assert is_lm_eval_cli(["python", "/venv/bin/lm-eval", "run"]) and is_lm_eval_cli(["python", "-m", "lm_eval"])
+    assert not is_lm_eval_cli(["python", "-m", "pytest"]) and not is_lm_eval_cli(["python", "/venv/bin/evalkit"])
+
+
 def test_evalkit_is_a_registered_lm_eval_model():
     from lm_eval.api.registry import get_model
 

@@ -44,7 +44,7 @@ def test_pivots_and_deltas_against_the_full_cache(results_dir):
     assert low < -0.5 < high < 0  # 10 documents lost of 20: clearly below zero
     assert indexed.loc[("snapkv", "4x"), "paired_docs"] == 20
     assert bool(indexed.loc[("snapkv", "4x"), "memory_fits"]) and indexed.loc[("snapkv", "4x"), "onchip_ratio"] == 4.0
-    assert list(table["budget"][table["method"] == "snapkv"]) == ["2x", "4x", "8x"]
+    assert sorted(table["budget"][table["method"] == "snapkv"]) == ["2x", "4x", "8x"]
 
 
 def test_paired_bootstrap_of_identical_runs_is_zero():
@@ -55,13 +55,35 @@ def test_paired_bootstrap_of_identical_runs_is_zero():
 def test_report_writes_markdown_csv_and_a_plot(results_dir):
     paths = write_report(results_dir, iterations=200)
     markdown = paths["markdown"].read_text()
-    assert "| kv_retrieval | snapkv" in markdown and "delta" in markdown
+    assert "| kv_retrieval | tiny    | snapkv" in markdown and "delta" in markdown
     pivot = pd.read_csv(paths["pivot"])
-    assert list(pivot.columns[:3]) == ["task", "method", "window"] and {"2x", "4x", "8x"} <= set(pivot.columns)
+    assert list(pivot.columns) == ["task", "model", "method", "window", "full cache", "budget 2x", "budget 4x", "budget 8x"]
     snapkv = pivot[pivot["method"] == "snapkv"].set_index("window")
-    assert snapkv.loc["32", "4x"] == 0.8 and snapkv.loc["16", "8x"] == 0.6  # the swept window is a row of its own
-    assert pd.isna(snapkv.loc["32", "8x"]) and pd.isna(snapkv.loc["16", "4x"])
+    assert snapkv.loc["32", "budget 4x"] == 0.8 and snapkv.loc["16", "budget 8x"] == 0.6  # a swept window: its own row
+    assert pd.isna(snapkv.loc["32", "budget 8x"]) and pd.isna(snapkv.loc["16", "budget 4x"])
+    assert "`delta` = value - baseline, computed on the documents both runs scored" in markdown
     assert paths["plot"].stat().st_size > 10_000 and paths["plot"].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_runs_differing_in_any_config_column_are_never_averaged(tmp_path):
+    # Two snapkv 4x runs that differ only in `limit` (and their baselines): two rows, two cells, two lines.
+    for limit in (10, 20):
+        for method, budget, correct in (("full", None, 9), ("snapkv", "4x", 5 if limit == 10 else 8)):
+            run_id = f"{method}-{limit}"
+            config = {"run_id": run_id, "model": "tiny", "task": "kv_retrieval", "method": method, "budget": budget,
+                      "limit": limit}
+            samples = [{"doc_id": d, "sample_id": str(d), "repeat": 0, "score": float(d < correct)} for d in range(limit)]
+            metrics = [{"subset": "all", "metric": "exact_match", "value": correct / limit, "stderr": 0.1, "n": limit}]
+            write_table(samples_table(samples, config), tmp_path, "samples", run_id)
+            write_table(metrics_table(metrics, config), tmp_path, "metrics", run_id)
+    table = summarize(pd.read_parquet(tmp_path / "metrics"), pd.read_parquet(tmp_path / "samples"), 200)
+    snapkv = table[table["method"] == "snapkv"].set_index("limit")
+    assert snapkv.loc[10, "value"] == 0.5 and snapkv.loc[20, "value"] == 0.4  # not their mean, 0.45
+    assert snapkv.loc[10, "baseline"] == 0.9 and snapkv.loc[20, "baseline"] == 0.45  # each against its own baseline
+    assert snapkv.loc[10, "paired_docs"] == 10 and snapkv.loc[20, "paired_docs"] == 20
+    paths = write_report(tmp_path, iterations=200)
+    pivot = pd.read_csv(paths["pivot"])
+    assert sorted(pivot[pivot["method"] == "snapkv"]["budget 4x"]) == [0.4, 0.5]
 
 
 def test_report_command_refuses_a_folder_without_results(tmp_path):

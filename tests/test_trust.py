@@ -74,6 +74,7 @@ def test_fingerprint_reads_content_not_names(tmp_path):
     assert source_identity("org/model").startswith("hub:org/model@")
 
 
+@pytest.mark.slow
 def test_runs_differing_only_in_the_model_never_share_state(tmp_path, random_model_dir, other_model_dir):
     results = tmp_path / "results"
     common = ["task=kv_retrieval", "limit=3", f"results_dir={results}"]

@@ -19,9 +19,27 @@ import pandas as pd
 from .tables import read_table
 
 PRIMARY = {"kv_retrieval": "exact_match", "longbench_v2": "accuracy", "aime24": "pass@1", "livecodebench": "pass@1"}
-SECONDARY = {"realized_ratio_mean", "extraction_failed"}
-SWEEP_AXES = ["window", "kernel_size", "pooling", "sink", "recent", "compression_scope"]
-RUN_KEYS = ["model", "task", "method", "budget"]
+SECONDARY = {"realized_ratio_mean", "extraction_failed", "rows_skipped"}
+RUN_KEYS = ["task", "model", "method", "budget"]
+# Columns that say nothing about what was evaluated: never a reason to keep runs apart.
+BOOKKEEPING = {"run_id", "started_at", "evalkit_version", "torch_version", "transformers_version", "lm_eval_version",
+               "git_revision", "config_digest", "chat_template_sha"}
+# What the compression method is made of: the full-cache baseline of a run agrees with it on everything else.
+METHOD_COLUMNS = {"method", "budget", "capacity", "window", "kernel_size", "pooling", "gqa_reduce", "sink", "recent",
+                  "policy_params", "decode_method", "draft_model", "draft_source", "keep_fraction", "spec_prefill",
+                  "compression_scope", "fidelity_tokens", "deployment", "hardware"}
+
+
+def config_columns(metrics: pd.DataFrame) -> list[str]:
+    """The run-config columns present in ``metrics`` (everything but the observations and bookkeeping)."""
+    from .tables import CONFIG_COLUMNS
+
+    return [c for c in CONFIG_COLUMNS if c in metrics and c not in BOOKKEEPING]
+
+
+def varying(runs: pd.DataFrame, columns: list[str]) -> list[str]:
+    """The columns whose value differs between runs (missing values count as a value)."""
+    return [c for c in columns if runs[c].map(_label).nunique() > 1]
 
 
 def primary_metric(task: str, metrics: pd.DataFrame) -> str:
@@ -52,24 +70,37 @@ def _per_doc(samples: pd.DataFrame, run_id: str) -> pd.Series:
 
 
 def summarize(metrics: pd.DataFrame, samples: pd.DataFrame, iterations: int = 2000) -> pd.DataFrame:
-    """One row per run: its score, the full-cache baseline, delta with CI, realized ratio and memory verdict."""
-    swept = [axis for axis in SWEEP_AXES if axis in metrics and metrics[axis].nunique(dropna=True) > 1]
-    runs = metrics.drop_duplicates("run_id")
+    """One row per distinct configuration: its score, the full-cache baseline, delta with CI, realized ratio and
+    memory verdict, and every config column in which the runs differ (so no two configurations ever share a row or a
+    point). Re-runs of one configuration (same config_digest) are not averaged: the newest is reported.
+
+    The baseline of a run is the full-cache run that agrees with it on every config column outside the compression
+    method (model and its source, task and options, data, limit, seed, dtype, ...). ``delta`` = value - baseline over
+    the documents both scored (``paired_docs``), with a paired bootstrap 95% interval.
+    """
+    runs = metrics.sort_values("started_at" if "started_at" in metrics else "run_id").drop_duplicates("run_id")
+    if "config_digest" in runs:  # a configuration run again (resume=false): its newest run
+        runs = runs[runs["config_digest"].isna() | ~runs.duplicated("config_digest", keep="last")]
+    columns = config_columns(runs)
+    shown = [c for c in varying(runs, columns) if c not in RUN_KEYS]
+    matched = [c for c in columns if c not in METHOD_COLUMNS]
     rows = []
     for _, run in runs.iterrows():
         task, metric = run["task"], primary_metric(run["task"], metrics)
         own = metrics[(metrics["run_id"] == run["run_id"])]
-        value = own[(own["subset"] == "all") & (own["metric"] == metric)]["value"]
+        primary = own[(own["subset"] == "all") & (own["metric"] == metric)]
         realized = own[own["metric"] == "realized_ratio_mean"]["value"]
         memory = own[own["subset"] == "memory"].set_index("metric")["value"]
-        baselines = runs[(runs["model"] == run["model"]) & (runs["task"] == task) & (runs["method"] == "full")]
-        row = {key: run[key] for key in RUN_KEYS} | {axis: run[axis] for axis in swept} | {
-            "metric": metric, "value": float(value.iloc[0]) if len(value) else math.nan,
+        row = {key: run[key] for key in RUN_KEYS} | {column: run[column] for column in shown} | {
+            "metric": metric, "value": float(primary["value"].iloc[0]) if len(primary) else math.nan,
+            "stderr": float(primary["stderr"].iloc[0]) if len(primary) and pd.notna(primary["stderr"].iloc[0]) else math.nan,
             "realized_ratio": float(realized.iloc[0]) if len(realized) else math.nan,
             "memory_fits": bool(memory["fits"]) if "fits" in memory else None,
             "onchip_ratio": float(memory["onchip_ratio"]) if "onchip_ratio" in memory else math.nan,
             "run_id": run["run_id"],
         }
+        same = (runs[matched].map(_label) == run[matched].map(_label)).all(axis=1)
+        baselines = runs[same & (runs["method"] == "full")]
         if len(baselines) and run["method"] != "full":
             baseline = baselines.iloc[-1]
             base_value = metrics[(metrics["run_id"] == baseline["run_id"]) & (metrics["subset"] == "all")
@@ -82,7 +113,7 @@ def summarize(metrics: pd.DataFrame, samples: pd.DataFrame, iterations: int = 20
         rows.append(row)
     table = pd.DataFrame(rows)
     table["budget"] = table["budget"].fillna("full")
-    return table.sort_values(["task", "model", "method", "budget"], key=_budget_order).reset_index(drop=True)
+    return table.sort_values(["task", "model", "method", *shown, "budget"], key=_budget_order).reset_index(drop=True)
 
 
 def compression_factor(budget: str) -> float:
@@ -93,30 +124,49 @@ def compression_factor(budget: str) -> float:
 
 
 def _budget_order(column: pd.Series) -> pd.Series:
-    return column.map(compression_factor) if column.name == "budget" else column
+    return column.map(compression_factor) if column.name == "budget" else column.map(_label)
+
+
+def _settings(table: pd.DataFrame) -> list[str]:
+    """The columns beside task/model/method/budget that tell configurations apart in ``table``."""
+    fixed = {*RUN_KEYS, "metric", "value", "stderr", "realized_ratio", "memory_fits", "onchip_ratio", "run_id",
+             "baseline", "delta", "delta_low", "delta_high", "paired_docs"}
+    return [c for c in table.columns if c not in fixed]
 
 
 def plot(table: pd.DataFrame, path: Path) -> Path:
+    """Score against compression, one panel per task, one line per method and setting, 95% intervals as error bars
+    (the full cache: a dashed line with its band)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    settings = _settings(table)
     tasks = sorted(table["task"].unique())
-    figure, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 4), squeeze=False)
+    figure, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
     for axis, task in zip(axes[0], tasks):
-        rows = table[table["task"] == task].assign(factor=lambda t: t["budget"].map(compression_factor)).dropna(subset=["factor"])
-        baseline = rows[rows["method"] == "full"]["value"]
-        for method, group in rows[rows["method"] != "full"].groupby("method"):
-            series = group.groupby("factor")["value"].mean().sort_index()
-            axis.plot(series.index, series.values, marker="o", label=method)
-        if len(baseline):
-            axis.axhline(baseline.mean(), color="black", linestyle="--", label="full cache")
+        rows = table[table["task"] == task].assign(factor=lambda t: t["budget"].map(compression_factor))
+        rows = rows.dropna(subset=["factor"])
+        half = 1.96 * rows["stderr"].fillna(0.0)
+        for key, group in rows[rows["method"] != "full"].groupby(["model", "method", *settings], dropna=False):
+            group = group.sort_values("factor")
+            label = " ".join([key[1]] + [f"{c}={_label(v)}" for c, v in zip(settings, key[2:]) if _label(v) != "-"])
+            if rows["model"].nunique() > 1:
+                label = f"{key[0]}: {label}"
+            axis.errorbar(group["factor"], group["value"], yerr=half[group.index], marker="o", capsize=3, label=label)
+        for (model, *_), base in rows[rows["method"] == "full"].groupby(["model", *settings], dropna=False):
+            value, band = float(base["value"].iloc[-1]), float(half[base.index[-1]])
+            line = axis.axhline(value, color="black", linestyle="--", label=f"full cache ({model})")
+            axis.axhspan(value - band, value + band, color=line.get_color(), alpha=0.08)
+        factors = sorted(rows["factor"].unique())
         axis.set_xscale("log", base=2)
-        axis.set_xlabel("compression (budget, x)")
-        axis.set_ylabel(rows["metric"].iloc[0] if len(rows) else "score")
+        axis.set_xticks(factors, ["full" if f == 1 else f"{f:g}x" for f in factors])
+        axis.minorticks_off()
+        axis.set_xlabel("KV-cache budget (compression)")
+        axis.set_ylabel(f"{rows['metric'].iloc[0]} (95% CI)" if len(rows) else "score")
         axis.set_title(task)
-        axis.legend()
+        axis.legend(fontsize="small")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -124,20 +174,27 @@ def plot(table: pd.DataFrame, path: Path) -> Path:
 
 
 def _label(value) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    """A cell's value as text: missing values are "-", whole floats print as integers."""
+    if value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)):
         return "-"
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
 def pivot(table: pd.DataFrame) -> pd.DataFrame:
-    """task x method (x each swept setting: window, kernel_size, pooling, ...) rows, budgets as columns.
+    """Rows: task, model, method and every setting that differs between runs (window, kernel_size, limit, ...);
+    columns: the budgets, full cache first, in order of compression. A cell is one configuration, never a mean.
 
     The full-cache baseline has no window or kernel; it shows under "-" in those columns.
     """
-    swept = [axis for axis in SWEEP_AXES if axis in table]
-    index = table[["task", "method", *swept]].map(_label)
-    frame = pd.concat([index, table[["budget", "value"]]], axis=1)
-    return frame.pivot_table(index=["task", "method", *swept], columns="budget", values="value", aggfunc="mean")
+    index = ["task", "model", "method", *_settings(table)]
+    frame = pd.concat([table[index].map(_label), table[["budget", "value"]]], axis=1)
+    if frame.duplicated(index + ["budget"]).any():
+        raise ValueError("two runs share a pivot cell; their configurations must differ in a shown column")
+    wide = frame.pivot(index=index, columns="budget", values="value")
+    order = sorted(wide.columns, key=lambda b: (b != "full", compression_factor(b) if b != "full" else 0, str(b)))
+    wide = wide[order]
+    wide.columns = ["full cache" if b == "full" else f"budget {b}" for b in order]
+    return wide
 
 
 def write_report(results_dir: str | Path, out: str | Path | None = None, iterations: int = 2000) -> dict[str, Path]:
@@ -151,9 +208,13 @@ def write_report(results_dir: str | Path, out: str | Path | None = None, iterati
     pivot_table = pivot(table)
     pivot_table.reset_index().to_csv(out / "pivot.csv", index=False)
     shown = table.drop(columns=["run_id"]).round(4)
-    text = [f"# evalkit report: {results_dir}", "", "## Primary metric by task, method and budget", "",
-            pivot_table.round(4).to_markdown(), "", "## Runs against the full-cache baseline (paired bootstrap 95% CI)",
-            "", shown.to_markdown(index=False), "", f"![accuracy vs budget]({paths['plot'].name})", ""]
+    text = [f"# evalkit report: {results_dir}", "", "## Primary metric by task, model, method and budget", "",
+            "One cell per configuration; runs that differ in any config column are never averaged.", "",
+            pivot_table.round(4).to_markdown(), "", "## Runs against the full-cache baseline", "",
+            "`delta` = value - baseline, computed on the documents both runs scored (`paired_docs`); `delta_low`/"
+            "`delta_high`: paired bootstrap 95% interval. The baseline is the full-cache run with the same model, "
+            "task, data and settings.", "", shown.to_markdown(index=False), "",
+            f"![accuracy vs budget]({paths['plot'].name})", ""]
     paths["markdown"].write_text("\n".join(text))
     plot(table, paths["plot"])
     paths["pivot"] = out / "pivot.csv"

@@ -9,6 +9,7 @@ import contextlib
 import copy
 import dataclasses
 import datetime as dt
+import functools
 import hashlib
 import json
 import subprocess
@@ -88,6 +89,7 @@ class RunSpec:
     fidelity_tokens: int = 0
     revision: str | None = None  # hub revision of the model (branch, tag or commit)
     bad_rows: str = "error"  # error | skip: what a malformed data row does
+    threads: int | None = None  # torch CPU threads of this job (None: torch's default, one per core)
     identity: dict | None = None  # filled by identify(): resolved sources, fingerprints
 
     def flat_config(self) -> dict:
@@ -197,6 +199,9 @@ def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
         raise ConfigError(f"bad_rows must be error or skip, got {bad_rows!r}")
     device = str(cfg.get("device", "auto"))
     _check_device(device)
+    threads = cfg.get("threads")
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise ConfigError(f"threads must be a positive integer or null, got {threads!r}")
     return RunSpec(
         spec_prefill=spec_prefill,
         decode_method=method,
@@ -221,6 +226,7 @@ def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
         fidelity_tokens=fidelity_tokens,
         revision=model.get("revision"),
         bad_rows=bad_rows,
+        threads=threads,
     )
 
 
@@ -522,6 +528,10 @@ def run(spec: RunSpec, model=None, tokenizer=None) -> RunResult | None:
     run_id = _run_id(spec, started)
     task_config = task_with_options(spec.task, spec.task_options, spec.bad_rows)
     task, skipped_rows = _load_task(task_config)  # bad data fails here, before the model loads
+    if spec.threads:
+        import torch
+
+        torch.set_num_threads(spec.threads)
     try:
         lm = EvalkitLM(
             pretrained=spec.pretrained, model=model, tokenizer=tokenizer, policy=spec.policy,
@@ -537,6 +547,7 @@ def run(spec: RunSpec, model=None, tokenizer=None) -> RunResult | None:
         return lm_eval.simple_evaluate(
             model=lm,
             tasks=[_task_object(config) if isinstance(config, dict) else config],
+            task_manager=_task_manager(),
             system_instruction=spec.task_options.get("system_instruction"),
             limit=spec.limit,
             log_samples=True,
@@ -601,12 +612,19 @@ def _chat_template_sha(tokenizer) -> str | None:
     return hashlib.sha256(str(template).encode()).hexdigest()[:16] if template else None
 
 
+@functools.lru_cache(maxsize=1)
+def _task_manager():
+    """lm-eval's task index over evalkit's tasks only (indexing lm-eval's own thousands of tasks takes seconds)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(tasks_dir()), include_defaults=False)
+
+
 def _task_object(config: dict):
     """The lm-eval task built from its config dict (dataset loaded)."""
-    from lm_eval.tasks import TaskManager, get_task_dict
+    from lm_eval.tasks import get_task_dict
 
-    manager = TaskManager(include_path=str(tasks_dir()), include_defaults=False)
-    (task,) = get_task_dict([config], manager).values()
+    (task,) = get_task_dict([config], _task_manager()).values()
     return task
 
 

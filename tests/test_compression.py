@@ -93,6 +93,18 @@ def test_full_matches_model_generate(family):
     torch.testing.assert_close(out.logits, torch.stack(reference.logits, dim=1).float(), atol=1e-4, rtol=1e-4)
 
 
+def test_full_matches_model_generate_with_the_same_eos(llama):
+    prompt = random_prompt(24, seed=3)
+    free = ec.generate(llama, prompt, ec.Full(), max_new_tokens=16).sequences[0, 24:]
+    eos = int(free[5])  # a token the model emits: generation must stop there
+    stop = int((free == eos).nonzero()[0]) + 1
+    llama.generation_config.eos_token_id = eos
+    expected = llama.generate(prompt, max_new_tokens=16, do_sample=False)
+    out = ec.generate(llama, prompt, ec.Full(), max_new_tokens=16, eos_token_id=eos)
+    assert out.stats[0]["generated_tokens"] == stop == expected.shape[1] - 24
+    assert torch.equal(out.sequences[0, : 24 + stop], expected[0])
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize(
     "policy",

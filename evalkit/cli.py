@@ -15,7 +15,15 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from evalkit.paths import conf_dir
-from evalkit.runner import ConfigError, Interrupted, RunError, completed_runs, run, summary, validate
+from evalkit.runner import (
+    ConfigError,
+    Interrupted,
+    RunError,
+    completed_runs,
+    run,
+    summary,
+    validate,
+)
 
 
 def method_was_chosen(overrides: list[str]) -> bool:

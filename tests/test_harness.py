@@ -213,6 +213,19 @@ def test_loglikelihood_is_compress_then_score(adapter_parts):
     assert compressed.request_stats[context][0]["peak_cache_tokens"] == 32
 
 
+def test_stop_strings_work_with_a_word_level_tokenizer(adapter_parts):
+    # transformers' StopStringCriteria cannot index this vocabulary; generation falls back to decoding the tail.
+    model, tokenizer = adapter_parts
+    ids = tokenizer("k1 v2 u3 k4 ? k1", return_tensors="pt")["input_ids"]
+    free = ec.generate(model, ids, ec.Full(), max_new_tokens=12, return_logits=False).sequences[0, ids.shape[1]:]
+    stop = tokenizer.decode(free[3:4])
+    out = ec.generate(model, ids, ec.Full(), max_new_tokens=12, stop_strings=[stop], tokenizer=tokenizer)
+    count = out.stats[0]["generated_tokens"]
+    generated = out.sequences[0, ids.shape[1]: ids.shape[1] + count]
+    assert 1 <= count <= 4 and torch.equal(generated, free[:count])
+    assert stop in tokenizer.decode(generated) and stop not in tokenizer.decode(generated[:-1])
+
+
 def test_rolling_loglikelihood_is_refused(adapter_parts):
     from evalkit.lm import EvalkitLM
 

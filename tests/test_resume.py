@@ -4,13 +4,10 @@ is skipped when a sweep is started again."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
+import signal
 
 import pytest
-from helpers import evalkit
+from helpers import evalkit, interrupted_run
 
 from evalkit.progress import Progress, request_keys
 from evalkit.results import read_table
@@ -37,22 +34,10 @@ def test_killed_run_resumes_without_losing_or_repeating_samples(tmp_path, random
     results = tmp_path / "results"
     args = ["task=kv_retrieval", f"model.pretrained={random_model_dir}", "limit=40", "batch_size=1",
             "+task.generation.max_gen_toks=96", f"results_dir={results}"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "evalkit.cli", *args], cwd=tmp_path, env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    done_before: list[dict] = []
-    while time.time() < deadline and process.poll() is None:
-        files = list((results / ".progress").glob("*.jsonl")) if (results / ".progress").is_dir() else []
-        lines = files[0].read_text().splitlines() if files else []
-        if len(lines) >= 5:
-            process.kill()  # SIGKILL: no cleanup of any kind
-            break
-        time.sleep(0.05)
-    process.wait()
+    process, _, lines = interrupted_run(args, results, tmp_path, signal.SIGKILL)  # no cleanup of any kind
     assert process.returncode == -9, "the run finished before it could be killed"
     assert not (results / "metrics").exists()
-    done_before = [json.loads(line) for line in files[0].read_text().splitlines() if line.endswith("}")]
+    done_before = [json.loads(line) for line in lines if line.endswith("}")]
 
     result = evalkit(*args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]

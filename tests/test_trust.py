@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
-from helpers import evalkit
+from helpers import evalkit, interrupted_run
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from test_benchmarks import longbench_rows, write_jsonl
@@ -163,19 +159,9 @@ def test_ctrl_c_keeps_generations_and_the_restart_resumes(tmp_path, random_model
     results = tmp_path / "results"
     args = ["task=kv_retrieval", f"model.pretrained={random_model_dir}", "limit=40", "batch_size=1",
             "+task.generation.max_gen_toks=96", f"results_dir={results}"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "evalkit.cli", *args], cwd=tmp_path, env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while time.time() < deadline and process.poll() is None:
-        files = list((results / ".progress").glob("*.jsonl")) if (results / ".progress").is_dir() else []
-        if files and len(files[0].read_text().splitlines()) >= 5:
-            process.send_signal(signal.SIGINT)
-            break
-        time.sleep(0.05)
-    _, stderr = process.communicate(timeout=120)
+    process, stderr, lines = interrupted_run(args, results, tmp_path, signal.SIGINT)
     assert process.returncode == 130, stderr[-2000:]
-    kept = len(files[0].read_text().splitlines())
+    kept = len(lines)
     (line,) = [line for line in stderr.splitlines() if line.startswith("evalkit:")]
     assert line == f"evalkit: interrupted: {kept} generations kept; run the same command again to resume"
     assert "Traceback" not in stderr and not (results / "metrics").exists()

@@ -31,6 +31,28 @@ def _eos_ids(eos_token_id) -> torch.Tensor | None:
     return torch.tensor(ids, dtype=torch.long)
 
 
+class _DecodedStop:
+    """Stop strings found by decoding the generated tail, for tokenizers transformers' ``StopStringCriteria`` cannot
+    index (word-level vocabularies without a prefix-space convention). Looks at generated tokens only."""
+
+    def __init__(self, tokenizer, stop_strings: list[str], prompt_length: int):
+        self.tokenizer, self.stop_strings, self.prompt_length = tokenizer, stop_strings, prompt_length
+        self.window = max(len(text) for text in stop_strings) + 1  # every token holds at least one character
+
+    def __call__(self, sequences: torch.Tensor, scores) -> torch.Tensor:
+        tails = sequences[:, max(self.prompt_length, sequences.shape[1] - self.window):]
+        texts = self.tokenizer.batch_decode(tails, skip_special_tokens=True)
+        return torch.tensor([any(stop in text for stop in self.stop_strings) for text in texts])
+
+
+def _stop_criteria(tokenizer, stop_strings: str | list[str], prompt_length: int):
+    stop_strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
+    try:
+        return StopStringCriteria(tokenizer, stop_strings)
+    except ValueError:  # its vocabulary index needs a tokenizer that can spell a prefix it adds
+        return _DecodedStop(tokenizer, stop_strings, prompt_length)
+
+
 def _validate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_p, stop_strings, tokenizer):
     if input_ids.ndim != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be [batch, length] with length >= 1, got shape {tuple(input_ids.shape)}")
@@ -95,7 +117,7 @@ def generate(
         warpers.append(TemperatureLogitsWarper(temperature))
     if do_sample and top_p is not None:
         warpers.append(TopPLogitsWarper(top_p))
-    stop = StopStringCriteria(tokenizer, stop_strings) if stop_strings else None
+    stop = _stop_criteria(tokenizer, stop_strings, input_ids.shape[1]) if stop_strings else None
     generator = None
     if do_sample:
         generator = torch.Generator(device=input_ids.device)

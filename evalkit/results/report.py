@@ -86,7 +86,7 @@ def summarize(metrics: pd.DataFrame, samples: pd.DataFrame, iterations: int = 20
     matched = [c for c in columns if c not in METHOD_COLUMNS]
     rows = []
     for _, run in runs.iterrows():
-        task, metric = run["task"], primary_metric(run["task"], metrics)
+        metric = primary_metric(run["task"], metrics)
         own = metrics[(metrics["run_id"] == run["run_id"])]
         primary = own[(own["subset"] == "all") & (own["metric"] == metric)]
         realized = own[own["metric"] == "realized_ratio_mean"]["value"]

@@ -19,6 +19,7 @@ from pathlib import Path
 
 SKIPPED_DIRS = {".git", ".cache", "__pycache__", ".ipynb_checkpoints"}
 RACY_SECONDS = 2.0
+PROGRESS_BYTES = 256 << 20  # a progress bar when at least this much must be read
 
 
 class MissingSource(FileNotFoundError):
@@ -43,15 +44,22 @@ class _HashCache:
             self.entries = {}
         self.changed = False
 
-    def file_hash(self, path: Path) -> str:
+    @staticmethod
+    def key(path: Path) -> str:
         stat = path.stat()
-        key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ino}"
+        return f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ino}"
+
+    def file_hash(self, path: Path, progress=None) -> str:
+        key = self.key(path)
         if key in self.entries:
             return self.entries[key]
+        stat = path.stat()
         digest = hashlib.sha256()
         with open(path, "rb") as handle:
             for block in iter(lambda: handle.read(1 << 22), b""):
                 digest.update(block)
+                if progress is not None:
+                    progress.update(len(block))
         # A file changed within the clock's resolution could change again with the same key ("racy git"): such a
         # file is hashed again next time rather than trusted from the cache.
         if time.time() - stat.st_mtime > RACY_SECONDS:
@@ -73,16 +81,21 @@ class _HashCache:
 
 def fingerprint(paths: list[str | os.PathLike]) -> str:
     """``sha256:<hex>`` over the names and contents of ``paths`` (files, or folders walked recursively)."""
+    from tqdm import tqdm
+
     cache = _HashCache()
-    digest = hashlib.sha256()
+    named = []
     for root in sorted(Path(p).expanduser() for p in paths):
         if not root.exists():
             raise MissingSource(f"{root} does not exist")
         files = [root] if root.is_file() else sorted(
             f for f in root.rglob("*") if f.is_file() and not SKIPPED_DIRS & set(f.relative_to(root).parts[:-1]))
-        for file in files:
-            name = file.name if file == root else str(file.relative_to(root))
-            digest.update(f"{name}\0{cache.file_hash(file)}\n".encode())
+        named += [(file.name if file == root else str(file.relative_to(root)), file) for file in files]
+    unread = sum(file.stat().st_size for _, file in named if cache.key(file) not in cache.entries)
+    digest = hashlib.sha256()
+    with tqdm(total=unread, unit="B", unit_scale=True, desc="fingerprint", disable=unread < PROGRESS_BYTES) as bar:
+        for name, file in named:
+            digest.update(f"{name}\0{cache.file_hash(file, bar)}\n".encode())
     cache.save()
     return f"sha256:{digest.hexdigest()[:32]}"
 

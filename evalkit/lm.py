@@ -205,19 +205,18 @@ class EvalkitLM(LM):
 
     # -- generation ------------------------------------------------------------------------------------------------
     def _encode(
-        self, texts: list[str], reserve: int, truncation: str = "left", max_len: int | None = None
+        self, texts: list[str], reserve: int, truncation: str = "left"
     ) -> tuple[torch.Tensor, torch.Tensor, list[bool], list[int]]:
         """Left-padded ids of ``texts`` and, per text, how many leading tokens precede :data:`CONTEXT_END`.
 
-        A prompt longer than ``max_len`` (default and upper bound: max_context - ``reserve``) is cut: ``left`` keeps
-        its end, ``middle`` keeps its first and last halves (LongBench's protocol).
+        A prompt longer than max_context - ``reserve`` is cut: ``left`` keeps its end, ``middle`` keeps its first and
+        last halves. (LongBench's own ``max_len`` cut happens earlier, on the raw prompt: :func:`truncate_middle`.)
         """
         limit = self.max_context - reserve
         if limit < 1:
             raise ValueError(f"max_context {self.max_context} leaves no room for the prompt after {reserve} new tokens")
         if truncation not in TRUNCATIONS:
             raise ValueError(f"truncation must be one of {TRUNCATIONS}, got {truncation!r}")
-        limit = min(limit, int(max_len)) if max_len else limit
         encoded, prefixes = [], []
         for text in texts:
             head, marker, tail = text.partition(CONTEXT_END)

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import evalkit.compression as ec
+from evalkit import gguf_models
 from evalkit.progress import request_keys
 
 ASSETS = Path(__file__).parent / "assets"
@@ -33,7 +34,11 @@ POLICY_FIELDS = ("sink", "window", "kernel_size", "pooling", "gqa_reduce", "rece
 
 
 def resolve_pretrained(pretrained: str) -> str:
-    """``builtin:NAME`` is a model shipped in evalkit/assets; anything else is a hub id or a local path."""
+    """``builtin:NAME`` is a model shipped in evalkit/assets; ``gguf:PACKAGE/FILE.gguf`` a GGUF file in an installed
+    package, converted once to a float checkpoint (:mod:`evalkit.gguf_models`); anything else is a hub id or a local
+    path."""
+    if pretrained.startswith(gguf_models.PREFIX):
+        return gguf_models.converted(pretrained)
     if pretrained.startswith("builtin:"):
         path = ASSETS / pretrained.removeprefix("builtin:")
         if not (path / "config.json").is_file():

@@ -369,11 +369,16 @@ def identify(spec: RunSpec) -> dict:
 
     dataset = task_with_options(spec.task, spec.task_options).get("dataset_kwargs") or {}
     data_source = dataset.get("path") or (lcb_release_sources(dataset["release"]) if dataset.get("release") else None)
+    if spec.task == "needle":  # built at run time from the Python docs: their version is the data's identity
+        from evalkit.scoring import needle
+
+        generated = needle.source()
     draft = (spec.spec_prefill or {}).get("draft_model")
     spec.identity = {
         "model_source": source("model.pretrained", _resolved(resolve_pretrained, spec.pretrained), revision=spec.revision),
         "draft_source": source("method.draft_model", _resolved(resolve_pretrained, draft)) if draft else None,
-        "dataset_source": source("task.dataset.path", data_source, "dataset", dataset.get("revision")) if data_source else None,
+        "dataset_source": (source("task.dataset.path", data_source, "dataset", dataset.get("revision")) if data_source
+                           else generated if spec.task == "needle" else None),
         "task_definition": identity.fingerprint([tasks_dir() / spec.task]),
         "device_class": resolve_device(spec.device).split(":")[0],
     }

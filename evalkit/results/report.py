@@ -215,10 +215,51 @@ def write_report(results_dir: str | Path, out: str | Path | None = None, iterati
             "`delta_high`: paired bootstrap 95% interval. The baseline is the full-cache run with the same model, "
             "task, data and settings.", "", shown.to_markdown(index=False), "",
             f"![accuracy vs budget]({paths['plot'].name})", ""]
-    paths["markdown"].write_text("\n".join(text))
     plot(table, paths["plot"])
     paths["pivot"] = out / "pivot.csv"
+    if (table["task"] == "needle").any():
+        paths["needle"] = needle_heatmaps(table[table["task"] == "needle"], samples, out / "needle_heatmap.png")
+        text += ["## Needle in a haystack: accuracy by depth and length", "", f"![needle]({paths['needle'].name})", ""]
+    paths["markdown"].write_text("\n".join(text))
     return paths
+
+
+def needle_grid(samples: pd.DataFrame, run_id: str) -> pd.DataFrame:
+    """Accuracy of one needle run: rows the needle depth, columns the prompt length (its samples' subsets)."""
+    rows = samples[samples["run_id"] == run_id]
+    parts = rows["subset"].str.split("/", expand=True)
+    frame = pd.DataFrame({"length": parts[0].astype(int), "depth": parts[1].astype(float), "score": rows["score"]})
+    return frame.pivot_table(index="depth", columns="length", values="score", aggfunc="mean").sort_index()
+
+
+def needle_heatmaps(table: pd.DataFrame, samples: pd.DataFrame, path: Path) -> Path:
+    """The picture needle tests are read from: one depth x length accuracy heatmap per configuration (method x
+    budget x setting), the full cache first."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = table.assign(factor=table["budget"].map(compression_factor)).sort_values(
+        ["model", "factor", "method"], key=lambda c: c.fillna(math.inf) if c.name == "factor" else c)
+    settings = _settings(table)
+    figure, axes = plt.subplots(1, len(runs), figsize=(3.2 * len(runs) + 1, 3.4), squeeze=False)
+    for axis, (_, run) in zip(axes[0], runs.iterrows()):
+        grid = needle_grid(samples, run["run_id"])
+        image = axis.imshow(grid.to_numpy(), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        axis.set_xticks(range(len(grid.columns)), [str(c) for c in grid.columns])
+        axis.set_yticks(range(len(grid.index)), [f"{d:.0%}" for d in grid.index])
+        for (row, column), value in pd.DataFrame(grid.to_numpy()).stack().items():
+            axis.text(column, row, f"{value:.2f}", ha="center", va="center", fontsize=7)
+        extra = " ".join(f"{c}={_label(run[c])}" for c in settings if _label(run[c]) != "-")
+        title = "full cache" if run["method"] == "full" else f"{run['method']} {run['budget']}"
+        axis.set_title(f"{title}\n{extra}".strip(), fontsize=9)
+        axis.set_xlabel("prompt length (tokens)")
+    axes[0][0].set_ylabel("needle depth")
+    figure.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="exact match")
+    figure.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(figure)
+    return path
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,20 @@
+"""lm-eval hooks of the needle task; the haystack and scoring live in evalkit.scoring.needle."""
+
+import datasets
+
+from evalkit.lm import CONTEXT_END
+from evalkit.scoring import needle
+
+
+def load(lengths=(1000, 1800), depths=(0.0, 0.25, 0.5, 0.75, 1.0), per_cell=2, seed=1234, **_options):
+    rows = needle.build_examples(list(lengths), list(depths), int(per_cell), int(seed))
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
+
+
+def doc_to_text(doc):
+    # The document, its end marked (compression_scope=context compresses only what precedes it), then the question.
+    return f"{doc['context']}{CONTEXT_END}\n\n{doc['question']}"
+
+
+def process_results(doc, results):
+    return needle.score(doc, results[0])

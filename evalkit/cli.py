@@ -65,7 +65,32 @@ def _main(cfg: DictConfig) -> None:
     evaluate(cfg, list(hydra_cfg.overrides.task), sweeping=hydra_cfg.mode == RunMode.MULTIRUN)
 
 
+def composition_error(argv: list[str]) -> str | None:
+    """Hydra's own composition errors (an unknown group option or key, a malformed override) as one line, for a
+    single run; None when the command line composes (or is a sweep or a Hydra query, which Hydra reports itself)."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.utils import get_args_parser
+
+    args, _ = get_args_parser().parse_known_args(argv)
+    if args.multirun or args.cfg or args.info or args.shell_completion or args.help or args.hydra_help:
+        return None
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            compose("config", overrides=args.overrides)
+    except Exception as error:  # noqa: BLE001 (Hydra raises several kinds; each says what is wrong)
+        text = str(error).split("Config search path:")[0].split("\nSee https://")[0]
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        if len(lines) > 1 and lines[1].startswith("Available options in"):
+            return f"{lines[0]}; {lines[1].rstrip(':')}: {', '.join(lines[2:])}"
+        return " ".join(lines)
+    return None
+
+
 def main() -> None:
+    error = composition_error(sys.argv[1:])
+    if error:
+        print(f"evalkit: config error: {error}", file=sys.stderr)
+        sys.exit(2)
     _main()
 
 

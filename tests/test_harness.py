@@ -77,10 +77,16 @@ def test_bad_config_exits_nonzero_and_writes_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_unknown_method_group_is_refused_before_loading(tmp_path):
-    result = evalkit("method=h2o", f"results_dir={tmp_path / 'results'}", cwd=tmp_path)
-    assert result.returncode != 0
-    assert "method" in result.stderr and "h2o" in result.stderr
+@pytest.mark.parametrize("override, message", [
+    ("method=h2o", "Could not find 'method/h2o'; Available options in 'method': full, snapkv, snapstream, spec_prefill"),
+    ("bogus=1", "Could not override 'bogus'. To append to your config use +bogus=1"),
+    ("method.window==", "Error parsing override 'method.window=='"),
+])
+def test_hydra_composition_errors_are_one_line(tmp_path, override, message):
+    result = evalkit(override, f"results_dir={tmp_path / 'results'}", cwd=tmp_path)
+    assert result.returncode == 2
+    (line,) = [line for line in result.stderr.splitlines() if line.strip()]
+    assert line.startswith("evalkit: config error: ") and message in line, line
     assert not (tmp_path / "results").exists()
 
 

@@ -11,6 +11,7 @@ over whole documents) has no compressed meaning here and is refused.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -112,6 +113,8 @@ class EvalkitLM(LM):
         fidelity_tokens: int = 0,
         spec_prefill: dict | None = None,
         revision: str | None = None,
+        compile: bool | str = False,
+        sync_every: int = 4,
         **policy_params,
     ):
         super().__init__()
@@ -133,7 +136,9 @@ class EvalkitLM(LM):
             raise ValueError("max_context is needed when the model config has no max_position_embeddings")
         self.policy = policy or ec.policy_from_budget(method, budget, self.max_context, **policy_params)
         ec.cache.check_hookable(model)
-        self.batch_size = int(batch_size)
+        self.batch_size = int(batch_size)  # engine slots: sequences decoded together
+        self.compile, self.sync_every = ec.compile_backend(compile), int(sync_every)
+        self._engine: ec.Engine | None = None
         self.seed = int(seed)
         self.use_chat_template = bool(apply_chat_template)
         self.chats: dict[str, list[dict]] = {}  # templated prompt -> its messages (to truncate before the template)
@@ -249,6 +254,8 @@ class EvalkitLM(LM):
         return input_ids.to(self.device), mask.to(self.device), truncated, starts
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """All of a task's generation requests go to the engine at once; each finished one is recorded (and kept
+        in the crash-safe progress file) as soon as it is done."""
         if not requests:
             return []
         keys = request_keys([(r.args[0], r.args[1]) for r in requests])
@@ -259,34 +266,37 @@ class EvalkitLM(LM):
                 outputs[index] = record["text"]
                 self.request_stats.setdefault(requests[index].args[0], []).append(record["stats"])
         todo = [i for i in range(len(requests)) if outputs[i] is None]
-        order = sorted(todo, key=lambda i: -len(requests[i].args[0]))
+        prepared = [self._prepare(requests[i].args[0], dict(requests[i].args[1]), keys[i]) for i in todo]
+        started, tokens = time.perf_counter(), 0
         with tqdm(total=len(requests), initial=len(requests) - len(todo), desc="generate", disable=disable_tqdm) as bar:
-            for start in range(0, len(order), self.batch_size):
-                chunk = order[start : start + self.batch_size]
-                self._generate_chunk(requests, keys, chunk, outputs)
-                bar.update(len(chunk))
+
+            def finish(completion: ec.Completion) -> None:
+                nonlocal tokens
+                index = todo[completion.index]
+                text, stats = self._finish(prepared[completion.index], completion)
+                outputs[index] = text
+                self.request_stats.setdefault(requests[index].args[0], []).append(stats)
+                if self.progress is not None:
+                    self.progress.add([{"key": keys[index], "text": text, "stats": stats}])
+                tokens += stats["generated_tokens"]
+                bar.set_postfix_str(f"{tokens / (time.perf_counter() - started):.1f} tok/s", refresh=False)
+                bar.update(1)
+
+            self.engine.run([item["request"] for item in prepared], on_finish=finish)
         return outputs
 
-    def _generate_chunk(self, requests, keys: list[str], chunk: list[int], outputs: list) -> None:
-        """Generate the requests ``chunk`` (indices) as one batch; record outputs, statistics and progress."""
-        # One batch shares its generation arguments; requests of one task do.
-        gen_kwargs = dict(requests[chunk[0]].args[1])
-        texts = [requests[i].args[0] for i in chunk]
-        # Sampling seed from the batch's own requests: reproducible, whatever ran before it.
-        seed = self.seed + int(keys[chunk[0]][:8], 16)
-        if self.compression_scope == "context" and any(CONTEXT_END in text for text in texts):
-            # The document/question split differs per prompt: one prompt at a time.
-            generated = [self._generate_batch([text], dict(gen_kwargs), seed) for text in texts]
-            generated = [(texts_out[0], stats[0]) for texts_out, stats in generated]
-        else:
-            generated = list(zip(*self._generate_batch(texts, gen_kwargs, seed)))
-        for index, (text, stats) in zip(chunk, generated):
-            outputs[index] = text
-            self.request_stats.setdefault(requests[index].args[0], []).append(stats)
-        if self.progress is not None:
-            self.progress.add([{"key": keys[i], "text": text, "stats": stats} for i, (text, stats) in zip(chunk, generated)])
+    @property
+    def engine(self) -> ec.Engine:
+        """The continuous-batching engine: ``batch_size`` slots, kept between calls (a compiled step stays compiled)."""
+        if self._engine is None:
+            self._engine = ec.Engine(self.model, self.policy, slots=self.batch_size, eos_token_id=self.tokenizer.eos_token_id,
+                                     tokenizer=self.tokenizer, compile=self.compile is not None,
+                                     compile_backend=self.compile if self.compile != "inductor" else None,
+                                     sync_every=self.sync_every)
+        return self._engine
 
-    def _generate_batch(self, texts: list[str], gen_kwargs: dict, seed: int) -> tuple[list[str], list[dict]]:
+    def _prepare(self, text: str, gen_kwargs: dict, key: str) -> dict:
+        """One lm-eval request as an engine request, plus what its text and statistics need afterwards."""
         until = gen_kwargs.pop("until", None) or []
         until = [until] if isinstance(until, str) else list(until)
         max_new_tokens = int(gen_kwargs.pop("max_gen_toks", gen_kwargs.pop("max_new_tokens", 256)))
@@ -299,49 +309,43 @@ class EvalkitLM(LM):
             temperature = top_p = None
         truncation = gen_kwargs.pop("truncation", "left")
         max_len = gen_kwargs.pop("max_len", None)
-        cut = [False] * len(texts)
+        cut = False
         if truncation == "middle" and max_len:  # LongBench: on the raw prompt, before the chat template
-            texts, cut = map(list, zip(*(self._truncate_raw(text, int(max_len)) for text in texts)))
-        positions, spec_stats = None, [{}] * len(texts)
+            text, cut = self._truncate_raw(text, int(max_len))
+        positions, spec_stats, compress_prefix = None, {}, None
         if self.spec_prefill is not None:
-            # The draft reads each whole prompt; only the tokens it keeps reach the target, at their positions.
-            special = [self._special_tokens(text) for text in texts]
-            texts = [text.replace(CONTEXT_END, "") for text in texts]
-            input_ids, mask, positions, spec_stats = self.spec_prefill.select(
-                texts, self.tokenizer, self.tokenizer.pad_token_id, max_tokens=self.max_context - max_new_tokens,
-                add_special_tokens=special)
-            input_ids, mask, positions = input_ids.to(self.device), mask.to(self.device), positions.to(self.device)
-            truncated, compress_prefix = [s["truncated"] for s in spec_stats], None
+            # The draft reads the whole prompt; only the tokens it keeps reach the target, at their positions.
+            special = self._special_tokens(text)
+            input_ids, _, positions, (spec_stats,) = self.spec_prefill.select(
+                [text.replace(CONTEXT_END, "")], self.tokenizer, self.tokenizer.pad_token_id,
+                max_tokens=self.max_context - max_new_tokens, add_special_tokens=[special])
+            truncated, positions = spec_stats["truncated"], positions[0]
         else:
-            input_ids, mask, truncated, starts = self._encode(texts, max_new_tokens, truncation)
-            compress_prefix = starts[0] if self.compression_scope == "context" and len(texts) == 1 else None
-        eos = self.tokenizer.eos_token_id
+            input_ids, _, (truncated,), (start,) = self._encode([text], max_new_tokens, truncation)
+            compress_prefix = start if self.compression_scope == "context" else None
         stop_strings = [s for s in until if s and s != self.tokenizer.eos_token]
-        out = ec.generate(
-            self.model, input_ids, self.policy, attention_mask=mask, max_new_tokens=max_new_tokens,
-            do_sample=do_sample, temperature=temperature, top_p=top_p, eos_token_id=eos,
-            stop_strings=stop_strings or None, tokenizer=self.tokenizer, seed=seed, pad_token_id=self.tokenizer.pad_token_id,
-            return_logits=False, compress_prefix=compress_prefix, position_ids=positions,
-        )
-        fidelity = [{}] * len(texts)
+        # The sampling stream comes from the request itself: reproducible whatever ran before or beside it.
+        request = ec.Request(input_ids[0].cpu(), max_new_tokens=max_new_tokens, do_sample=do_sample,
+                             temperature=temperature, top_p=top_p, stop_strings=stop_strings,
+                             seed=self.seed + int(key[:8], 16), compress_prefix=compress_prefix, position_ids=positions)
+        return {"request": request, "until": until, "truncated": truncated or cut, "spec": spec_stats}
+
+    def _finish(self, prepared: dict, completion: ec.Completion) -> tuple[str, dict]:
+        """The text lm-eval gets (cut at the first stop string) and the request's statistics."""
+        decoded = self.tokenizer.decode(completion.tokens, skip_special_tokens=True)
+        for stop in prepared["until"]:
+            if stop and stop in decoded:
+                decoded = decoded[: decoded.index(stop)]
+        stats = {**completion.stats, "truncated": prepared["truncated"], "compression_scope": self.compression_scope}
         if self.fidelity_tokens:
-            fidelity = ec.fidelity(self.model, input_ids, self.policy, attention_mask=mask,
-                                   max_new_tokens=self.fidelity_tokens, eos_token_id=eos)
-        texts_out, all_stats = [], []
-        for row, text in enumerate(texts):
-            new = out.sequences[row, input_ids.shape[1] :][: out.stats[row]["generated_tokens"]]
-            decoded = self.tokenizer.decode(new, skip_special_tokens=True)
-            for stop in until:
-                if stop and stop in decoded:
-                    decoded = decoded[: decoded.index(stop)]
-            stats = {**out.stats[row], **fidelity[row], "truncated": truncated[row] or cut[row],
-                     "compression_scope": self.compression_scope}
-            if spec_stats[row]:
-                stats |= {"prompt_tokens": spec_stats[row]["prompt_tokens"], "spec_kept_tokens": spec_stats[row]["kept_tokens"],
-                          "draft_seconds": spec_stats[row]["draft_seconds"]}
-            all_stats.append(stats)
-            texts_out.append(decoded)
-        return texts_out, all_stats
+            ids = prepared["request"].input_ids[None].to(self.device)
+            stats |= ec.fidelity(self.model, ids, self.policy, max_new_tokens=self.fidelity_tokens,
+                                 eos_token_id=self.tokenizer.eos_token_id)[0]
+        spec = prepared["spec"]
+        if spec:
+            stats |= {"prompt_tokens": spec["prompt_tokens"], "spec_kept_tokens": spec["kept_tokens"],
+                      "draft_seconds": spec["draft_seconds"]}
+        return decoded, stats
 
     # -- log-likelihood --------------------------------------------------------------------------------------------
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:

@@ -77,7 +77,7 @@ class RunSpec:
     policy: ec.Policy
     seed: int
     limit: int | None
-    batch_size: int
+    batch_size: int  # engine slots: sequences decoded together, a finished one's slot refilled at once
     device: str
     results_dir: Path
     task_options: dict = dataclasses.field(default_factory=dict)
@@ -90,6 +90,7 @@ class RunSpec:
     revision: str | None = None  # hub revision of the model (branch, tag or commit)
     bad_rows: str = "error"  # error | skip: what a malformed data row does
     threads: int | None = None  # torch CPU threads of this job (None: torch's default, one per core)
+    compile: str | None = None  # torch.compile backend of the engine's decode step (None: not compiled)
     identity: dict | None = None  # filled by identify(): resolved sources, fingerprints
 
     def flat_config(self) -> dict:
@@ -120,6 +121,7 @@ class RunSpec:
             "keep_fraction": (self.spec_prefill or {}).get("keep"),
             "limit": self.limit,
             "batch_size": self.batch_size,
+            "compile": self.compile,
             "dtype": self.dtype,
             "device": self.device,
             "bad_rows": self.bad_rows,
@@ -202,6 +204,10 @@ def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
     threads = cfg.get("threads")
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise ConfigError(f"threads must be a positive integer or null, got {threads!r}")
+    try:
+        compile_with = ec.compile_backend(cfg.get("compile", False))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     return RunSpec(
         spec_prefill=spec_prefill,
         decode_method=method,
@@ -227,6 +233,7 @@ def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
         revision=model.get("revision"),
         bad_rows=bad_rows,
         threads=threads,
+        compile=compile_with,
     )
 
 
@@ -470,6 +477,7 @@ def tidy_rows(
                     "spec_kept_tokens": row_stats.get("spec_kept_tokens"),
                     "draft_seconds": row_stats.get("draft_seconds"),
                     "prefill_seconds": row_stats.get("prefill_seconds"),
+                    "reserved_cache_tokens": row_stats.get("reserved_cache_tokens"),
                 }
             )
     n = len({s["doc_id"] for s in samples})
@@ -543,7 +551,7 @@ def run(spec: RunSpec, model=None, tokenizer=None) -> RunResult | None:
             max_context=spec.max_context, batch_size=spec.batch_size, device=spec.device, dtype=spec.dtype,
             seed=spec.seed, apply_chat_template=spec.apply_chat_template, compression_scope=spec.compression_scope,
             progress=progress, fidelity_tokens=spec.fidelity_tokens, spec_prefill=spec.spec_prefill,
-            revision=spec.revision,
+            revision=spec.revision, compile=spec.compile,
         )
     except (OSError, ValueError) as error:
         raise RunError(f"model {spec.pretrained}: {_one_line(error)}") from None

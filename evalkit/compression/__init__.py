@@ -11,6 +11,7 @@ Pure torch + transformers; no Hydra or lm-eval imports here.
 from .base import Policy, snapkv_scores
 from .budget import POLICIES, budget_capacity, policy_from_budget
 from .cache import CompressedCache
+from .engine import Completion, Engine, Request, compile_backend
 from .fidelity import fidelity
 from .full import Full
 from .generate import GenerationOutput, generate
@@ -22,16 +23,20 @@ from .streaming_llm import StreamingLLM
 
 __all__ = [
     "POLICIES",
+    "Completion",
     "CompressedCache",
     "CompressionSession",
+    "Engine",
     "Full",
     "GenerationOutput",
     "Policy",
+    "Request",
     "SnapKV",
     "SnapStream",
     "SpecPrefill",
     "StreamingLLM",
     "budget_capacity",
+    "compile_backend",
     "fidelity",
     "generate",
     "map_by_characters",

@@ -72,6 +72,29 @@ def _validate(input_ids, attention_mask, max_new_tokens, do_sample, temperature,
         raise ValueError("stop_strings needs the tokenizer")
 
 
+def prefill(model, policy: Policy, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+            compress_prefix: int | None = None, position_ids: torch.Tensor | None = None):
+    """Prefill and compress a batch of prompts (see :func:`generate` for ``compress_prefix`` and ``position_ids``).
+
+    Returns the session, the next-token logits ``[batch, vocab]`` and the seconds it took (time to first token).
+    """
+    if position_ids is not None and compress_prefix is not None:
+        raise ValueError("compress_prefix and position_ids cannot be combined")
+    session = CompressionSession(model, policy)
+    started = time.perf_counter()
+    if compress_prefix is None or compress_prefix >= input_ids.shape[1]:
+        logits = session.prefill(input_ids, attention_mask, position_ids)
+    else:
+        if not 1 <= compress_prefix or (attention_mask is not None and bool((attention_mask[:, compress_prefix - 1] == 0).any())):
+            raise ValueError(f"compress_prefix={compress_prefix} must leave every row at least one real token to compress")
+        head_mask = attention_mask[:, :compress_prefix] if attention_mask is not None else None
+        session.prefill(input_ids[:, :compress_prefix], head_mask)
+        logits = session.step(input_ids[:, compress_prefix:])[:, -1]
+    if logits.is_cuda:
+        torch.cuda.synchronize(logits.device)
+    return session, logits, time.perf_counter() - started
+
+
 def generate(
     model,
     input_ids: torch.LongTensor,
@@ -123,22 +146,8 @@ def generate(
         generator = torch.Generator(device=input_ids.device)
         generator.manual_seed(seed if seed is not None else torch.seed())
 
-    session = CompressionSession(model, policy)
     batch = input_ids.shape[0]
-    if position_ids is not None and compress_prefix is not None:
-        raise ValueError("compress_prefix and position_ids cannot be combined")
-    started = time.perf_counter()
-    if compress_prefix is None or compress_prefix >= input_ids.shape[1]:
-        logits = session.prefill(input_ids, attention_mask, position_ids)
-    else:
-        if not 1 <= compress_prefix or (attention_mask is not None and bool((attention_mask[:, compress_prefix - 1] == 0).any())):
-            raise ValueError(f"compress_prefix={compress_prefix} must leave every row at least one real token to compress")
-        head_mask = attention_mask[:, :compress_prefix] if attention_mask is not None else None
-        session.prefill(input_ids[:, :compress_prefix], head_mask)
-        logits = session.step(input_ids[:, compress_prefix:])[:, -1]
-    if logits.is_cuda:
-        torch.cuda.synchronize(logits.device)
-    prefill_seconds = time.perf_counter() - started  # time to first token, for the whole batch
+    session, logits, prefill_seconds = prefill(model, policy, input_ids, attention_mask, compress_prefix, position_ids)
     unfinished = torch.ones(batch, dtype=torch.bool)
     generated = torch.zeros(batch, dtype=torch.long)
     sequences, all_logits = input_ids, []

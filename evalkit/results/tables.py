@@ -49,7 +49,8 @@ CONFIG_COLUMNS: dict[str, pa.DataType] = {
     "draft_model": pa.string(),
     "keep_fraction": pa.float64(),
     "limit": pa.int64(),
-    "batch_size": pa.int64(),
+    "batch_size": pa.int64(),  # engine slots
+    "compile": pa.string(),  # torch.compile backend of the decode step; empty when not compiled
     "dtype": pa.string(),
     "device": pa.string(),
     "device_class": pa.string(),
@@ -96,6 +97,7 @@ SAMPLE_COLUMNS: dict[str, pa.DataType] = {
     "spec_kept_tokens": pa.int64(),
     "draft_seconds": pa.float64(),
     "prefill_seconds": pa.float64(),
+    "reserved_cache_tokens": pa.int64(),  # the cache size the engine reserved per slot
 }
 
 

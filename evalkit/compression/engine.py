@@ -1,0 +1,476 @@
+"""Continuous batching over static-size caches: every slot stays busy until the request stream runs dry.
+
+The engine owns ``slots`` per-sequence caches, allocated once: ``[slots, kv_heads, slot_tokens, head_dim]`` per layer.
+A fixed-capacity policy (SnapStream, StreamingLLM) gets ``slot_tokens`` = its capacity; a growing one (Full, SnapKV)
+gets its prompt capacity plus the most new tokens a request asks for, which is what a static-graph server must
+reserve (``grow=True`` instead starts small and grows the slots when a row would run out).
+
+One decode step feeds one token to every slot at once, with static shapes: the slot each token is written to, the
+attention mask and the positions are computed on the device from per-slot state, so the step can be compiled once
+(``compile=True``; CUDA graphs on GPU) and never recompiles. A request is prefilled and compressed alone, by the same
+code as :func:`evalkit.compression.generate`, and its compressed cache is copied into a free slot while the other
+slots keep their state. Finished rows are detected on the device (EOS, length); the host looks every ``sync_every``
+steps, when it also checks stop strings, hands finished requests back and refills their slots.
+
+Results do not depend on scheduling: a request's greedy tokens are those it gets alone, and sampling draws from a
+per-request stream (a counter-based hash of the request's seed, its token index and the vocabulary entry, turned
+into Gumbel noise), so a sampled request gets the same tokens whatever its neighbours and its slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from .base import Policy
+from .cache import check_hookable
+from .generate import _eos_ids, _stop_criteria, prefill
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation: prompt token ids and its own settings.
+
+    ``compress_prefix`` and ``position_ids`` mean what they mean for :func:`evalkit.compression.generate`.
+    """
+
+    input_ids: Sequence[int] | torch.Tensor
+    max_new_tokens: int = 64
+    do_sample: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    stop_strings: Sequence[str] = ()
+    seed: int = 0
+    compress_prefix: int | None = None
+    position_ids: Sequence[int] | torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        self.input_ids = torch.as_tensor(self.input_ids, dtype=torch.long).reshape(-1)
+        if self.input_ids.numel() == 0:
+            raise ValueError("a request needs at least one prompt token")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if self.temperature is not None and not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if (self.temperature is not None or self.top_p is not None) and not self.do_sample:
+            raise ValueError("temperature and top_p apply only with do_sample=True")
+        self.stop_strings = (self.stop_strings,) if isinstance(self.stop_strings, str) else tuple(self.stop_strings)
+        if self.position_ids is not None:
+            self.position_ids = torch.as_tensor(self.position_ids, dtype=torch.long).reshape(-1)
+            if self.position_ids.shape != self.input_ids.shape:
+                raise ValueError("position_ids must have one position per prompt token")
+
+
+@dataclasses.dataclass
+class Completion:
+    index: int  # the request's place in the stream
+    tokens: list[int]  # generated tokens (EOS included when it ended the request; nothing after a stop string)
+    stats: dict  # as generate()'s stats, plus reserved_cache_tokens (the slot's allocation)
+
+
+def compile_backend(value) -> str | None:
+    """The ``compile`` setting as a torch.compile backend: off (false) is None, true is inductor; a backend name
+    (``eager``, ``aot_eager``: graph capture without code generation) is itself."""
+    if value in (None, False, "false", "False", "0", 0):
+        return None
+    if value in (True, "true", "True", "1", 1):
+        return "inductor"
+    backends = sorted({"inductor", *torch._dynamo.list_backends(exclude_tags=())})
+    if not isinstance(value, str) or value not in backends:
+        raise ValueError(f"compile must be true, false or a torch.compile backend in {backends}, got {value!r}")
+    return value
+
+
+# -- per-request random streams ----------------------------------------------------------------------------------
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mix (xorshift-multiply) on int64 tensors holding values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x4C8E9CF5) & _MASK32
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise ``[rows, vocab]`` that depends only on each row's (seed, step) and the vocabulary index:
+    the same request draws the same noise in any slot, next to any neighbours."""
+    lo, hi = seeds & _MASK32, (seeds >> 32) & _MASK32
+    base = _hash32(_hash32(lo ^ _hash32(hi + 0x3C6EF372)) ^ _hash32(steps & _MASK32))
+    index = torch.arange(vocab, device=seeds.device)
+    bits = _hash32(_hash32((base[:, None] + index[None, :] * 0x9E3779B1) & _MASK32) ^ base[:, None])
+    uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0 or 1
+    return -torch.log(-torch.log(uniform))
+
+
+def choose_tokens(logits, greedy_only: bool, seeds, steps, do_sample, temperature, top_p, use_top_p: bool):
+    """Next token per row: argmax for greedy rows; for sampling rows, temperature, then top-p (transformers'
+    ``TopPLogitsWarper`` rule, per row), then a draw by the Gumbel-max trick with the row's own noise."""
+    greedy = logits.argmax(dim=-1)
+    if greedy_only:
+        return greedy
+    scores = logits / temperature[:, None]
+    if use_top_p:
+        ordered, order = scores.sort(dim=-1)
+        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative <= (1 - top_p[:, None])
+        remove[:, -1] = False
+        scores = scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+    sampled = (scores + gumbel_noise(seeds, steps, scores.shape[-1])).argmax(dim=-1)
+    return torch.where(do_sample, sampled, greedy)
+
+
+# -- the static per-slot cache ------------------------------------------------------------------------------------
+class _SlotLayer(DynamicLayer):
+    is_compileable = True
+
+    def __init__(self, cache: _SlotCache, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.cache, self.keys, self.values = cache, keys, values
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        index = self.cache.write_slot[:, None, None, None].expand(-1, key_states.shape[1], 1, key_states.shape[-1])
+        self.keys.scatter_(2, index, key_states)
+        self.values.scatter_(2, index, value_states)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.keys.shape[-2]
+
+
+class _SlotCache(Cache):
+    def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]], write_slot: torch.Tensor):
+        super().__init__(layers=[])
+        self.write_slot = write_slot  # [slots]: where this step's token goes, per slot
+        self.layers = [_SlotLayer(self, keys, values) for keys, values in layers]
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+
+@dataclasses.dataclass
+class _Resident:
+    """Host-side record of the request a slot serves."""
+
+    index: int
+    request: Request
+    stats: dict
+    written_at_start: int  # cache writes before the first decode step (to size a growing cache)
+    held_at_start: int  # tokens the cache held after prefill
+    limit: int  # most tokens the cache can hold (fixed + ring)
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    stop: object | None = None
+
+
+class Engine:
+    """Continuous batching of :class:`Request` s under ``policy`` with ``slots`` sequences decoded together.
+
+    ``slot_tokens``: the cache size reserved per slot for a growing policy (default: enough for the largest request
+    of the stream, which must then be a list). ``grow=True``: start small and grow (not with ``compile``).
+    ``compile``: compile the decode step with ``torch.compile`` (``compile_backend`` picks the backend; on CUDA the
+    default mode uses CUDA graphs). ``sync_every``: decode steps between two looks of the host at the slots.
+    """
+
+    def __init__(self, model, policy: Policy, slots: int = 8, *, eos_token_id=None, tokenizer=None,
+                 slot_tokens: int | None = None, grow: bool = False, compile: bool = False, compile_backend=None,
+                 compile_mode: str | None = None, sync_every: int = 4):
+        if not isinstance(policy, Policy):
+            raise TypeError(f"policy must be an evalkit.compression policy, got {type(policy).__name__}")
+        for name, value in (("slots", slots), ("sync_every", sync_every)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if grow and compile:
+            raise ValueError("grow=True changes the cache's shape; a compiled step needs a static one (grow=False)")
+        if grow and policy.cache_capacity() is not None:
+            raise ValueError(f"{policy.name} has a fixed capacity; grow applies to growing policies only")
+        check_hookable(model)
+        self.model, self.policy, self.slots = model, policy, slots
+        self.tokenizer, self.grow, self.sync_every = tokenizer, grow, sync_every
+        self.eos = _eos_ids(eos_token_id if eos_token_id is not None else model.generation_config.eos_token_id)
+        self.requested_slot_tokens = slot_tokens
+        self.eager = model.config._attn_implementation == "eager"
+        self.compile, self.compile_backend, self.compile_mode = compile, compile_backend, compile_mode
+        self._step_fn = None
+        self._stops: dict[tuple[str, ...], object] = {}
+        self.slot_tokens = 0
+        self.out: torch.Tensor | None = None  # [slots, longest + 1] generated tokens, on the device
+        self.counters = {"decode_steps": 0, "busy_slot_steps": 0, "syncs": 0}
+
+    # -- allocation -----------------------------------------------------------------------------------------------
+    def _needed(self, request: Request) -> int:
+        """Cache slots ``request`` needs under a growing policy."""
+        n = request.input_ids.numel()
+        capacity = self.policy.prompt_capacity()
+        if request.compress_prefix is not None and request.compress_prefix < n:
+            head = request.compress_prefix
+            kept = head if capacity is None else min(head, capacity)
+            return kept + (n - head) + request.max_new_tokens
+        return (n if capacity is None else min(n, capacity)) + request.max_new_tokens
+
+    def _allocate(self, size: int) -> None:
+        config = self.model.config
+        device, dtype = self.model.device, self.model.dtype
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = (self.slots, kv_heads, size, head_dim)
+        layers = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                  for _ in range(config.num_hidden_layers)]
+        long = dict(dtype=torch.long, device=device)
+        self.valid = torch.zeros(self.slots, size, dtype=torch.bool, device=device)
+        self.valid[:, 0] = True  # an empty slot attends to one zero key: finite outputs, no NaN in its cache
+        self.seq_len = torch.zeros(self.slots, **long)
+        self.written = torch.zeros(self.slots, **long)
+        self.fixed = torch.zeros(self.slots, **long)
+        self.ring = torch.ones(self.slots, **long)
+        self.write_slot = torch.zeros(self.slots, **long)
+        self.next_token = torch.zeros(self.slots, **long)
+        self.generated = torch.zeros(self.slots, **long)
+        self.max_new = torch.ones(self.slots, **long)
+        self.finished = torch.ones(self.slots, dtype=torch.bool, device=device)
+        self.seeds = torch.zeros(self.slots, **long)
+        self.do_sample = torch.zeros(self.slots, dtype=torch.bool, device=device)
+        self.temperature = torch.ones(self.slots, device=device)
+        self.top_p = torch.ones(self.slots, device=device)
+        self.cache = _SlotCache(layers, self.write_slot)
+        self.slot_tokens = size
+        if self.compile:
+            for tensor in [*(t for pair in layers for t in pair), self.valid, self.seq_len, self.written, self.fixed,
+                           self.ring, self.write_slot, self.next_token, self.generated, self.max_new, self.finished,
+                           self.seeds, self.do_sample, self.temperature, self.top_p]:
+                torch._dynamo.mark_static_address(tensor)
+
+    def _grow_to(self, size: int) -> None:
+        size = 64 * math.ceil(size / 64)
+        extra = size - self.slot_tokens
+        for layer in self.cache.layers:
+            layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, 0, extra))
+            layer.values = torch.nn.functional.pad(layer.values, (0, 0, 0, extra))
+        self.valid = torch.nn.functional.pad(self.valid, (0, extra), value=False)
+        self.slot_tokens = size
+
+    # -- one decode step (static shapes) ---------------------------------------------------------------------------
+    def _step(self, greedy_only: bool, use_top_p: bool) -> None:
+        active = ~self.finished
+        index = self.written
+        slot = torch.where(index < self.fixed, index, self.fixed + (index - self.fixed) % self.ring)
+        self.write_slot.copy_(slot)
+        self.valid.scatter_(1, slot[:, None], True)  # finished rows too: they must keep attending somewhere
+        mask = self.valid[:, None, None, :]
+        if self.eager:
+            mask = torch.zeros(mask.shape, dtype=self.model.dtype, device=mask.device).masked_fill(
+                ~mask, torch.finfo(self.model.dtype).min)
+        logits = self.model(input_ids=self.next_token[:, None], attention_mask=mask,
+                            position_ids=self.seq_len[:, None], past_key_values=self.cache, use_cache=True).logits
+        chosen = choose_tokens(logits[:, -1].float(), greedy_only, self.seeds, self.generated, self.do_sample,
+                               self.temperature, self.top_p, use_top_p)
+        step = active.long()
+        self.written.add_(step)
+        self.seq_len.add_(step)
+        # A finished row writes past its last token (the buffer has a spare column): nothing it produced is lost.
+        self.out.scatter_(1, self.generated[:, None], chosen[:, None])
+        self.generated.add_(step)
+        done = self.generated >= self.max_new
+        if self.eos is not None:
+            done |= torch.isin(chosen, self.eos_device)
+        self.finished.copy_(self.finished | (active & done))
+        self.next_token.copy_(chosen)
+
+    def _compiled_step(self):
+        if self._step_fn is None:
+            if not self.compile:
+                self._step_fn = torch.no_grad()(self._step)
+            else:
+                mode = self.compile_mode
+                if mode is None and self.compile_backend is None and self.model.device.type == "cuda":
+                    mode = "reduce-overhead"  # CUDA graphs
+                options = {"backend": self.compile_backend} if self.compile_backend is not None else {}
+                self._step_fn = torch.no_grad()(torch.compile(self._step, dynamic=False, mode=mode, **options))
+        return self._step_fn
+
+    # -- admission -------------------------------------------------------------------------------------------------
+    def _stop_checker(self, strings: tuple[str, ...]):
+        if strings not in self._stops:
+            if self.tokenizer is None:
+                raise ValueError("stop_strings need the engine's tokenizer")
+            self._stops[strings] = _stop_criteria(self.tokenizer, list(strings), 0)
+        return self._stops[strings]
+
+    @torch.no_grad()
+    def _admit(self, slot: int, index: int, request: Request) -> _Resident:
+        """Prefill and compress ``request`` alone, copy its cache into ``slot`` and choose its first token."""
+        device = self.model.device
+        ids = request.input_ids[None].to(device)
+        positions = request.position_ids[None].to(device) if request.position_ids is not None else None
+        session, logits, seconds = prefill(self.model, self.policy, ids, None, request.compress_prefix, positions)
+        state = session.state
+        used = state.slots
+        if used > self.slot_tokens:
+            if not self.grow:
+                raise ValueError(f"request {index} needs {used} cache slots after prefill, more than the "
+                                 f"{self.slot_tokens} reserved per slot (raise slot_tokens or use grow=True)")
+            self._grow_to(used + request.max_new_tokens)
+        for layer, source in zip(self.cache.layers, session.cache.layers):
+            layer.keys[slot, :, :used] = source.keys[0]
+            layer.values[slot, :, :used] = source.values[0]
+        self.valid[slot] = False
+        self.valid[slot, :used] = state.valid[0]
+        self.seq_len[slot] = int(state.seq_len[0])
+        self.written[slot] = int(state.written[0])
+        self.fixed[slot] = int(state.fixed[0])
+        self.ring[slot] = int(min(int(state.ring[0]), 1 << 62))
+        self.seeds[slot] = request.seed & ((1 << 63) - 1)
+        self.do_sample[slot] = request.do_sample
+        self.temperature[slot] = request.temperature or 1.0
+        self.top_p[slot] = request.top_p or 1.0
+        self.max_new[slot] = request.max_new_tokens
+        self.generated[slot] = 0
+        first = choose_tokens(logits.float(), not request.do_sample, self.seeds[slot : slot + 1], self.generated[slot : slot + 1],
+                              self.do_sample[slot : slot + 1], self.temperature[slot : slot + 1], self.top_p[slot : slot + 1],
+                              request.top_p is not None)
+        self.out[slot, 0] = first[0]
+        self.next_token[slot] = first[0]
+        self.generated[slot] = 1
+        done = request.max_new_tokens == 1 or (self.eos is not None and int(first[0]) in self.eos.tolist())
+        self.finished[slot] = done
+        stats = {"prompt_tokens": request.input_ids.numel(), "kept_prompt_tokens": session.kept_per_layer()[0],
+                 "prefill_seconds": seconds}
+        stop = self._stop_checker(request.stop_strings) if request.stop_strings else None
+        held, limit = int(state.valid[0].sum()), int(state.fixed[0]) + int(state.ring[0])
+        return _Resident(index, request, stats, int(state.written[0]), held, limit, stop=stop)
+
+    # -- the loop --------------------------------------------------------------------------------------------------
+    def run(self, requests: Iterable[Request], on_finish: Callable[[Completion], None] | None = None) -> list[Completion]:
+        """Generate every request; return the completions in request order. ``on_finish`` is called with each
+        completion as soon as it is done (in finishing order), before the next requests are admitted."""
+        stream = list(requests)
+        for request in stream:
+            if not isinstance(request, Request):
+                raise TypeError(f"requests must be evalkit.compression.engine.Request, got {type(request).__name__}")
+        self._prepare(stream)
+        waiting = deque(enumerate(stream))
+        residents: dict[int, _Resident] = {}
+        done: dict[int, Completion] = {}
+        step_fn = self._compiled_step()
+        while waiting or residents:
+            for slot in range(self.slots):
+                if slot not in residents and waiting:
+                    index, request = waiting.popleft()
+                    residents[slot] = self._admit(slot, index, request)
+            self._collect(residents, done, on_finish)  # requests done at their first token
+            if not residents:
+                continue
+            if self.grow:
+                self._grow_for(residents)
+            greedy_only = not any(r.request.do_sample for r in residents.values())
+            use_top_p = any(r.request.top_p is not None for r in residents.values())
+            for _ in range(self.sync_every):
+                step_fn(greedy_only, use_top_p)
+            self.counters["decode_steps"] += self.sync_every
+            self.counters["busy_slot_steps"] += self.sync_every * len(residents)
+            self._collect(residents, done, on_finish)
+        return [done[i] for i in range(len(stream))]
+
+    def _prepare(self, stream: list[Request]) -> None:
+        if self.eos is not None:
+            self.eos_device = self.eos.to(self.model.device)
+        capacity = self.policy.cache_capacity()
+        if capacity is not None:
+            size = capacity
+        elif self.requested_slot_tokens is not None:
+            size = self.requested_slot_tokens
+        else:
+            size = max((self._needed(r) for r in stream), default=1)
+            if self.grow:
+                size = min(size, 64)
+        longest = max((r.max_new_tokens for r in stream), default=1)
+        if self.slot_tokens != size:
+            self._allocate(size)
+        if self.out is None or self.out.shape[1] <= longest:  # one spare column (see _step)
+            width = 256 * math.ceil((longest + 1) / 256)  # rounded up: a slightly longer request needs no new graph
+            self.out = torch.zeros(self.slots, width, dtype=torch.long, device=self.model.device)
+            if self.compile:
+                torch._dynamo.mark_static_address(self.out)
+        self.finished.fill_(True)
+
+    def _grow_for(self, residents: dict[int, _Resident]) -> None:
+        generated = self.generated.tolist()
+        needed = max(r.written_at_start + generated[slot] - 1 + self.sync_every for slot, r in residents.items())
+        if needed > self.slot_tokens:
+            self._grow_to(needed)
+
+    def _collect(self, residents: dict[int, _Resident], done: dict[int, Completion], on_finish) -> None:
+        """The host's look at the slots: new tokens, stop strings, finished requests out."""
+        if not residents:
+            return
+        self.counters["syncs"] += 1
+        generated = self.generated.tolist()
+        finished = self.finished.tolist()
+        width = self.sync_every + 1
+        starts = torch.tensor([len(residents[s].tokens) if s in residents else 0 for s in range(self.slots)],
+                              device=self.out.device)
+        columns = (starts[:, None] + torch.arange(width, device=self.out.device)).clamp(max=self.out.shape[1] - 1)
+        recent = self.out.gather(1, columns).tolist()
+        for slot in list(residents):
+            resident = residents[slot]
+            start = len(resident.tokens)
+            resident.tokens += recent[slot][: generated[slot] - start]
+            cut = self._stop_at(resident, start) if resident.stop is not None else None
+            if cut is not None:
+                del resident.tokens[cut:]
+                self.finished[slot] = True
+            elif not finished[slot]:
+                continue
+            done[resident.index] = completion = self._complete(slot, resident)
+            del residents[slot]
+            if on_finish is not None:
+                on_finish(completion)
+
+    def _stop_at(self, resident: _Resident, start: int) -> int | None:
+        """Length of the generated tokens once the first stop string appears among those from ``start`` on."""
+        tokens, stop = resident.tokens, resident.stop
+        if len(tokens) == start:
+            return None
+        if self.tokenizer is not None:  # quick look at the new text first; most looks find nothing
+            tail = self.tokenizer.decode(tokens[max(0, start - 64) :], skip_special_tokens=True)
+            if not any(s in tail for s in resident.request.stop_strings):
+                return None
+        for length in range(start + 1, len(tokens) + 1):
+            if bool(stop(torch.tensor([tokens[:length]]), None)[0]):
+                return length
+        return None
+
+    def _complete(self, slot: int, resident: _Resident) -> Completion:
+        generated = len(resident.tokens)
+        # Every token fed back takes a new slot until the ring is full; the count never drops, so the end is the peak.
+        # (Read off the request's own tokens: the device may have run a few steps past a stop string.)
+        peak = min(resident.held_at_start + max(generated - 1, 0), resident.limit)
+        prompt = resident.stats["prompt_tokens"]
+        seen = prompt + max(generated - 1, 0)
+        stats = {**resident.stats, "generated_tokens": generated, "peak_cache_tokens": peak, "tokens_seen": seen,
+                 "realized_ratio": seen / peak, "reserved_cache_tokens": self.slot_tokens}
+        return Completion(resident.index, list(resident.tokens), stats)
+
+    def utilization(self) -> float:
+        """Busy slot-steps over all slot-steps so far."""
+        total = self.counters["decode_steps"] * self.slots
+        return self.counters["busy_slot_steps"] / total if total else 0.0
+
+
+def run_timed(engine: Engine, requests: list[Request]) -> tuple[list[Completion], float]:
+    """Run and return the completions and the wall time (CUDA synchronised)."""
+    started = time.perf_counter()
+    completions = engine.run(requests)
+    if engine.model.device.type == "cuda":
+        torch.cuda.synchronize()
+    return completions, time.perf_counter() - started

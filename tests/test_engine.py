@@ -1,0 +1,224 @@
+"""The continuous-batching engine: same tokens as alone, static caches, per-request sampling, no recompiles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import evalkit.compression as ec
+from evalkit.compression.engine import choose_tokens, gumbel_noise
+
+VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    model = LlamaForCausalLM(config).eval()
+    model.config._attn_implementation = "sdpa"
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def stream(count: int = 10, seed: int = 1, **settings) -> list[ec.Request]:
+    """Prompts of 20-150 tokens and lengths of 3-40 new tokens (a long tail over the slots)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(20, 150, (count,), generator=g).tolist()
+    news = torch.randint(3, 40, (count,), generator=g).tolist()
+    return [ec.Request(torch.randint(0, VOCAB, (n,), generator=g), max_new_tokens=m, seed=i, **settings)
+            for i, (n, m) in enumerate(zip(lengths, news))]
+
+
+POLICIES = [
+    ec.Full(),
+    ec.SnapStream(capacity=64, window=8, sink=4, recent=16),
+    ec.StreamingLLM(sink=4, window=40),
+    ec.SnapKV(capacity=48, window=8),
+]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.name)
+def test_greedy_tokens_and_stats_equal_running_alone(model, policy):
+    requests = stream()
+    engine = ec.Engine(model, policy, slots=3, sync_every=3)
+    completions = engine.run(requests)
+    assert [c.index for c in completions] == list(range(len(requests)))
+    for request, completion in zip(requests, completions):
+        alone = ec.generate(model, request.input_ids[None], policy, max_new_tokens=request.max_new_tokens,
+                            return_logits=False)
+        assert completion.tokens == alone.sequences[0, request.input_ids.numel():].tolist()
+        for key in ("prompt_tokens", "generated_tokens", "kept_prompt_tokens", "peak_cache_tokens", "tokens_seen"):
+            assert completion.stats[key] == alone.stats[0][key], key
+        assert completion.stats["reserved_cache_tokens"] == engine.slot_tokens
+
+
+def test_fixed_capacity_cache_is_allocated_once_at_capacity(model):
+    policy = ec.SnapStream(capacity=64, window=8, sink=4, recent=16)
+    engine = ec.Engine(model, policy, slots=4)
+    engine.run(stream(count=2))
+    keys = engine.cache.layers[0].keys
+    pointer, shape = keys.data_ptr(), tuple(keys.shape)
+    assert shape == (4, 2, 64, 16)  # [slots, kv heads, capacity, head dim]: prompts of up to 150 tokens fit in 64
+    completions = engine.run(stream(count=30, seed=2))  # 15x the requests: the same memory
+    assert engine.cache.layers[0].keys.data_ptr() == pointer and tuple(engine.cache.layers[0].keys.shape) == shape
+    long_prompts = [c for c, r in zip(completions, stream(count=30, seed=2)) if r.input_ids.numel() > 64]
+    assert long_prompts and all(c.stats["peak_cache_tokens"] <= 64 for c in completions)
+    assert all(c.stats["kept_prompt_tokens"] == [48, 48] for c in long_prompts)  # capacity - recent
+    # the real per-slot state agrees: no slot ever holds more than the capacity
+    assert int(engine.valid.sum(dim=1).max()) <= 64
+
+
+def test_growing_policy_reserves_prompt_capacity_plus_new_tokens(model):
+    requests = stream()
+    engine = ec.Engine(model, ec.SnapKV(capacity=48, window=8), slots=2)
+    engine.run(requests)
+    assert engine.slot_tokens == max(min(r.input_ids.numel(), 48) + r.max_new_tokens for r in requests)
+    small = ec.Engine(model, ec.Full(), slots=2, slot_tokens=40)
+    with pytest.raises(ValueError, match=r"request 0 needs \d+ cache slots .* more than the 40 reserved"):
+        small.run(requests)
+
+
+def test_grow_on_demand_gives_the_same_tokens(model):
+    requests = stream()
+    static = ec.Engine(model, ec.Full(), slots=3).run(requests)
+    engine = ec.Engine(model, ec.Full(), slots=3, grow=True)
+    grown = engine.run(requests)
+    assert [c.tokens for c in grown] == [c.tokens for c in static]
+    assert engine.slot_tokens >= max(r.input_ids.numel() for r in requests)
+    with pytest.raises(ValueError, match="static"):
+        ec.Engine(model, ec.Full(), grow=True, compile=True)
+    with pytest.raises(ValueError, match="fixed capacity"):
+        ec.Engine(model, ec.SnapStream(capacity=64, window=8, recent=16), grow=True)
+
+
+def test_continuous_batching_takes_fewer_steps_than_static_batches(model):
+    requests = stream(count=24, seed=3)
+    engine = ec.Engine(model, ec.SnapStream(capacity=64, window=8, sink=4, recent=16), slots=4, sync_every=1)
+    engine.run(requests)
+    lengths = [r.max_new_tokens for r in requests]
+    static_steps = sum(max(lengths[i : i + 4]) for i in range(0, len(lengths), 4))
+    assert engine.counters["decode_steps"] < 0.8 * static_steps
+    assert engine.utilization() > 0.8
+
+
+def test_sampling_is_per_request_whatever_the_slot_and_neighbours(model):
+    requests = stream(do_sample=True, temperature=0.9, top_p=0.95)
+    policy = ec.SnapStream(capacity=64, window=8, sink=4, recent=16)
+    first = ec.Engine(model, policy, slots=3).run(requests)
+    reordered = ec.Engine(model, policy, slots=5, sync_every=2).run(requests[::-1])[::-1]
+    assert [c.tokens for c in first] == [c.tokens for c in reordered]
+    reseeded = [ec.Request(r.input_ids, max_new_tokens=r.max_new_tokens, do_sample=True, temperature=0.9, top_p=0.95,
+                           seed=r.seed + 100) for r in requests]
+    other = ec.Engine(model, policy, slots=3).run(reseeded)
+    assert sum(a.tokens != b.tokens for a, b in zip(first, other)) >= len(requests) - 1  # the seed matters
+    greedy = ec.Engine(model, policy, slots=3).run(stream())
+    assert sum(a.tokens != b.tokens for a, b in zip(first, greedy)) >= len(requests) - 1  # sampling is not argmax
+
+
+def test_gumbel_draws_follow_the_distribution():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5])
+    probabilities = logits.softmax(dim=-1)
+    draws = 20000
+    seeds = torch.arange(draws)
+    noise = gumbel_noise(seeds, torch.full((draws,), 7), len(logits))
+    counts = torch.bincount((logits + noise).argmax(dim=-1), minlength=len(logits)).float()
+    expected = probabilities * draws
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 18.5  # 4 degrees of freedom, p = 0.001
+    # per-row settings: top-p removes the tail, temperature sharpens
+    rows = 4000
+    chosen = choose_tokens(logits.expand(rows, -1), False, torch.arange(rows), torch.zeros(rows, dtype=torch.long),
+                           torch.ones(rows, dtype=torch.bool), torch.full((rows,), 0.5), torch.full((rows,), 0.8), True)
+    assert set(chosen.tolist()) <= {0, 1}  # at T=0.5 the first two tokens hold more than 0.8 of the mass
+    greedy = choose_tokens(logits.expand(3, -1), False, torch.arange(3), torch.zeros(3, dtype=torch.long),
+                           torch.zeros(3, dtype=torch.bool), torch.ones(3), torch.ones(3), False)
+    assert greedy.tolist() == [0, 0, 0]
+
+
+def test_eos_ends_a_request_as_it_does_alone(model):
+    policy = ec.SnapStream(capacity=64, window=8, sink=4, recent=16)
+    requests = stream(count=6)
+    plain = ec.Engine(model, policy, slots=2).run(requests)
+    eos = plain[0].tokens[2]  # a token the model does produce
+    completions = ec.Engine(model, policy, slots=2, eos_token_id=eos).run(requests)
+    ended = 0
+    for request, completion in zip(requests, completions):
+        alone = ec.generate(model, request.input_ids[None], policy, max_new_tokens=request.max_new_tokens,
+                            eos_token_id=eos, return_logits=False)
+        assert completion.tokens == alone.sequences[0, request.input_ids.numel():][: alone.stats[0]["generated_tokens"]].tolist()
+        ended += completion.tokens[-1] == eos and len(completion.tokens) < request.max_new_tokens
+    assert ended >= 1
+
+
+def test_stop_strings_end_a_request_at_the_same_token(model):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    raw.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw)
+    policy = ec.SnapStream(capacity=64, window=8, sink=4, recent=16)
+    requests = stream(count=6)
+    plain = ec.Engine(model, policy, slots=2).run(requests)
+    stop = tokenizer.decode(plain[1].tokens[4:6])  # two words from the middle of one generation
+    stopped = [ec.Request(r.input_ids, max_new_tokens=r.max_new_tokens, stop_strings=[stop]) for r in requests]
+    completions = ec.Engine(model, policy, slots=2, tokenizer=tokenizer, sync_every=5).run(stopped)
+    assert len(completions[1].tokens) <= 6 and stop in tokenizer.decode(completions[1].tokens)
+    for request, completion in zip(requests, completions):
+        alone = ec.generate(model, request.input_ids[None], policy, max_new_tokens=request.max_new_tokens,
+                            stop_strings=[stop], tokenizer=tokenizer, return_logits=False)
+        assert completion.tokens == alone.sequences[0, request.input_ids.numel():][: alone.stats[0]["generated_tokens"]].tolist()
+        assert completion.stats["generated_tokens"] == alone.stats[0]["generated_tokens"]
+
+
+def test_context_scope_and_kept_positions_match_generate(model):
+    policy = ec.SnapStream(capacity=64, window=8, sink=4, recent=16)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (120,), generator=g)
+    prefix = ec.Request(ids, max_new_tokens=12, compress_prefix=100)
+    positions = torch.sort(torch.randperm(300, generator=g)[:120]).values
+    kept = ec.Request(ids, max_new_tokens=12, position_ids=positions)
+    completions = ec.Engine(model, policy, slots=2).run([prefix, kept])
+    alone_prefix = ec.generate(model, ids[None], policy, max_new_tokens=12, compress_prefix=100, return_logits=False)
+    alone_kept = ec.generate(model, ids[None], policy, max_new_tokens=12, position_ids=positions[None], return_logits=False)
+    assert completions[0].tokens == alone_prefix.sequences[0, 120:].tolist()
+    assert completions[1].tokens == alone_kept.sequences[0, 120:].tolist()
+    assert completions[0].tokens != completions[1].tokens
+
+
+def test_compiled_step_compiles_once_and_matches_eager(model):
+    policy = ec.SnapStream(capacity=64, window=8, sink=4, recent=16)
+    requests = stream(count=8)
+    eager = ec.Engine(model, policy, slots=3).run(requests)
+    counter = CompileCounter()
+    engine = ec.Engine(model, policy, slots=3, compile=True, compile_backend=counter)
+    compiled = engine.run(requests)
+    assert [c.tokens for c in compiled] == [c.tokens for c in eager]
+    steps = engine.counters["decode_steps"]
+    assert steps > 50 and counter.frame_count == 1  # one graph for every step: no recompiles, no graph breaks
+    engine.run(stream(count=8, seed=9))  # new requests, new prompts and lengths: still the same graph
+    assert engine.counters["decode_steps"] > steps and counter.frame_count == 1
+
+
+def test_bad_requests_are_refused_clearly(model):
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        ec.Request([1, 2], max_new_tokens=0)
+    with pytest.raises(ValueError, match="temperature and top_p apply only with do_sample"):
+        ec.Request([1, 2], temperature=0.5)
+    with pytest.raises(ValueError, match="at least one prompt token"):
+        ec.Request([])
+    with pytest.raises(ValueError, match="slots"):
+        ec.Engine(model, ec.Full(), slots=0)
+    with pytest.raises(TypeError, match="Request"):
+        ec.Engine(model, ec.Full()).run([[1, 2, 3]])
+    with pytest.raises(ValueError, match="tokenizer"):
+        ec.Engine(model, ec.Full()).run([ec.Request([1, 2], stop_strings=["x"])])
+    assert ec.compile_backend(False) is None and ec.compile_backend(True) == "inductor"
+    with pytest.raises(ValueError, match="torch.compile backend"):
+        ec.compile_backend("fastest")

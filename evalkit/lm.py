@@ -3,7 +3,8 @@
     lm_eval --model evalkit --model_args pretrained=PATH,method=snapstream,budget=4x,max_context=8192 \
         --include_path tasks/ --tasks kv_retrieval
 
-``generate_until`` prefills each batch, compresses, then decodes with the policy. Log-likelihood requests are scored
+``generate_until`` hands all of a task's requests to :class:`evalkit.compression.Engine` (continuous batching over
+``batch_size`` slots of one static cache size each). Log-likelihood requests are scored
 against the compressed cache of the context (compress-then-score): the context is prefilled and compressed, then the
 continuation is fed through the same decode path as generated tokens would be. Rolling log-likelihood (perplexity
 over whole documents) has no compressed meaning here and is refused.

@@ -222,3 +222,24 @@ def test_bad_requests_are_refused_clearly(model):
     assert ec.compile_backend(False) is None and ec.compile_backend(True) == "inductor"
     with pytest.raises(ValueError, match="torch.compile backend"):
         ec.compile_backend("fastest")
+
+
+# -- through the CLI: the adapter hands the task to the engine ---------------------------------------------------------
+@pytest.mark.slow
+def test_cli_compiled_engine_gives_the_same_samples_and_rows_record_it(tmp_path, random_model_dir):
+    from helpers import evalkit
+
+    from evalkit.results import read_table
+
+    common = ["task=kv_retrieval", f"model.pretrained={random_model_dir}", "limit=12", "batch_size=3", "+budget=4x",
+              "+task.generation.max_gen_toks=24"]
+    plain = evalkit(*common, f"results_dir={tmp_path / 'plain'}", cwd=tmp_path)
+    compiled = evalkit(*common, "compile=eager", f"results_dir={tmp_path / 'compiled'}", cwd=tmp_path)
+    assert plain.returncode == 0 and compiled.returncode == 0, (plain.stderr + compiled.stderr)[-3000:]
+    assert "tok/s" in plain.stderr  # the progress bar reports the engine's throughput
+    first, second = read_table(tmp_path / "plain", "samples"), read_table(tmp_path / "compiled", "samples")
+    assert first["prediction"].tolist() == second["prediction"].tolist()
+    assert (first["batch_size"] == 3).all() and first["compile"].isna().all() and (second["compile"] == "eager").all()
+    assert (first["peak_cache_tokens"] <= first["capacity"]).all() and (first["reserved_cache_tokens"] == first["capacity"]).all()
+    bad = evalkit(*common, "compile=fastest", f"results_dir={tmp_path / 'bad'}", cwd=tmp_path)
+    assert bad.returncode == 2 and "compile must be true, false or a torch.compile backend" in bad.stderr

@@ -19,6 +19,7 @@ into Gumbel noise), so a sampled request gets the same tokens whatever its neigh
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -26,7 +27,12 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
+from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    AttentionMaskInterface,
+)
 
 from .base import Policy
 from .cache import check_hookable
@@ -129,6 +135,36 @@ def choose_tokens(logits, greedy_only: bool, seeds, steps, do_sample, temperatur
     return torch.where(do_sample, sampled, greedy)
 
 
+# -- the decode step's attention -----------------------------------------------------------------------------------
+def _decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """sdpa for one query token per row, the query heads of a KV group packed as that group's queries (what
+    transformers' sdpa does when not compiled). Compiled, transformers would copy the whole cache to every query
+    head instead; this keeps the same arithmetic, compiled or not."""
+    groups = query.shape[1] // key.shape[1]
+    batch, _, _, dim = query.shape
+    if groups > 1:
+        query = query.reshape(batch, key.shape[1], groups, dim)
+    output = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
+    return output.reshape(batch, -1, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+_DECODE_ATTENTION = "evalkit_decode"
+AttentionInterface.register(_DECODE_ATTENTION, _decode_attention)
+AttentionMaskInterface.register(_DECODE_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
+@contextlib.contextmanager
+def _attention(model, implementation: str | None):
+    """Run the model's attention through ``implementation`` for the duration (None: leave it)."""
+    original = model.config._attn_implementation
+    if implementation is not None:
+        model.config._attn_implementation = implementation
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = original
+
+
 # -- the static per-slot cache ------------------------------------------------------------------------------------
 class _SlotLayer(DynamicLayer):
     is_compileable = True
@@ -139,9 +175,11 @@ class _SlotLayer(DynamicLayer):
         self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        index = self.cache.write_slot[:, None, None, None].expand(-1, key_states.shape[1], 1, key_states.shape[-1])
-        self.keys.scatter_(2, index, key_states)
-        self.values.scatter_(2, index, value_states)
+        # keys[row, :, write_slot[row]] = the row's new key: an in-place index_put_, which a compiled graph keeps
+        # in place (a scatter_ there becomes a copy of the whole cache every step).
+        rows, slots = self.cache.rows, self.cache.write_slot
+        self.keys.index_put_((rows, self.cache.all_heads, slots[:, None]), key_states[:, :, 0])
+        self.values.index_put_((rows, self.cache.all_heads, slots[:, None]), value_states[:, :, 0])
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -152,6 +190,8 @@ class _SlotCache(Cache):
     def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]], write_slot: torch.Tensor):
         super().__init__(layers=[])
         self.write_slot = write_slot  # [slots]: where this step's token goes, per slot
+        self.rows = torch.arange(len(write_slot), device=write_slot.device)[:, None]  # [slots, 1]
+        self.all_heads = torch.arange(layers[0][0].shape[1], device=write_slot.device)[None, :]  # [1, kv_heads]
         self.layers = [_SlotLayer(self, keys, values) for keys, values in layers]
 
     @property
@@ -169,6 +209,7 @@ class _Resident:
     written_at_start: int  # cache writes before the first decode step (to size a growing cache)
     held_at_start: int  # tokens the cache held after prefill
     limit: int  # most tokens the cache can hold (fixed + ring)
+    ended_at_once: bool  # its first token ended it
     tokens: list[int] = dataclasses.field(default_factory=list)
     stop: object | None = None
 
@@ -347,7 +388,7 @@ class Engine:
                  "prefill_seconds": seconds}
         stop = self._stop_checker(request.stop_strings) if request.stop_strings else None
         held, limit = int(state.valid[0].sum()), int(state.fixed[0]) + int(state.ring[0])
-        return _Resident(index, request, stats, int(state.written[0]), held, limit, stop=stop)
+        return _Resident(index, request, stats, int(state.written[0]), held, limit, done, stop=stop)
 
     # -- the loop --------------------------------------------------------------------------------------------------
     def run(self, requests: Iterable[Request], on_finish: Callable[[Completion], None] | None = None) -> list[Completion]:
@@ -363,19 +404,23 @@ class Engine:
         done: dict[int, Completion] = {}
         step_fn = self._compiled_step()
         while waiting or residents:
+            ended_at_once = False
             for slot in range(self.slots):
                 if slot not in residents and waiting:
                     index, request = waiting.popleft()
                     residents[slot] = self._admit(slot, index, request)
-            self._collect(residents, done, on_finish)  # requests done at their first token
+                    ended_at_once |= residents[slot].ended_at_once
+            if ended_at_once:  # done at their first token (EOS, or one new token asked for)
+                self._collect(residents, done, on_finish)
             if not residents:
                 continue
             if self.grow:
                 self._grow_for(residents)
             greedy_only = not any(r.request.do_sample for r in residents.values())
             use_top_p = any(r.request.top_p is not None for r in residents.values())
-            for _ in range(self.sync_every):
-                step_fn(greedy_only, use_top_p)
+            with _attention(self.model, None if self.eager else _DECODE_ATTENTION):
+                for _ in range(self.sync_every):
+                    step_fn(greedy_only, use_top_p)
             self.counters["decode_steps"] += self.sync_every
             self.counters["busy_slot_steps"] += self.sync_every * len(residents)
             self._collect(residents, done, on_finish)
@@ -414,13 +459,14 @@ class Engine:
         if not residents:
             return
         self.counters["syncs"] += 1
-        generated = self.generated.tolist()
-        finished = self.finished.tolist()
         width = self.sync_every + 1
         starts = torch.tensor([len(residents[s].tokens) if s in residents else 0 for s in range(self.slots)],
                               device=self.out.device)
         columns = (starts[:, None] + torch.arange(width, device=self.out.device)).clamp(max=self.out.shape[1] - 1)
-        recent = self.out.gather(1, columns).tolist()
+        # One transfer: per slot, its token count, whether it is finished, and its tokens since the last look.
+        view = torch.cat([self.generated[:, None], self.finished[:, None].long(), self.out.gather(1, columns)], dim=1)
+        rows = view.tolist()
+        generated, finished, recent = [r[0] for r in rows], [bool(r[1]) for r in rows], [r[2:] for r in rows]
         for slot in list(residents):
             resident = residents[slot]
             start = len(resident.tokens)

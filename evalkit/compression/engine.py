@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
@@ -512,11 +511,3 @@ class Engine:
         total = self.counters["decode_steps"] * self.slots
         return self.counters["busy_slot_steps"] / total if total else 0.0
 
-
-def run_timed(engine: Engine, requests: list[Request]) -> tuple[list[Completion], float]:
-    """Run and return the completions and the wall time (CUDA synchronised)."""
-    started = time.perf_counter()
-    completions = engine.run(requests)
-    if engine.model.device.type == "cuda":
-        torch.cuda.synchronize()
-    return completions, time.perf_counter() - started

@@ -243,3 +243,26 @@ def test_cli_compiled_engine_gives_the_same_samples_and_rows_record_it(tmp_path,
     assert (first["peak_cache_tokens"] <= first["capacity"]).all() and (first["reserved_cache_tokens"] == first["capacity"]).all()
     bad = evalkit(*common, "compile=fastest", f"results_dir={tmp_path / 'bad'}", cwd=tmp_path)
     assert bad.returncode == 2 and "compile must be true, false or a torch.compile backend" in bad.stderr
+
+
+def test_adapter_repeats_sample_differently_and_reproducibly(random_model_dir):
+    """lm-eval's repeats of one prompt (AIME's 64 samples) are identical requests: each gets its own random stream,
+    and the same request gets the same text in another run, whatever the order."""
+    from lm_eval.api.instance import Instance
+
+    from evalkit.lm import EvalkitLM, load_model
+
+    tiny, tokenizer = load_model(str(random_model_dir), device="cpu")
+    tiny.generation_config.eos_token_id = tokenizer.eos_token_id = None  # random weights: no early EOS
+    lm = EvalkitLM(model=tiny, tokenizer=tokenizer, max_context=256, batch_size=3)
+    settings = {"until": [], "max_gen_toks": 12, "do_sample": True, "temperature": 1.5}
+    prompts = ["u1 v2 k3 u4 v5 k6 ?", "u7 v8 k9 ?"]
+    requests = [Instance("generate_until", {}, (text, dict(settings)), idx) for idx, text in
+                enumerate([prompts[0]] * 4 + [prompts[1]] * 2)]
+    first = lm.generate_until(requests, disable_tqdm=True)
+    assert len(set(first[:4])) >= 3  # repeats are independent samples
+    again = EvalkitLM(model=tiny, tokenizer=tokenizer, max_context=256, batch_size=2)
+    second = again.generate_until(requests[4:] + requests[:4], disable_tqdm=True)  # other order, other slots
+    assert second[2:] + second[:2] == first
+    stats = [s for text in prompts for s in lm.request_stats[text]]
+    assert len(stats) == 6 and all(s["generated_tokens"] >= 1 and s["reserved_cache_tokens"] > 0 for s in stats)

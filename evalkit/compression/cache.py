@@ -212,14 +212,29 @@ def check_hookable(model) -> None:
         )
 
 
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask (True: attend) as the additive float mask eager attention takes."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+
+
 @contextlib.contextmanager
-def hooked(model, cache: CompressedCache):
-    """Route the model's attention through the hook, with ``cache`` as the active cache, for the duration."""
+def attention_implementation(model, name: str | None):
+    """Run the model's attention through the registered implementation ``name`` for the duration (None: leave it)."""
     original = model.config._attn_implementation
-    model.config._attn_implementation = f"evalkit_{original}"
-    token = _ACTIVE.set(cache)
+    if name is not None:
+        model.config._attn_implementation = name
     try:
         yield
     finally:
-        _ACTIVE.reset(token)
         model.config._attn_implementation = original
+
+
+@contextlib.contextmanager
+def hooked(model, cache: CompressedCache):
+    """Route the model's attention through the hook, with ``cache`` as the active cache, for the duration."""
+    with attention_implementation(model, f"evalkit_{model.config._attn_implementation}"):
+        token = _ACTIVE.set(cache)
+        try:
+            yield
+        finally:
+            _ACTIVE.reset(token)

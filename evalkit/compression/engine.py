@@ -19,7 +19,6 @@ into Gumbel noise), so a sampled request gets the same tokens whatever its neigh
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from collections import deque
@@ -34,7 +33,7 @@ from transformers.masking_utils import (
 )
 
 from .base import Policy
-from .cache import check_hookable
+from .cache import additive_mask, attention_implementation, check_hookable
 from .generate import _eos_ids, _stop_criteria, prefill
 
 _MASK32 = 0xFFFFFFFF
@@ -152,18 +151,6 @@ AttentionInterface.register(_DECODE_ATTENTION, _decode_attention)
 AttentionMaskInterface.register(_DECODE_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
 
-@contextlib.contextmanager
-def _attention(model, implementation: str | None):
-    """Run the model's attention through ``implementation`` for the duration (None: leave it)."""
-    original = model.config._attn_implementation
-    if implementation is not None:
-        model.config._attn_implementation = implementation
-    try:
-        yield
-    finally:
-        model.config._attn_implementation = original
-
-
 # -- the static per-slot cache ------------------------------------------------------------------------------------
 class _SlotLayer(DynamicLayer):
     is_compileable = True
@@ -238,6 +225,7 @@ class Engine:
         self.model, self.policy, self.slots = model, policy, slots
         self.tokenizer, self.grow, self.sync_every = tokenizer, grow, sync_every
         self.eos = _eos_ids(eos_token_id if eos_token_id is not None else model.generation_config.eos_token_id)
+        self.eos_device = self.eos.to(model.device) if self.eos is not None else None
         self.requested_slot_tokens = slot_tokens
         self.eager = model.config._attn_implementation == "eager"
         self.compile, self.compile_backend, self.compile_mode = compile, compile_backend, compile_mode
@@ -245,7 +233,7 @@ class Engine:
         self._stops: dict[tuple[str, ...], object] = {}
         self.slot_tokens = 0
         self.out: torch.Tensor | None = None  # [slots, longest + 1] generated tokens, on the device
-        self.counters = {"decode_steps": 0, "busy_slot_steps": 0, "syncs": 0}
+        self.counters = {"decode_steps": 0, "busy_slot_steps": 0}
 
     # -- allocation -----------------------------------------------------------------------------------------------
     def _needed(self, request: Request) -> int:
@@ -308,8 +296,7 @@ class Engine:
         self.valid.scatter_(1, slot[:, None], True)  # finished rows too: they must keep attending somewhere
         mask = self.valid[:, None, None, :]
         if self.eager:
-            mask = torch.zeros(mask.shape, dtype=self.model.dtype, device=mask.device).masked_fill(
-                ~mask, torch.finfo(self.model.dtype).min)
+            mask = additive_mask(mask, self.model.dtype)
         logits = self.model(input_ids=self.next_token[:, None], attention_mask=mask,
                             position_ids=self.seq_len[:, None], past_key_values=self.cache, use_cache=True).logits
         chosen = choose_tokens(logits[:, -1].float(), greedy_only, self.seeds, self.generated, self.do_sample,
@@ -368,7 +355,7 @@ class Engine:
         self.seq_len[slot] = int(state.seq_len[0])
         self.written[slot] = int(state.written[0])
         self.fixed[slot] = int(state.fixed[0])
-        self.ring[slot] = int(min(int(state.ring[0]), 1 << 62))
+        self.ring[slot] = int(state.ring[0])
         self.seeds[slot] = request.seed & ((1 << 63) - 1)
         self.do_sample[slot] = request.do_sample
         self.temperature[slot] = request.temperature or 1.0
@@ -417,7 +404,7 @@ class Engine:
                 self._grow_for(residents)
             greedy_only = not any(r.request.do_sample for r in residents.values())
             use_top_p = any(r.request.top_p is not None for r in residents.values())
-            with _attention(self.model, None if self.eager else _DECODE_ATTENTION):
+            with attention_implementation(self.model, None if self.eager else _DECODE_ATTENTION):
                 for _ in range(self.sync_every):
                     step_fn(greedy_only, use_top_p)
             self.counters["decode_steps"] += self.sync_every
@@ -426,8 +413,6 @@ class Engine:
         return [done[i] for i in range(len(stream))]
 
     def _prepare(self, stream: list[Request]) -> None:
-        if self.eos is not None:
-            self.eos_device = self.eos.to(self.model.device)
         capacity = self.policy.cache_capacity()
         if capacity is not None:
             size = capacity
@@ -457,7 +442,6 @@ class Engine:
         """The host's look at the slots: new tokens, stop strings, finished requests out."""
         if not residents:
             return
-        self.counters["syncs"] += 1
         width = self.sync_every + 1
         starts = torch.tensor([len(residents[s].tokens) if s in residents else 0 for s in range(self.slots)],
                               device=self.out.device)

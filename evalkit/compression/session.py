@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .base import Policy
-from .cache import CompressedCache, RowState, check_hookable, hooked
+from .cache import CompressedCache, RowState, additive_mask, check_hookable, hooked
 
 
 def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -105,9 +105,7 @@ class CompressionSession:
         positions = self.state.seq_len[:, None].to(input_ids.device) + torch.arange(count, device=input_ids.device)
         mask = self.cache.plan_step(count, active.cpu())
         if self.eager:
-            mask = torch.zeros(mask.shape, dtype=self.model.dtype, device=mask.device).masked_fill(
-                ~mask, torch.finfo(self.model.dtype).min
-            )
+            mask = additive_mask(mask, self.model.dtype)
         with hooked(self.model, self.cache):
             output = self.model(
                 input_ids=input_ids,

@@ -376,7 +376,7 @@ class EvalkitLM(LM):
         logprob = float(logits.gather(1, target[:, None]).sum())
         greedy = bool((logits.argmax(dim=-1) == target).all())
         self.request_stats.setdefault(context, []).append(
-            {"prompt_tokens": split, "kept_prompt_tokens": session.kept_per_layer()[0], "peak_cache_tokens": int(session.state.peak[0])}
+            {"prompt_tokens": split, **session.realized(0)}
         )
         return logprob, greedy
 

@@ -3,12 +3,15 @@
 A policy decides two things, and nothing else:
 
 * which prompt tokens survive prefill: at most ``prompt_capacity`` of them, the first ``sink`` and last ``window``
-  tokens always, the rest ranked by ``score`` (per layer and per KV head);
+  tokens always, the rest ranked by ``score`` (per layer and per KV head). ``layer_budget`` and ``allocate`` let a
+  policy keep a different number per layer (PyramidKV) or per head (AdaKV);
 * how the cache behaves while decoding: the surviving prompt tokens are followed by a region of ``ring_size`` slots
   that new tokens fill in order and, once full, overwrite oldest first. The first ``fixed`` cached tokens are never
-  overwritten.
+  overwritten. A policy that evicts by score while decoding (H2O, TOVA, SnapKV re-applied) names, after each step's
+  attention, the slots it frees (``decode_evict``); the next tokens take them.
 
-Everything else (gathering rows, ring writes, masks, positions) lives in :mod:`evalkit.compression.cache`, once.
+Everything else (gathering rows, ring writes, per-head validity, masks, positions) lives in
+:mod:`evalkit.compression.cache`, once.
 """
 
 from __future__ import annotations
@@ -36,11 +39,52 @@ def require_choice(owner: object, name: str, choices: tuple[str, ...]) -> None:
 
 
 @dataclasses.dataclass
+class PrefillView:
+    """What a policy may look at when it scores one layer's prompt tokens (one call per layer, whole batch)."""
+
+    query: torch.Tensor  # [B, Hq, n, D] post-RoPE queries of every prompt token
+    keys: torch.Tensor  # [B, Hkv, n, D] post-RoPE keys
+    values: torch.Tensor  # [B, Hkv, n, D]
+    key_valid: torch.Tensor  # [B, n] bool: False on left padding
+    scaling: float
+    layer_idx: int
+    num_layers: int
+    module: torch.nn.Module  # the attention module (its rotary embedding, for ExpectedAttention)
+
+    @property
+    def groups(self) -> int:
+        return self.query.shape[1] // self.keys.shape[1]
+
+
+@dataclasses.dataclass
+class DecodeView:
+    """One decode step of one layer, after its attention: what a decode-time eviction policy looks at."""
+
+    probabilities: torch.Tensor  # [B, Hq, S] fp32 attention of this step's query over the layer's slots
+    valid: torch.Tensor  # [B, Hkv, S] bool: slot holds a token (this step's included)
+    positions: torch.Tensor  # [B, Hkv, S] long: text position of each slot's token (-1: empty)
+    position: torch.Tensor  # [B] text position of this step's token
+    scores: torch.Tensor | None  # [B, Hkv, S] fp32 running score of an ``accumulates`` policy, updated in place by it
+    query_buffer: torch.Tensor | None  # [B, Hq, w, D] post-RoPE queries of the last w tokens (``query_window``)
+    keys: torch.Tensor  # [B, Hkv, S, D]
+    scaling: float
+    steps: int  # decode steps taken so far, this one included
+    capacity: int
+
+
+@dataclasses.dataclass
 class Policy:
     """Base class: no eviction. Subclasses override the class attributes and :meth:`score` only."""
 
     name: ClassVar[str] = "full"
     needs_scores: ClassVar[bool] = False
+    # The cache keeps its validity per layer and KV head (different counts, or different slots freed while decoding)
+    # instead of one count per row shared by all layers and heads.
+    per_head: ClassVar[bool] = False
+    # Decode-time eviction: ``decode_evict`` runs after every decode step's attention.
+    evicts_while_decoding: ClassVar[bool] = False
+    # Keep a running per-slot score (the accumulated attention of H2O), gathered with the prompt tokens kept.
+    accumulates: ClassVar[bool] = False
 
     def kept_sink(self) -> int:
         """Leading prompt tokens always kept (attention sinks)."""
@@ -62,13 +106,54 @@ class Policy:
         """For per-row counts of kept prompt tokens, return (fixed slots, ring size) per row."""
         return kept.clone(), torch.full_like(kept, UNBOUNDED)
 
-    def score(self, window_queries: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Importance of every prompt key before the observation window: ``[batch, kv_heads, n - window]``."""
+    def score(self, view: PrefillView) -> torch.Tensor:
+        """Importance of every prompt key, ``[batch, kv_heads, n]`` (higher is kept first). The values at forced
+        positions (sink, window) and on padding are ignored."""
         raise NotImplementedError(f"{type(self).__name__} does not score tokens")
+
+    def layer_budget(self, layer_idx: int, num_layers: int, real_len: torch.Tensor) -> torch.Tensor:
+        """Prompt tokens each row keeps per KV head in layer ``layer_idx`` (``real_len``: each row's prompt length)."""
+        capacity = self.prompt_capacity()
+        return real_len.clone() if capacity is None else real_len.clamp(max=capacity)
+
+    def allocate(self, scores: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+        """Tokens each KV head keeps, ``[batch, kv_heads]``, given the layer's ranked scores (``+inf`` forced,
+        ``-inf`` padding) and the per-row budget per head: by default every head keeps the budget."""
+        return budget[:, None].expand(-1, scores.shape[1]).clone()
+
+    def query_window(self) -> int:
+        """Decode queries a decode-time policy needs to look back at (SnapKV re-applied); 0: none."""
+        return 0
+
+    def decode_evict(self, view: DecodeView) -> torch.Tensor | None:
+        """Slots to free after this decode step, ``[B, Hkv, S]`` bool, or None."""
+        return None
 
     def config(self) -> dict:
         """Flat description of the policy, for result tables."""
         return {"method": self.name, "capacity": self.cache_capacity(), **dataclasses.asdict(self)}
+
+
+def attention_probabilities(queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Softmax attention in fp32 of ``queries`` ``[B, Hq, q, D]`` over ``keys`` ``[B, Hkv, S, D]`` where ``visible``
+    (``[B, Hkv or 1, q, S]`` bool) allows: ``[B, Hkv, G, q, S]``, the query heads grouped by their KV head."""
+    batch, q_heads, count, dim = queries.shape
+    kv_heads = keys.shape[1]
+    grouped = queries.float().reshape(batch, kv_heads, q_heads // kv_heads, count, dim)
+    logits = torch.matmul(grouped, keys.float().unsqueeze(2).transpose(-1, -2)) * scaling
+    return logits.masked_fill(~visible[:, :, None], float("-inf")).softmax(dim=-1)
+
+
+def pool_scores(scores: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
+    """SnapKV's smoothing along the last axis: stride 1, padding kernel_size // 2, max or average (zeros padded)."""
+    flat = scores.reshape(-1, 1, scores.shape[-1])
+    pool = torch.nn.functional.max_pool1d if pooling == "max" else torch.nn.functional.avg_pool1d
+    return pool(flat, kernel_size=kernel_size, stride=1, padding=kernel_size // 2).reshape(scores.shape)
+
+
+def reduce_groups(scores: torch.Tensor, how: str) -> torch.Tensor:
+    """``[B, Hkv, G, ...]`` -> ``[B, Hkv, ...]``: the query heads of each KV group by mean or max."""
+    return scores.amax(dim=2) if how == "max" else scores.mean(dim=2)
 
 
 def snapkv_scores(
@@ -87,20 +172,12 @@ def snapkv_scores(
     cut to the keys before the window, pooled along keys (stride 1, padding kernel_size // 2), then reduced over the
     query heads of each KV group. Returns ``[B, Hkv, n - w]``.
     """
-    batch, q_heads, window, dim = window_queries.shape
-    kv_heads, n = keys.shape[1], keys.shape[2]
-    group = q_heads // kv_heads
-    queries = window_queries.float().reshape(batch, kv_heads, group, window, dim)
-    logits = torch.matmul(queries, keys.float().unsqueeze(2).transpose(-1, -2)) * scaling  # [B, Hkv, G, w, n]
+    window, n = window_queries.shape[2], keys.shape[2]
     query_pos = torch.arange(n - window, n, device=keys.device)
     visible = torch.arange(n, device=keys.device)[None, :] <= query_pos[:, None]  # [w, n] causal
-    visible = visible[None, :, :] & key_valid[:, None, :]  # [B, w, n]
-    logits = logits.masked_fill(~visible[:, None, None], float("-inf"))
-    attention = logits.softmax(dim=-1).sum(dim=-2)[..., : n - window]  # [B, Hkv, G, n - w]
-    flat = attention.reshape(-1, 1, n - window)
-    pool = torch.nn.functional.max_pool1d if pooling == "max" else torch.nn.functional.avg_pool1d
-    pooled = pool(flat, kernel_size=kernel_size, stride=1, padding=kernel_size // 2).reshape(attention.shape)
-    return pooled.amax(dim=2) if gqa_reduce == "max" else pooled.mean(dim=2)
+    visible = (visible[None, :, :] & key_valid[:, None, :])[:, None]  # [B, 1, w, n]
+    attention = attention_probabilities(window_queries, keys, visible, scaling).sum(dim=-2)[..., : n - window]
+    return reduce_groups(pool_scores(attention, kernel_size, pooling), gqa_reduce)
 
 
 @dataclasses.dataclass
@@ -127,7 +204,8 @@ class SnapKVScoring(Policy):
     def kept_window(self) -> int:
         return self.window
 
-    def score(self, window_queries, keys, key_valid, scaling):
-        return snapkv_scores(
-            window_queries, keys, key_valid, scaling, self.kernel_size, self.pooling, self.gqa_reduce
-        )
+    def score(self, view: PrefillView) -> torch.Tensor:
+        n, window = view.keys.shape[2], self.window
+        prefix = snapkv_scores(view.query[:, :, n - window :], view.keys, view.key_valid, view.scaling,
+                               self.kernel_size, self.pooling, self.gqa_reduce)
+        return torch.nn.functional.pad(prefix, (0, window))

@@ -1,10 +1,16 @@
 """A transformers ``Cache`` whose rows really shrink, and the attention hook that feeds it.
 
-Layout: every layer stores keys/values ``[batch, kv_heads, slots, head_dim]``. All layers share one bookkeeping
-object (:class:`RowState`) because a policy keeps the same *number* of tokens in every layer and head (which tokens
-differs per layer and head). Per row: the first ``kept`` slots hold the surviving prompt tokens in text order, then
-new tokens are written slot by slot; a ring policy wraps around after ``fixed`` slots. Slots a row does not use (a
-shorter prompt in a batch) are invalid and masked out; padding is never kept.
+Layout: every layer stores keys/values ``[batch, kv_heads, slots, head_dim]``. Two kinds of bookkeeping:
+
+* **Per row** (:class:`RowState`, shared by all layers), for policies that keep the same *number* of tokens in every
+  layer and head (which tokens differs per layer and head): the first ``kept`` slots of a row hold the surviving
+  prompt tokens in text order, then new tokens are written slot by slot; a ring policy wraps around after ``fixed``
+  slots. Slots a row does not use (a shorter prompt in a batch) are invalid and masked out; padding is never kept.
+* **Per layer and KV head** (:class:`HeadState`, policies with ``per_head``): each layer keeps a validity mask and
+  the text position of every slot ``[batch, kv_heads, slots]``, so heads and layers may hold different numbers of
+  tokens (PyramidKV, AdaKV: the slot axis is padded to the largest head) and free different slots while decoding
+  (H2O, TOVA, SnapKV re-applied). A new token goes to the first free slot of each head; the attention mask is built
+  per layer from that head's validity. Policies without ``per_head`` never pay for it.
 
 The hook is an attention function registered in transformers' ``AttentionInterface``: it delegates the attention
 itself to the model's own implementation (sdpa or eager) and, at the end of prefill, hands the post-RoPE queries of the
@@ -26,7 +32,7 @@ from transformers.masking_utils import (
     AttentionMaskInterface,
 )
 
-from .base import Policy
+from .base import DecodeView, Policy, PrefillView, attention_probabilities
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 _ACTIVE: contextvars.ContextVar[CompressedCache | None] = contextvars.ContextVar("evalkit_cache", default=None)
@@ -60,18 +66,42 @@ class RowState:
         return count > 1 and bool(((self.written + count - self.fixed) > self.ring).any())
 
 
+@dataclasses.dataclass
+class HeadState:
+    """Per-layer, per-KV-head bookkeeping of a ``per_head`` policy (tensors on the model's device)."""
+
+    valid: torch.Tensor  # [B, Hkv, slots] bool
+    positions: torch.Tensor  # [B, Hkv, slots] long: text position of the slot's token; -1 when empty
+    kept_prompt: torch.Tensor  # [B, Hkv] prompt tokens kept after prefill
+    peak: torch.Tensor  # [B, Hkv] most tokens held at once
+    scores: torch.Tensor | None = None  # [B, Hkv, slots] running score of an accumulating policy (H2O)
+    queries: torch.Tensor | None = None  # [B, Hq, w, D] the last w queries (a policy's ``query_window``)
+    pending: torch.Tensor | None = None  # [B, Hkv, q] slots this step's tokens went to
+
+    def pad_to(self, slots: int) -> None:
+        extra = slots - self.valid.shape[-1]
+        if extra > 0:
+            self.valid = torch.nn.functional.pad(self.valid, (0, extra), value=False)
+            self.positions = torch.nn.functional.pad(self.positions, (0, extra), value=-1)
+            if self.scores is not None:
+                self.scores = torch.nn.functional.pad(self.scores, (0, extra))
+
+
 class CompressedLayer(DynamicLayer):
     """One layer's keys and values; the prompt is compressed by :meth:`compress`, new tokens go where the state says."""
 
     def __init__(self, cache: CompressedCache):
         super().__init__()
         self.cache = cache
+        self.heads: HeadState | None = None
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:  # prefill: keep everything until the hook has scored this layer
             self.lazy_initialization(key_states, value_states)
             self.keys, self.values = key_states, value_states
             return self.keys, self.values
+        if self.heads is not None:
+            return self._update_heads(key_states, value_states)
         slots = self.cache.pending_slots  # [B, q] on the device
         grow = self.cache.state.slots - self.keys.shape[-2]
         if grow > 0:
@@ -83,59 +113,180 @@ class CompressedLayer(DynamicLayer):
         self.values.scatter_(2, index, value_states)
         return self.keys, self.values
 
+    def _update_heads(self, key_states, value_states):
+        """Write each head's new tokens into its first free slots (growing the slot axis if a head has none)."""
+        heads, count = self.heads, key_states.shape[2]
+        free = ~heads.valid
+        shortfall = count - int(free.sum(dim=-1).min())
+        if shortfall > 0:
+            if self.cache.policy.cache_capacity() is not None:
+                raise RuntimeError(f"{self.cache.policy.name} left no free slot in a full cache; its eviction is broken")
+            self.pad_slots(self.keys.shape[-2] + max(shortfall, 64))
+            free = ~heads.valid
+        slots = (~free).to(torch.uint8).argsort(dim=-1, stable=True)[..., :count]  # first free slots, in order
+        index = slots[..., None].expand(-1, -1, -1, key_states.shape[-1])
+        self.keys.scatter_(2, index, key_states)
+        self.values.scatter_(2, index, value_states)
+        heads.valid.scatter_(2, slots, True)
+        positions = self.cache.pending_positions[:, None, :].expand(-1, slots.shape[1], -1)
+        heads.positions.scatter_(2, slots, positions)
+        if heads.scores is not None:
+            heads.scores.scatter_(2, slots, 0.0)
+        heads.pending = slots
+        held = heads.valid.sum(dim=-1)
+        heads.peak = torch.where(self.cache.active[:, None], torch.maximum(heads.peak, held), heads.peak)
+        return self.keys, self.values
+
+    def pad_slots(self, slots: int) -> None:
+        extra = slots - self.keys.shape[-2]
+        if extra > 0:
+            self.keys = torch.nn.functional.pad(self.keys, (0, 0, 0, extra))
+            self.values = torch.nn.functional.pad(self.values, (0, 0, 0, extra))
+        if self.heads is not None:
+            self.heads.pad_to(slots)
+
     def compress(self, index: torch.Tensor) -> None:
         """Keep the rows ``index`` ``[B, kv_heads, kept]`` of this layer's keys and values, in that order."""
         gather = index[..., None].expand(-1, -1, -1, self.keys.shape[-1])
         self.keys = self.keys.gather(2, gather)
         self.values = self.values.gather(2, gather)
 
+    def visible(self, query_positions: torch.Tensor) -> torch.Tensor:
+        """``[B, Hkv, q, slots]`` bool: which slots each of this step's queries (at ``query_positions`` ``[B, q]``)
+        may attend to, head by head."""
+        heads = self.heads
+        return heads.valid[:, :, None, :] & (heads.positions[:, :, None, :] <= query_positions[:, None, :, None])
+
 
 class CompressedCache(Cache):
     """The cache a policy controls. Built by :class:`CompressionSession`; not meant to be passed to ``model.generate``."""
 
-    def __init__(self, policy: Policy, num_layers: int):
+    def __init__(self, policy: Policy, num_layers: int, rotary=None):
         super().__init__(layers=[])
         self.policy = policy
+        self.rotary = rotary  # the model's rotary embedding (scores that need pre-RoPE queries)
         self.layers = [CompressedLayer(self) for _ in range(num_layers)]
         self.state: RowState | None = None
         self.pending_slots: torch.Tensor | None = None
+        self.pending_positions: torch.Tensor | None = None  # [B, q] text positions of this step's tokens
+        self.active: torch.Tensor | None = None  # [B] bool on the device: rows whose tokens count in statistics
+        self.decode_steps = 0
         self.prefill_plan: dict | None = None
         self.compressed_layers: set[int] = set()
+        self.prefill_slots: list[int] = []  # each layer's slots right after prefill (row layout)
         self.all_visible = False  # this decode step's token sees every slot: no mask needed
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].get_seq_length()
 
     # -- prefill ---------------------------------------------------------------------------------------------------
-    def select(self, query: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Indices of the prompt tokens to keep, per row and KV head: ``[B, kv_heads, kept]`` in text order."""
-        plan = self.prefill_plan
-        key_valid, real_len, keep = plan["key_valid"], plan["real_len"], plan["keep"]
-        policy = self.policy
+    def select(self, view: PrefillView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The prompt tokens to keep, per row and KV head: indices ``[B, kv_heads, kept]`` (in text order; a head
+        that keeps fewer than ``kept`` has its extra picks last), the count each head keeps ``[B, kv_heads]``, and the
+        policy's raw scores ``[B, kv_heads, n]``."""
+        key_valid, real_len = view.key_valid, self.prefill_plan["real_len"]
+        policy, keys = self.policy, view.keys
         batch, kv_heads, n, _ = keys.shape
         window, sink = min(policy.kept_window(), n), policy.kept_sink()
-        scores = torch.zeros(batch, kv_heads, n, device=keys.device)
+        budget = policy.layer_budget(view.layer_idx, view.num_layers, real_len).to(keys.device)
+        raw = torch.zeros(batch, kv_heads, n, device=keys.device)
         if policy.needs_scores and n > window:
-            scores[..., : n - window] = policy.score(query[:, :, n - window :], keys, key_valid, scaling)
+            raw = policy.score(view).float()
         position = torch.arange(n, device=keys.device)
         first = (n - real_len)[:, None]
         forced = (position >= n - window)[None, :] | ((position >= first) & (position < first + sink))
-        forced |= (real_len <= keep)[:, None]
-        scores = scores.masked_fill(forced[:, None], float("inf")).masked_fill(~key_valid[:, None], float("-inf"))
+        forced |= (real_len <= budget)[:, None]
+        scores = raw.masked_fill(forced[:, None], float("inf")).masked_fill(~key_valid[:, None], float("-inf"))
+        counts = torch.minimum(policy.allocate(scores, budget), real_len[:, None])
+        keep = int(counts.max())
         # Max pooling copies one score to its neighbours, so ties are common: a stable sort breaks them towards the
         # earlier token, deterministically.
-        ranked = scores.sort(dim=-1, descending=True, stable=True)
-        values, indices = ranked.values[..., :keep], ranked.indices[..., :keep]
-        # Real tokens first in text order, then the padding picks that fill a short row's unused slots.
-        order = indices + n * (values == float("-inf"))
-        return order.sort(dim=-1).values % n
+        indices = scores.sort(dim=-1, descending=True, stable=True).indices[..., :keep]
+        # Kept tokens first in text order, then the picks beyond a head's count (padding, or a head that keeps less).
+        unused = torch.arange(keep, device=keys.device) >= counts[..., None]
+        return (indices + n * unused).sort(dim=-1).values % n, counts, raw
 
-    def compress_layer(self, layer_idx: int, query: torch.Tensor, keys: torch.Tensor, scaling: float) -> None:
+    def compress_layer(self, layer_idx: int, module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       scaling: float) -> None:
         if layer_idx in self.compressed_layers:
             raise RuntimeError(f"layer {layer_idx} was compressed twice in one prefill; its attention is shared")
         self.compressed_layers.add(layer_idx)
-        if self.prefill_plan["compress"]:
-            self.layers[layer_idx].compress(self.select(query, keys, scaling))
+        plan = self.prefill_plan
+        if not plan["compress"]:
+            return
+        view = PrefillView(query, keys, values, plan["key_valid"], scaling, layer_idx, len(self.layers), module)
+        indices, counts, raw = self.select(view)
+        layer = self.layers[layer_idx]
+        layer.compress(indices)
+        if not self.policy.per_head:
+            return
+        kept = torch.arange(indices.shape[-1], device=indices.device) < counts[..., None]
+        positions = plan["positions"][:, None, :].expand(-1, indices.shape[1], -1).gather(2, indices)
+        layer.heads = HeadState(valid=kept, positions=positions.masked_fill(~kept, -1), kept_prompt=counts,
+                                peak=counts.clone())
+        if self.policy.accumulates:
+            layer.heads.scores = raw.gather(2, indices).masked_fill(~kept, 0.0)
+        window = self.policy.query_window()
+        if window:
+            layer.heads.queries = query[:, :, -window:]
+
+    def finish_head_prefill(self) -> int:
+        """Give every layer of a ``per_head`` policy the same slot axis (the largest head's, or the policy's fixed
+        capacity); return its size."""
+        capacity = self.policy.cache_capacity()
+        slots = max(layer.keys.shape[-2] for layer in self.layers)
+        slots = max(slots, capacity) if capacity is not None else slots
+        for layer in self.layers:
+            layer.pad_slots(slots)
+        return slots
+
+    # -- per-head decoding -------------------------------------------------------------------------------------------
+    def head_mask(self, layer_idx: int, q_heads: int, dtype: torch.dtype | None) -> torch.Tensor:
+        """This layer's attention mask for the step, ``[B, Hq, q, slots]`` (bool, or additive in ``dtype``)."""
+        visible = self.layers[layer_idx].visible(self.pending_positions)
+        mask = visible.repeat_interleave(q_heads // visible.shape[1], dim=1)
+        return mask if dtype is None else additive_mask(mask, dtype)
+
+    def after_decode_attention(self, layer_idx: int, query: torch.Tensor, keys: torch.Tensor, scaling: float) -> None:
+        """Hand this step's attention to a decode-time eviction policy and free the slots it names."""
+        layer, policy = self.layers[layer_idx], self.policy
+        heads = layer.heads
+        window = policy.query_window()
+        if window:
+            heads.queries = torch.cat([heads.queries, query], dim=2)[:, :, -window:]
+        if not policy.evicts_while_decoding:
+            return
+        visible = layer.visible(self.pending_positions)
+        probabilities = attention_probabilities(query, keys, visible, scaling)  # [B, Hkv, G, 1, S]
+        batch, kv_heads, groups, _, slots = probabilities.shape
+        view = DecodeView(
+            probabilities=probabilities.reshape(batch, kv_heads * groups, slots),
+            valid=heads.valid, positions=heads.positions, position=self.pending_positions[:, -1],
+            scores=heads.scores, query_buffer=heads.queries, keys=keys, scaling=scaling,
+            steps=self.decode_steps, capacity=policy.cache_capacity(),
+        )
+        freed = policy.decode_evict(view)
+        if freed is not None:
+            freed &= heads.valid
+            heads.valid &= ~freed
+            heads.positions.masked_fill_(freed, -1)
+            if heads.scores is not None:
+                heads.scores.masked_fill_(freed, 0.0)
+
+    def realized(self, row: int) -> dict:
+        """What row ``row`` held: prompt tokens kept per layer (mean over its KV heads), per layer and head, and the
+        most tokens held at once (mean over layers and heads: the memory a per-head layout without padding needs)."""
+        if self.policy.per_head:
+            kept = [layer.heads.kept_prompt[row].tolist() for layer in self.layers]
+            peak = torch.stack([layer.heads.peak[row] for layer in self.layers]).float().mean()
+            per_layer = [sum(heads) / len(heads) for heads in kept]
+            return {"kept_prompt_tokens": [int(k) if float(k).is_integer() else round(k, 3) for k in per_layer],
+                    "kept_prompt_tokens_per_head": kept, "peak_cache_tokens": round(float(peak), 3)}
+        state = self.state
+        kept = [min(int(state.kept_prompt[row]), slots) for slots in self.prefill_slots]
+        heads = self.layers[0].keys.shape[1]
+        return {"kept_prompt_tokens": kept, "kept_prompt_tokens_per_head": [[k] * heads for k in kept],
+                "peak_cache_tokens": int(state.peak[row])}
 
     # -- decoding --------------------------------------------------------------------------------------------------
     def plan_step(self, count: int, active: torch.Tensor) -> torch.Tensor:
@@ -162,16 +313,23 @@ class CompressedCache(Cache):
         return mask
 
 
-def _hooked_attention(delegate):
+def _hooked_attention(delegate, eager: bool):
     def attention(module, query, key, value, attention_mask, **kwargs):
         cache = _ACTIVE.get()
-        if cache is not None and cache.prefill_plan is None and cache.all_visible:
+        decoding = cache is not None and cache.prefill_plan is None
+        per_head = decoding and cache.policy.per_head
+        if per_head:
+            attention_mask = cache.head_mask(module.layer_idx, query.shape[1], query.dtype if eager else None)
+        elif decoding and cache.all_visible:
             # One new token that sees every slot (a full ring, no padding): without a mask, sdpa can use its GQA
             # path instead of copying K/V for every query head.
             attention_mask = None
         output = delegate(module, query, key, value, attention_mask, **kwargs)
+        scaling = kwargs.get("scaling", module.scaling)
         if cache is not None and cache.prefill_plan is not None:
-            cache.compress_layer(module.layer_idx, query, key, kwargs.get("scaling", module.scaling))
+            cache.compress_layer(module.layer_idx, module, query, key, value, scaling)
+        elif per_head:
+            cache.after_decode_attention(module.layer_idx, query, key, scaling)
         return output
 
     return attention
@@ -183,7 +341,7 @@ def _register_hooks() -> None:
 
     delegates = {"sdpa": sdpa_attention_forward, "eager": eager_attention_forward}
     for name, delegate in delegates.items():
-        AttentionInterface.register(f"evalkit_{name}", _hooked_attention(delegate))
+        AttentionInterface.register(f"evalkit_{name}", _hooked_attention(delegate, eager=name == "eager"))
         AttentionMaskInterface.register(f"evalkit_{name}", ALL_MASK_ATTENTION_FUNCTIONS[name])
 
 

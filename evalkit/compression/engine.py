@@ -370,8 +370,9 @@ class Engine:
         self.generated[slot] = 1
         done = request.max_new_tokens == 1 or (self.eos is not None and int(first[0]) in self.eos.tolist())
         self.finished[slot] = done
-        stats = {"prompt_tokens": request.input_ids.numel(), "kept_prompt_tokens": session.kept_per_layer()[0],
-                 "prefill_seconds": seconds}
+        realized = session.realized(0)
+        stats = {"prompt_tokens": request.input_ids.numel(), "kept_prompt_tokens": realized["kept_prompt_tokens"],
+                 "kept_prompt_tokens_per_head": realized["kept_prompt_tokens_per_head"], "prefill_seconds": seconds}
         stop = self._stop_checker(request.stop_strings) if request.stop_strings else None
         held, limit = int(state.valid[0].sum()), int(state.fixed[0]) + int(state.ring[0])
         return _Resident(index, request, stats, int(state.written[0]), held, limit, done, stop=stop)

@@ -117,9 +117,11 @@ def generate(
 
     Prompts in a batch are left-padded (``attention_mask`` 0 on padding). A row stops at an EOS id or once its text
     ends with a stop string; finished rows are filled with ``pad_token_id`` (default: the first EOS id, else 0).
-    ``stats`` per row: ``prompt_tokens``, ``generated_tokens``, ``kept_prompt_tokens`` (per layer, after prefill),
-    ``peak_cache_tokens`` (most tokens the cache held for the row), ``tokens_seen`` (tokens written to the cache)
-    and ``realized_ratio`` = tokens_seen / peak_cache_tokens (1.0 for a full cache).
+    ``stats`` per row: ``prompt_tokens``, ``generated_tokens``, ``kept_prompt_tokens`` (per layer, after prefill;
+    the mean over KV heads), ``kept_prompt_tokens_per_head`` (per layer and KV head), ``peak_cache_tokens`` (most
+    tokens the cache held for the row; for per-layer or per-head budgets, the mean over layers and heads),
+    ``tokens_seen`` (tokens written to the cache) and ``realized_ratio`` = tokens_seen / peak_cache_tokens (1.0 for
+    a full cache).
     ``return_logits=False`` skips the ``[batch, new, vocab]`` logits, which long generations cannot afford.
 
     ``compress_prefix``: compress only the first ``compress_prefix`` columns of ``input_ids`` (the document); the rest
@@ -170,22 +172,19 @@ def generate(
             break
         logits = session.step(next_tokens[:, None], active=unfinished)[:, -1]
 
-    state = session.state
     prompt_tokens = (attention_mask.sum(dim=1).cpu() if attention_mask is not None else torch.full((batch,), input_ids.shape[1]))
     # Tokens written while a row was still generating: its prompt plus every generated token fed back.
     seen = prompt_tokens + (generated - 1).clamp(min=0)
-    kept = session.kept_per_layer()
-    stats = [
-        {
+    stats = []
+    for row in range(batch):
+        realized = session.realized(row)
+        stats.append({
             "prompt_tokens": int(prompt_tokens[row]),
             "generated_tokens": int(generated[row]),
-            "kept_prompt_tokens": kept[row],
-            "peak_cache_tokens": int(state.peak[row]),
+            **realized,
             "tokens_seen": int(seen[row]),
-            "realized_ratio": float(seen[row]) / float(state.peak[row]),
+            "realized_ratio": float(seen[row]) / float(realized["peak_cache_tokens"]),
             "prefill_seconds": prefill_seconds,
-        }
-        for row in range(batch)
-    ]
+        })
     stacked = torch.stack(all_logits, dim=1) if return_logits else None
     return GenerationOutput(sequences=sequences, logits=stacked, stats=stats)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Policy
+from .base import UNBOUNDED, Policy
 from .cache import CompressedCache, RowState, additive_mask, check_hookable, hooked
 
 
@@ -28,7 +28,8 @@ class CompressionSession:
         check_hookable(model)
         self.model = model
         self.policy = policy
-        self.cache = CompressedCache(policy, model.config.num_hidden_layers)
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        self.cache = CompressedCache(policy, model.config.num_hidden_layers, getattr(decoder, "rotary_emb", None))
         self.eager = model.config._attn_implementation == "eager"
 
     @property
@@ -56,13 +57,16 @@ class CompressionSession:
         n = input_ids.shape[1]
         capacity = self.policy.prompt_capacity()
         keep = min(n, capacity) if capacity is not None else n
-        compress = bool((real_len > keep).any()) or not bool(key_valid.all())
-        self.cache.prefill_plan = {"key_valid": key_valid, "real_len": real_len, "keep": keep, "compress": compress}
+        per_head = self.policy.per_head
+        compress = per_head or bool((real_len > keep).any()) or not bool(key_valid.all())
+        positions = _position_ids(attention_mask) if position_ids is None else position_ids
+        self.cache.prefill_plan = {"key_valid": key_valid, "real_len": real_len, "compress": compress,
+                                   "positions": positions}
         with hooked(self.model, self.cache):
             output = self.model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
-                position_ids=_position_ids(attention_mask) if position_ids is None else position_ids,
+                position_ids=positions,
                 past_key_values=self.cache,
                 use_cache=True,
                 logits_to_keep=1,
@@ -74,9 +78,15 @@ class CompressionSession:
                 "through transformers' AttentionInterface, so it cannot be compressed"
             )
         self.cache.prefill_plan = None
-        self.prefill_slots = [layer.keys.shape[-2] for layer in self.cache.layers]
-        kept = torch.minimum(real_len, torch.tensor(keep, device=device)).cpu()
-        fixed, ring = self.policy.decode_layout(kept)
+        self.cache.prefill_slots = [layer.keys.shape[-2] for layer in self.cache.layers]
+        if per_head:
+            # Rows keep per-layer, per-head validity; the row state only counts tokens and positions.
+            keep = self.cache.finish_head_prefill()
+            kept = torch.stack([layer.heads.kept_prompt.amax(dim=1) for layer in self.cache.layers]).amax(dim=0).cpu()
+            fixed, ring = kept.clone(), torch.full_like(kept, UNBOUNDED)
+        else:
+            kept = torch.minimum(real_len, torch.tensor(keep, device=device)).cpu()
+            fixed, ring = self.policy.decode_layout(kept)
         self.cache.state = RowState(
             valid=torch.arange(keep, device=device)[None, :] < kept.to(device)[:, None],
             slot_pos=torch.full((len(kept), keep), -1, dtype=torch.long, device=device),
@@ -100,12 +110,21 @@ class CompressionSession:
         count = input_ids.shape[1]
         if active is None:
             active = torch.ones(input_ids.shape[0], dtype=torch.bool)
-        if self.state.wraps(count):
+        per_head = self.policy.per_head
+        if count > 1 and (self.policy.evicts_while_decoding if per_head else self.state.wraps(count)):
             return torch.cat([self.step(input_ids[:, i : i + 1], active) for i in range(count)], dim=1)
         positions = self.state.seq_len[:, None].to(input_ids.device) + torch.arange(count, device=input_ids.device)
-        mask = self.cache.plan_step(count, active.cpu())
-        if self.eager:
-            mask = additive_mask(mask, self.model.dtype)
+        if per_head:  # each layer builds its own mask from its heads' validity (see the hook)
+            state = self.state
+            self.cache.pending_positions, self.cache.active = positions, active.to(input_ids.device)
+            self.cache.decode_steps += 1
+            state.seq_len += count
+            state.written += count
+            mask = None
+        else:
+            mask = self.cache.plan_step(count, active.cpu())
+            if self.eager:
+                mask = additive_mask(mask, self.model.dtype)
         with hooked(self.model, self.cache):
             output = self.model(
                 input_ids=input_ids,
@@ -116,6 +135,8 @@ class CompressionSession:
             )
         return output.logits.float()
 
-    def kept_per_layer(self) -> list[list[int]]:
-        """Per row, the prompt tokens each layer kept after prefill (read off the layer tensors)."""
-        return [[min(int(k), slots) for slots in self.prefill_slots] for k in self.state.kept_prompt]
+    def realized(self, row: int) -> dict:
+        """What row ``row`` held: ``kept_prompt_tokens`` (per layer, mean over KV heads),
+        ``kept_prompt_tokens_per_head`` (per layer and head) and ``peak_cache_tokens`` (most tokens held at once,
+        mean over layers and heads). Read off the cache's tensors and masks."""
+        return self.cache.realized(row)

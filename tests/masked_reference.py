@@ -24,6 +24,7 @@ def _masked_attention(module, query, key, value, attention_mask, scaling=None, *
     layer = module.layer_idx
     _RECORD.setdefault("queries", {})[layer] = query
     _RECORD.setdefault("keys", {})[layer] = key
+    _RECORD.setdefault("values", {})[layer] = value
     group = query.shape[1] // key.shape[1]
     keys = key.repeat_interleave(group, dim=1)
     values = value.repeat_interleave(group, dim=1)
@@ -31,7 +32,7 @@ def _masked_attention(module, query, key, value, attention_mask, scaling=None, *
     q_len, k_len = query.shape[2], key.shape[2]
     causal = torch.ones(q_len, k_len, dtype=torch.bool).tril(diagonal=k_len - q_len)
     logits = logits.masked_fill(~causal, float("-inf"))
-    visible = _RECORD.get("visible", {}).get(layer)  # [Hkv, k_len] bool, decode steps only
+    visible = _RECORD.get("visible", {}).get(layer)  # [Hkv, k_len] bool, decode steps only (q_len 1)
     if visible is not None:
         logits = logits.masked_fill(~visible.repeat_interleave(group, dim=0)[None, :, None, :], float("-inf"))
     output = torch.matmul(logits.softmax(dim=-1), values.float()).to(query.dtype)

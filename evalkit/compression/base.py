@@ -49,7 +49,9 @@ class PrefillView:
     scaling: float
     layer_idx: int
     num_layers: int
-    module: torch.nn.Module  # the attention module (its rotary embedding, for ExpectedAttention)
+    module: torch.nn.Module  # the attention module
+    positions: torch.Tensor  # [B, n] long: text positions of the prompt tokens
+    rotary: object = None  # the model's rotary embedding: rotary(x, position_ids) -> (cos, sin)
 
     @property
     def groups(self) -> int:
@@ -209,3 +211,51 @@ class SnapKVScoring(Policy):
         prefix = snapkv_scores(view.query[:, :, n - window :], view.keys, view.key_valid, view.scaling,
                                self.kernel_size, self.pooling, self.gqa_reduce)
         return torch.nn.functional.pad(prefix, (0, window))
+
+
+@dataclasses.dataclass
+class PromptScoring(Policy):
+    """Fields shared by the policies that rank prompt tokens once, at the end of prefill, by a score of their own
+    (KNorm, Random, ObservedAttention, ExpectedAttention): keep ``capacity`` prompt tokens per layer and KV head,
+    the first ``sink`` and last ``window`` always; generated tokens are appended (the cache grows, as SnapKV's).
+    kvpress' scorer presses force nothing, hence ``sink = window = 0`` by default."""
+
+    needs_scores: ClassVar[bool] = True
+    capacity: int
+    sink: int = 0
+    window: int = 0
+
+    def __post_init__(self) -> None:
+        require_int(self, "capacity", 1)
+        require_int(self, "sink", 0)
+        require_int(self, "window", 0)
+        if self.capacity <= self.sink + self.window:
+            raise ValueError(f"{type(self).__name__}.capacity must be > sink + window ({self.sink + self.window}), "
+                             f"got {self.capacity}")
+
+    def kept_sink(self) -> int:
+        return self.sink
+
+    def kept_window(self) -> int:
+        return self.window
+
+    def prompt_capacity(self) -> int:
+        return self.capacity
+
+
+def causal_attention_sums(view: PrefillView, last: int | None = None, chunk: int = 256) -> torch.Tensor:
+    """Attention each prompt key receives, summed over the prompt's queries (or its ``last`` queries), in fp32:
+    ``[B, Hkv, G, n]``. Causal, padding excluded on both sides; computed ``chunk`` queries at a time."""
+    n = view.keys.shape[2]
+    start = 0 if last is None else n - last
+    key_index = torch.arange(n, device=view.keys.device)
+    total = None
+    for begin in range(start, n, chunk):
+        end = min(begin + chunk, n)
+        causal = key_index[None, :] <= torch.arange(begin, end, device=key_index.device)[:, None]  # [q, n]
+        visible = (causal[None] & view.key_valid[:, None, :])[:, None]  # [B, 1, q, n]
+        probabilities = attention_probabilities(view.query[:, :, begin:end], view.keys, visible, view.scaling)
+        real_queries = view.key_valid[:, begin:end][:, None, None, :, None]  # a padding query adds nothing
+        part = torch.nan_to_num(probabilities, nan=0.0).mul(real_queries).sum(dim=-2)
+        total = part if total is None else total + part
+    return total

@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
+from .adakv import AdaKV
 from .base import Policy
+from .decoding_snapkv import DecodingSnapKV
+from .expected_attention import ExpectedAttention
 from .full import Full
+from .h2o import H2O
+from .knorm import KNorm
+from .observed_attention import ObservedAttention
+from .pyramidkv import PyramidKV
+from .random_baseline import Random
 from .snapkv import SnapKV
 from .snapstream import SnapStream
 from .streaming_llm import StreamingLLM
+from .tova import TOVA
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, StreamingLLM, SnapKV, SnapStream)}
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls
+    for cls in (Full, StreamingLLM, SnapKV, SnapStream, KNorm, Random, ObservedAttention, ExpectedAttention, TOVA,
+                PyramidKV, AdaKV, H2O, DecodingSnapKV)
+}
 _BUDGET = re.compile(r"^(?:(?P<ratio>\d+(?:\.\d+)?)x|tokens_(?P<tokens>\d+))$")
 
 
@@ -33,11 +47,19 @@ def budget_capacity(budget: str, max_context: int) -> int:
     return capacity
 
 
+def method_params(method: str) -> tuple[str, ...]:
+    """The settings of ``method`` a config may give (everything but what the budget decides)."""
+    cls = POLICIES[method]
+    from_budget = {"capacity"} | ({"window"} if cls is StreamingLLM else set())
+    return tuple(field.name for field in dataclasses.fields(cls) if field.name not in from_budget)
+
+
 def policy_from_budget(method: str, budget: str | None, max_context: int, **params) -> Policy:
     """Build the policy ``method`` sized by ``budget`` against ``max_context``.
 
     ``full`` takes no budget. ``streaming_llm`` spends the capacity on ``sink`` + ``window`` (window = capacity - sink);
-    ``snapkv`` and ``snapstream`` take it as their ``capacity``.
+    every other method takes it as its ``capacity`` (the prompt capacity of growing methods such as SnapKV, the
+    whole cache of fixed-size ones such as SnapStream, H2O or TOVA).
     """
     if method not in POLICIES:
         raise ValueError(f"unknown method {method!r}; choose from {sorted(POLICIES)}")

@@ -214,7 +214,8 @@ class CompressedCache(Cache):
         plan = self.prefill_plan
         if not plan["compress"]:
             return
-        view = PrefillView(query, keys, values, plan["key_valid"], scaling, layer_idx, len(self.layers), module)
+        view = PrefillView(query, keys, values, plan["key_valid"], scaling, layer_idx, len(self.layers), module,
+                           plan["positions"], self.rotary)
         indices, counts, raw = self.select(view)
         layer = self.layers[layer_idx]
         layer.compress(indices)

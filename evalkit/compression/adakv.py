@@ -1,0 +1,45 @@
+"""AdaKV (Feng et al., arXiv 2407.11550; kvpress ``AdaKVPress`` over ``SnapKVPress``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+
+from .snapkv import SnapKV
+
+
+@dataclasses.dataclass
+class AdaKV(SnapKV):
+    """SnapKV's scores with each layer's budget shared among its KV heads by score.
+
+    Per row and layer, ``capacity`` tokens per KV head on average: every head first keeps its own top
+    ``int(capacity * alpha_safeguard)`` tokens (the observation window ranks first), then the layer keeps its
+    ``kv_heads * capacity`` best-scoring tokens across all heads, so heads whose attention is spread keep more than
+    heads whose attention is concentrated. This is kvpress' ``AdaKVPress`` selection (reference safeguard 0.2),
+    except that the pruned tokens leave the cache instead of being masked: each head holds its own count, on a slot
+    axis padded to the largest head, and the statistics report the count per layer and head.
+    """
+
+    name: ClassVar[str] = "adakv"
+    per_head: ClassVar[bool] = True
+    alpha_safeguard: float = 0.2
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        alpha = self.alpha_safeguard
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
+            raise ValueError(f"AdaKV.alpha_safeguard must be a number in [0, 1], got {alpha!r}")
+
+    def allocate(self, scores: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+        batch, kv_heads, n = scores.shape
+        budget = budget.to(scores.device)
+        safe = (budget.double() * self.alpha_safeguard).long()  # int() of a non-negative number
+        own_rank = scores.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+        protected = scores.masked_fill(own_rank < safe[:, None, None], float("inf"))
+        protected = protected.masked_fill(scores == float("-inf"), float("-inf"))  # padding stays out
+        flat = protected.reshape(batch, kv_heads * n)
+        rank = flat.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+        chosen = (rank < (budget * kv_heads)[:, None]) & (flat > float("-inf"))
+        return chosen.reshape(batch, kv_heads, n).sum(dim=-1)

@@ -1,0 +1,86 @@
+"""ExpectedAttention (Devoto et al., arXiv 2510.00636; kvpress ``ExpectedAttentionPress``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import torch
+from transformers.models.llama.modeling_llama import rotate_half
+
+from .base import PrefillView, PromptScoring, require_int
+
+
+@dataclasses.dataclass
+class ExpectedAttention(PromptScoring):
+    """Keep the prompt keys that *future* queries are expected to attend to, from statistics of the prompt's queries.
+
+    As kvpress' ``ExpectedAttentionPress.score``, per layer: the mean ``mu`` and covariance ``S`` (biased) of the
+    pre-RoPE queries of the prompt after its first ``sink`` tokens; the RoPE rotation averaged over the next
+    ``n_future_positions`` positions, ``R``, applied to them (``R mu``, ``R S R^T``); for every key ``k`` after the
+    sink, ``softmax_k(k . R mu / sqrt(d) + k^T R S R^T k / (2 d))`` per query head (the covariance term when
+    ``use_covariance``), averaged over the query heads of each KV group, then ``(score + epsilon) * ||v||`` when
+    ``use_vnorm``. The first ``sink`` tokens are always kept (kvpress' ``n_sink``, default 4).
+
+    The pre-RoPE queries are the post-RoPE queries rotated back (exact: RoPE is a rotation), which also covers
+    models that normalise queries before RoPE (Qwen3). Future positions start at each prompt's own length.
+    """
+
+    name: ClassVar[str] = "expected_attention"
+    sink: int = 4
+    n_future_positions: int = 512
+    use_covariance: bool = True
+    use_vnorm: bool = True
+    epsilon: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_int(self, "n_future_positions", 1)
+        for name in ("use_covariance", "use_vnorm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ExpectedAttention.{name} must be true or false, got {getattr(self, name)!r}")
+        if isinstance(self.epsilon, bool) or not isinstance(self.epsilon, (int, float)) or self.epsilon < 0:
+            raise ValueError(f"ExpectedAttention.epsilon must be a number >= 0, got {self.epsilon!r}")
+
+    def score(self, view: PrefillView) -> torch.Tensor:
+        if view.rotary is None:
+            raise ValueError("expected_attention needs the model's rotary embedding (a RoPE model)")
+        query, keys = view.query.float(), view.keys.float()
+        batch, q_heads, n, dim = query.shape
+        kv_heads = keys.shape[1]
+        cos, sin = (t.float() for t in view.rotary(query, view.positions))
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, n, D]
+        pre_rope = (query * cos - rotate_half(query) * sin) / (cos * cos + sin * sin)
+        rank = view.key_valid.long().cumsum(dim=1) - 1
+        used = (view.key_valid & (rank >= self.sink)).float()[:, None, :, None]  # [B, 1, n, 1]
+        count = used.sum(dim=2, keepdim=True).clamp(min=1)
+        mean = (pre_rope * used).sum(dim=2, keepdim=True) / count  # [B, Hq, 1, D]
+        centered = (pre_rope - mean) * used
+        covariance = centered.transpose(-1, -2) @ centered / count  # [B, Hq, D, D]
+        rotation = self._average_rotation(view, dim)  # [B, D, D]
+        mean = torch.einsum("bhd,bed->bhe", mean.squeeze(2), rotation)  # mu R^T, [B, Hq, D]
+        covariance = torch.einsum("bij,bhjk,blk->bhil", rotation, covariance, rotation)  # R S R^T
+        groups = q_heads // kv_heads
+        mean = mean.reshape(batch, kv_heads, groups, dim)
+        logits = torch.einsum("bhnd,bhgd->bhgn", keys, mean) / math.sqrt(dim)
+        if self.use_covariance:
+            covariance = covariance.reshape(batch, kv_heads, groups, dim, dim)
+            logits = logits + torch.einsum("bhnd,bhgde,bhne->bhgn", keys, covariance, keys) / dim / 2
+        scored = view.key_valid & (rank >= self.sink)
+        logits = logits.masked_fill(~scored[:, None, None], float("-inf"))
+        scores = torch.nan_to_num(logits.softmax(dim=-1), nan=0.0).mean(dim=2)  # [B, Hkv, n]
+        if self.use_vnorm:
+            scores = (scores + self.epsilon) * view.values.float().norm(dim=-1)
+        return scores
+
+    def _average_rotation(self, view: PrefillView, dim: int) -> torch.Tensor:
+        """RoPE as a matrix ``cos I + sin P`` averaged over each row's next ``n_future_positions`` positions."""
+        start = view.positions.max(dim=1).values + 1  # [B]
+        future = start[:, None] + torch.arange(self.n_future_positions, device=start.device)
+        cos, sin = (t.float() for t in view.rotary(view.query, future))  # [B, F, D]
+        half = dim // 2
+        identity = torch.eye(dim, device=cos.device)
+        swap = torch.zeros(dim, dim, device=cos.device)
+        swap[half:, :half], swap[:half, half:] = torch.eye(half), -torch.eye(half)
+        return (cos[:, :, None, :] * identity + sin[:, :, None, :] * swap).mean(dim=1)

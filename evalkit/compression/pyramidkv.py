@@ -1,0 +1,50 @@
+"""PyramidKV (Cai et al., arXiv 2406.02069; reference code Zefan-Cai/KVCache-Factory, ``PyramidKVCluster``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+
+from .base import require_int
+from .snapkv import SnapKV
+
+
+@dataclasses.dataclass
+class PyramidKV(SnapKV):
+    """SnapKV's scores with budgets that decrease linearly with depth and keep the same total.
+
+    ``capacity`` is SnapKV's prompt capacity C on average over layers. For a prompt of n tokens, as
+    KVCache-Factory's ``PyramidKVCluster`` (integer arithmetic included), with window w and L layers:
+    n < C keeps everything; n < 2 (C - w) keeps C in every layer (SnapKV); otherwise
+    ``min = (C - w) // beta``, ``max = 2 (C - w) - min`` (if ``max >= n - w``: ``max = n - w``,
+    ``min = 2 (C - w) - max``), ``steps = (max - min) // (L - 1)``, and layer l keeps ``max - l * steps`` prompt
+    tokens by score plus the w window tokens. ``beta`` (reference default 20) sets the slope. Because ``steps`` is
+    floored, the deepest layers keep slightly more than the exact pyramid: the realized mean is in the statistics.
+    """
+
+    name: ClassVar[str] = "pyramidkv"
+    per_head: ClassVar[bool] = True
+    beta: int = 20
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_int(self, "beta", 1)
+
+    def layer_budget(self, layer_idx: int, num_layers: int, real_len: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([self._budget(layer_idx, num_layers, int(n)) for n in real_len.tolist()])
+
+    def _budget(self, layer_idx: int, num_layers: int, n: int) -> int:
+        capacity, window = self.capacity, self.window
+        if n < capacity:
+            return n
+        if n < (capacity - window) * 2 or num_layers == 1:
+            return capacity
+        low = (capacity - window) // self.beta
+        high = (capacity - window) * 2 - low
+        if high >= n - window:
+            high = n - window
+            low = (capacity - window) * 2 - high
+        steps = (high - low) // (num_layers - 1)
+        return high - layer_idx * steps + window

@@ -1,0 +1,308 @@
+"""Plain, independent definitions of the baseline methods, for exactness tests: one sequence, explicit loops, float64.
+
+Each ``kept_*`` function names, per layer and KV head, the prompt positions a method keeps after prefill, from the
+queries, keys and values the model produced in an ordinary full-cache run. ``simulate_decoding`` replays a
+generation with a full cache, hiding every key the method's definition has evicted, and says which positions each
+layer and head holds after every step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from masked_reference import _RECORD, module_scaling, plain_snapkv_scores
+from transformers import DynamicCache
+
+import evalkit.compression as ec
+
+
+def top(scores: list[float], count: int, offset: int = 0) -> set[int]:
+    """Positions of the ``count`` best scores (ties to the earlier position), shifted by ``offset``."""
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+    return {offset + i for i in order[:count]}
+
+
+@torch.no_grad()
+def full_run(model, prompt: torch.Tensor) -> dict:
+    """Per layer: post-RoPE queries [Hq, n, D], keys and values [Hkv, n, D], pre-RoPE queries [Hq, n, D]."""
+    pre_rope = {}
+    hooks = []
+    config = model.config
+    heads, dim = config.num_attention_heads, config.hidden_size // config.num_attention_heads
+    dim = getattr(config, "head_dim", None) or dim
+    for index, layer in enumerate(model.model.layers):
+        def keep(module, inputs, output, index=index):
+            pre_rope[index] = output[0].reshape(-1, heads, dim).transpose(0, 1).double()
+        hooks.append(layer.self_attn.q_proj.register_forward_hook(keep))
+    original = model.config._attn_implementation
+    model.config._attn_implementation = "reference_masked"
+    _RECORD.clear()
+    try:
+        model(input_ids=prompt, past_key_values=DynamicCache(config=config), use_cache=True)
+        return {
+            layer: {"query": _RECORD["queries"][layer][0].double(), "key": _RECORD["keys"][layer][0].double(),
+                    "value": _RECORD["values"][layer][0].double(), "pre_rope": pre_rope[layer]}
+            for layer in _RECORD["queries"]
+        }
+    finally:
+        model.config._attn_implementation = original
+        _RECORD.clear()
+        for hook in hooks:
+            hook.remove()
+
+
+def causal_probabilities(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+    """[n, n] softmax attention of one head's queries over its keys, causal."""
+    logits = query @ key.T * scaling
+    n = key.shape[0]
+    for i in range(n):
+        logits[i, i + 1 :] = float("-inf")
+    return logits.softmax(dim=-1)
+
+
+def kept_knorm(run, capacity):
+    return {layer: [top((-k.norm(dim=-1)).tolist(), capacity) for k in r["key"]] for layer, r in run.items()}
+
+
+def kept_random(run, capacity, seed):
+    kept = {}
+    for layer, r in run.items():
+        draws = torch.rand(r["key"].shape[0], r["key"].shape[1], generator=torch.Generator().manual_seed(seed))
+        kept[layer] = [top(d.tolist(), capacity) for d in draws]
+    return kept
+
+
+def kept_observed(run, capacity, scaling):
+    kept = {}
+    for layer, r in run.items():
+        kv_heads, n = r["key"].shape[:2]
+        group = r["query"].shape[0] // kv_heads
+        heads = []
+        for h in range(kv_heads):
+            per_query_head = []
+            for g in range(group):
+                p = causal_probabilities(r["query"][h * group + g], r["key"][h], scaling)
+                per_query_head.append([float(p[:, j].sum()) / (n - j) for j in range(n)])
+            heads.append(top(torch.tensor(per_query_head).mean(dim=0).tolist(), capacity))
+        kept[layer] = heads
+    return kept
+
+
+def kept_expected(model, run, capacity, sink, future):
+    kept = {}
+    rotary = model.model.rotary_emb
+    for layer, r in run.items():
+        kv_heads, n, dim = r["key"].shape
+        group = r["query"].shape[0] // kv_heads
+        rotation = torch.zeros(dim, dim, dtype=torch.double)
+        for position in range(n, n + future):
+            cos, sin = rotary(r["key"][None].float(), torch.tensor([[position]]))
+            cos, sin = cos[0, 0].double(), sin[0, 0].double()
+            matrix = torch.diag(cos)
+            for i in range(dim // 2):  # rotate_half: the first half takes -x2, the second half x1
+                matrix[i, i + dim // 2] = -sin[i]
+                matrix[i + dim // 2, i] = sin[i + dim // 2]
+            rotation += matrix / future
+        heads = []
+        for h in range(kv_heads):
+            per_query_head = []
+            for g in range(group):
+                queries = r["pre_rope"][h * group + g, sink:]
+                mean = queries.mean(dim=0)
+                centered = queries - mean
+                covariance = centered.T @ centered / queries.shape[0]
+                mean, covariance = rotation @ mean, rotation @ covariance @ rotation.T
+                keys = r["key"][h, sink:]
+                logits = torch.stack([k @ mean / math.sqrt(dim) + k @ covariance @ k / dim / 2 for k in keys])
+                per_query_head.append(logits.softmax(dim=0))
+            score = torch.stack(per_query_head).mean(dim=0) * r["value"][h, sink:].norm(dim=-1)
+            heads.append(set(range(sink)) | top(score.tolist(), capacity - sink, offset=sink))
+        kept[layer] = heads
+    return kept
+
+
+def kept_tova(run, capacity, scaling):
+    kept = {}
+    for layer, r in run.items():
+        kv_heads, n = r["key"].shape[:2]
+        group = r["query"].shape[0] // kv_heads
+        last = [causal_probabilities(r["query"][qh], r["key"][qh // group], scaling)[-1] for qh in range(kv_heads * group)]
+        chosen = top(torch.stack(last).mean(dim=0).tolist(), capacity - 1)
+        kept[layer] = [chosen for _ in range(kv_heads)]
+    return kept
+
+
+def kept_snapkv_budgets(run, budgets, window, kernel_size, pooling, scaling):
+    """SnapKV with a budget per layer (PyramidKV) or the same budget everywhere."""
+    kept = {}
+    for layer, r in run.items():
+        n = r["key"].shape[1]
+        scores = plain_snapkv_scores(r["query"], r["key"], window, kernel_size, pooling, "mean", scaling)
+        kept[layer] = [top(s.tolist(), budgets[layer] - window) | set(range(n - window, n)) for s in scores]
+    return kept
+
+
+def kept_adakv(run, capacity, window, kernel_size, pooling, alpha, scaling):
+    kept = {}
+    for layer, r in run.items():
+        kv_heads, n = r["key"].shape[:2]
+        scores = plain_snapkv_scores(r["query"], r["key"], window, kernel_size, pooling, "mean", scaling).tolist()
+        safe = int(capacity * alpha)
+        candidates = []
+        for h in range(kv_heads):
+            full = scores[h] + [float("inf")] * window
+            protected = top(full, safe)
+            candidates += [(float("inf") if j in protected else full[j], h, j) for j in range(n)]
+        candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
+        heads = [set() for _ in range(kv_heads)]
+        for _, h, j in candidates[: kv_heads * capacity]:
+            heads[h].add(j)
+        kept[layer] = heads
+    return kept
+
+
+def h2o_prefill_scores(r, scaling) -> list[list[float]]:
+    kv_heads = r["key"].shape[0]
+    group = r["query"].shape[0] // kv_heads
+    return [
+        torch.stack([causal_probabilities(r["query"][h * group + g], r["key"][h], scaling).sum(dim=0)
+                     for g in range(group)]).mean(dim=0).tolist()
+        for h in range(kv_heads)
+    ]
+
+
+def kept_h2o(run, capacity, recent, scaling):
+    kept = {}
+    for layer, r in run.items():
+        n = r["key"].shape[1]
+        kept[layer] = [top(s[: n - recent], capacity - 1 - recent) | set(range(n - recent, n))
+                       for s in h2o_prefill_scores(r, scaling)]
+    return kept
+
+
+def kept_prompt(model, policy, prompt) -> dict[int, list[set[int]]]:
+    """What ``policy`` keeps of ``prompt`` by its definition (prompts longer than its prompt capacity)."""
+    run = full_run(model, prompt)
+    scaling = module_scaling(model)
+    if isinstance(policy, ec.KNorm):
+        return kept_knorm(run, policy.capacity)
+    if isinstance(policy, ec.Random):
+        return kept_random(run, policy.capacity, policy.seed)
+    if isinstance(policy, ec.ObservedAttention):
+        return kept_observed(run, policy.capacity, scaling)
+    if isinstance(policy, ec.ExpectedAttention):
+        return kept_expected(model, run, policy.capacity, policy.sink, policy.n_future_positions)
+    if isinstance(policy, ec.TOVA):
+        return kept_tova(run, policy.capacity, scaling)
+    if isinstance(policy, ec.H2O):
+        return kept_h2o(run, policy.capacity, policy.recent, scaling)
+    if isinstance(policy, ec.AdaKV):
+        return kept_adakv(run, policy.capacity, policy.window, policy.kernel_size, policy.pooling,
+                          policy.alpha_safeguard, scaling)
+    raise TypeError(type(policy))
+
+
+# -- decoding ----------------------------------------------------------------------------------------------------
+def _pool(values: list[float], kernel_size: int, pooling: str) -> list[float]:
+    half, out = kernel_size // 2, []
+    for j in range(len(values)):
+        neighbours = values[max(0, j - half) : j + half + 1]
+        out.append(max(neighbours) if pooling == "max" else sum(neighbours) / kernel_size)
+    return out
+
+
+@torch.no_grad()
+def simulate_decoding(model, policy, prompt: torch.Tensor, tokens: list[int], kept: dict[int, list[set[int]]]):
+    """Feed ``tokens`` after ``prompt`` with a full cache, each layer and head seeing only what ``policy`` (H2O, TOVA
+    or DecodingSnapKV) still holds by its definition. Returns the logits of each step and, after each step, the
+    positions held per layer and KV head."""
+    scaling = module_scaling(model)
+    run = full_run(model, prompt)
+    n = prompt.shape[1]
+    held = {layer: [set(heads) for heads in per_head] for layer, per_head in kept.items()}
+    sums = {}
+    if isinstance(policy, ec.H2O):
+        sums = {layer: [{j: s[j] for j in held[layer][h]} for h, s in enumerate(h2o_prefill_scores(r, scaling))]
+                for layer, r in run.items()}
+    windows = {layer: [] for layer in run}  # DecodingSnapKV: (position, queries [Hq, D]) of recent tokens
+    original = model.config._attn_implementation
+    model.config._attn_implementation = "reference_masked"
+    cache = DynamicCache(config=model.config)
+    logits, history = [], []
+    try:
+        _RECORD.clear()
+        model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        for step, token in enumerate(tokens):
+            position = n + step
+            for per_head in held.values():
+                for heads in per_head:
+                    heads.add(position)
+            _RECORD["visible"] = {
+                layer: torch.stack([torch.tensor([j in heads for j in range(position + 1)]) for heads in per_head])
+                for layer, per_head in held.items()
+            }
+            out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+            logits.append(out.logits[0, -1].float())
+            for layer, per_head in held.items():
+                query = _RECORD["queries"][layer][0, :, 0].double()  # [Hq, D]
+                keys = _RECORD["keys"][layer][0].double()  # [Hkv, position + 1, D]
+                _evict(policy, layer, per_head, query, keys, position, step + 1, scaling, sums, windows)
+            history.append({layer: [set(h) for h in per_head] for layer, per_head in held.items()})
+        return torch.stack(logits), history
+    finally:
+        model.config._attn_implementation = original
+        _RECORD.clear()
+
+
+def _probabilities(query, keys, positions: list[int], scaling) -> list[float]:
+    logits = torch.stack([query @ keys[j] * scaling for j in positions])
+    return logits.softmax(dim=0).tolist()
+
+
+def _evict(policy, layer, per_head, query, keys, position, steps, scaling, sums, windows):
+    kv_heads = len(per_head)
+    group = query.shape[0] // kv_heads
+    if isinstance(policy, ec.H2O):
+        for h, heads in enumerate(per_head):
+            order = sorted(heads)
+            probabilities = torch.tensor([_probabilities(query[h * group + g], keys[h], order, scaling)
+                                          for g in range(group)]).mean(dim=0).tolist()
+            for j, p in zip(order, probabilities):
+                sums[layer][h][j] = sums[layer][h].get(j, 0.0) + p
+            if len(heads) >= policy.capacity:
+                heavy = [j for j in order if j <= position - policy.recent]
+                victim = min(heavy, key=lambda j: (sums[layer][h][j], j))
+                heads.discard(victim)
+                del sums[layer][h][victim]
+    elif isinstance(policy, ec.TOVA):
+        order = sorted(per_head[0])
+        mean = torch.tensor([_probabilities(query[qh], keys[qh // group], order, scaling)
+                             for qh in range(kv_heads * group)]).mean(dim=0).tolist()
+        if len(order) >= policy.capacity:
+            victim = order[min(range(len(order)), key=lambda i: (mean[i], i))]
+            for heads in per_head:
+                heads.discard(victim)
+    else:  # DecodingSnapKV
+        windows[layer] = (windows[layer] + [(position, query)])[-policy.window :]
+        if steps % policy.interval:
+            return
+        target, window = policy.capacity - policy.interval, policy.window
+        for h, heads in enumerate(per_head):
+            order = sorted(heads)
+            if len(order) <= target:
+                continue
+            first = position - window + 1
+            prefix = [j for j in order if j < first]
+            summed = [0.0] * len(prefix)
+            for g in range(group):
+                per_query = [0.0] * len(prefix)
+                for query_position, queries in windows[layer]:
+                    seen = [j for j in order if j <= query_position]
+                    probabilities = _probabilities(queries[h * group + g], keys[h], seen, scaling)
+                    for i, p in enumerate(probabilities[: len(prefix)]):
+                        per_query[i] += p
+                pooled = _pool(per_query, policy.kernel_size, policy.pooling)
+                summed = [s + p / group for s, p in zip(summed, pooled)]
+            keep = {prefix[i] for i in top(summed, target - window)}
+            heads.intersection_update(keep | {j for j in order if j >= first})

@@ -1,0 +1,208 @@
+"""The baseline methods: each cache holds exactly the tokens its definition names (checked against the plain
+computations of baseline_reference.py), equals Full with room, is batch-independent, and stays within capacity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from baseline_reference import kept_prompt, kept_snapkv_budgets, simulate_decoding
+from conftest import random_prompt, tiny_model
+from masked_reference import module_scaling
+
+import evalkit.compression as ec
+
+PREFILL = {
+    "knorm": lambda: ec.KNorm(capacity=20),
+    "random": lambda: ec.Random(capacity=20, seed=3),
+    "observed_attention": lambda: ec.ObservedAttention(capacity=20),
+    "expected_attention": lambda: ec.ExpectedAttention(capacity=20, n_future_positions=16),
+    "tova": lambda: ec.TOVA(capacity=21),
+    "h2o": lambda: ec.H2O(capacity=21, recent=6),
+    "adakv": lambda: ec.AdaKV(capacity=20, window=2, kernel_size=5, alpha_safeguard=0.5),
+}
+DECODING = {
+    "h2o": lambda: ec.H2O(capacity=21, recent=6),
+    "tova": lambda: ec.TOVA(capacity=21),
+    "decoding_snapkv": lambda: ec.DecodingSnapKV(capacity=40, window=4, kernel_size=3, interval=8),
+}
+EVERY = {**PREFILL, **DECODING, "pyramidkv": lambda: ec.PyramidKV(capacity=20, window=6, kernel_size=5)}
+
+
+def held_positions(session, reference_keys: dict[int, torch.Tensor], row: int = 0) -> dict[int, list[set[int]]]:
+    """Per layer and KV head, the prompt positions whose key vectors the cache's valid slots hold (matched by
+    content against the full run's keys)."""
+    held = {}
+    for index, layer in enumerate(session.cache.layers):
+        heads = []
+        for head in range(layer.keys.shape[1]):
+            if layer.heads is not None:
+                valid = layer.heads.valid[row, head]
+            else:
+                valid = session.state.valid[row, : layer.keys.shape[-2]]
+            keys = layer.keys[row, head][valid].double()
+            distances = torch.cdist(keys, reference_keys[index][head])
+            assert bool((distances.min(dim=1).values < 1e-4).all()), "a cached key matches no prompt key"
+            heads.append(set(distances.argmin(dim=1).tolist()))
+        held[index] = heads
+    return held
+
+
+def reference_keys(model, prompt) -> dict[int, torch.Tensor]:
+    from baseline_reference import full_run
+
+    return {layer: r["key"] for layer, r in full_run(model, prompt).items()}
+
+
+# -- prefill: exactly the tokens the definition names --------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(PREFILL))
+def test_prefill_keeps_exactly_the_tokens_the_definition_names(llama, name):
+    policy = PREFILL[name]()
+    prompt = random_prompt(50, seed=11)
+    session = ec.CompressionSession(llama, policy)
+    session.prefill(prompt)
+    expected = kept_prompt(llama, policy, prompt)
+    held = held_positions(session, reference_keys(llama, prompt))
+    assert held == expected
+    budget = policy.prompt_capacity()
+    per_head = [len(h) for heads in held.values() for h in heads]
+    if name == "adakv":  # the layer's total is the budget; heads differ
+        assert all(sum(len(h) for h in heads) == budget * len(heads) for heads in held.values())
+        assert len(set(per_head)) > 1
+    else:
+        assert set(per_head) == {budget}
+    for layer in session.cache.layers:  # real tensors of the kept size (AdaKV: padded to its largest head)
+        assert layer.keys.shape[-2] == (max(per_head) if name != "h2o" and name != "tova" else policy.capacity)
+
+
+def test_pyramidkv_budgets_decrease_with_depth_and_keep_the_total():
+    model = tiny_model("llama", num_hidden_layers=4)
+    policy = ec.PyramidKV(capacity=20, window=6, kernel_size=5)
+    prompt = random_prompt(50, seed=11)
+    out = ec.generate(model, prompt, policy, max_new_tokens=5)
+    # KVCache-Factory arithmetic for n=50, C=20, w=6, beta=20, L=4: min = 14 // 20 = 0, max = 2 * 14 - 0 = 28,
+    # steps = 28 // 3 = 9: layers keep 28, 19, 10, 1 prompt tokens by score, plus the 6 window tokens.
+    budgets = [34, 25, 16, 7]
+    assert out.stats[0]["kept_prompt_tokens"] == budgets
+    assert out.stats[0]["kept_prompt_tokens_per_head"] == [[b, b] for b in budgets]
+    # The floored steps keep slightly more than SnapKV's 20 on average, and the statistics say so.
+    assert out.stats[0]["peak_cache_tokens"] == pytest.approx(sum(budgets) / 4 + 4)
+    session = ec.CompressionSession(model, policy)
+    session.prefill(prompt)
+    expected = kept_snapkv_budgets(__import__("baseline_reference").full_run(model, prompt), dict(enumerate(budgets)),
+                                   6, 5, "max", module_scaling(model))
+    assert held_positions(session, reference_keys(model, prompt)) == expected
+    assert {layer.keys.shape[-2] for layer in session.cache.layers} == {34}  # padded to the largest layer
+
+
+def test_reference_detects_a_wrong_selection(llama):
+    """The plain definitions can fail: KNorm's largest norms are not what it keeps."""
+    prompt = random_prompt(50, seed=11)
+    session = ec.CompressionSession(llama, ec.KNorm(capacity=20))
+    session.prefill(prompt)
+    held = held_positions(session, reference_keys(llama, prompt))
+    from baseline_reference import full_run, top
+
+    largest = {layer: [top(k.norm(dim=-1).tolist(), 20) for k in r["key"]] for layer, r in full_run(llama, prompt).items()}
+    assert held != largest
+
+
+def test_adakv_realized_budget_is_the_budget_on_average(llama):
+    out = ec.generate(llama, random_prompt(50, seed=11), ec.AdaKV(capacity=20, window=6, kernel_size=5), max_new_tokens=10)
+    stats = out.stats[0]
+    per_head = stats["kept_prompt_tokens_per_head"]
+    assert len({k for heads in per_head for k in heads}) > 1
+    assert stats["kept_prompt_tokens"] == [20, 20]
+    assert stats["peak_cache_tokens"] == pytest.approx(20 + 9)  # 9 generated tokens fed back
+    assert stats["realized_ratio"] == pytest.approx((50 + 9) / 29)
+
+
+# -- with room, every method is Full ----------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(EVERY))
+def test_capacity_beyond_the_sequence_equals_full(llama, name):
+    roomy = {
+        "h2o": ec.H2O(capacity=200), "tova": ec.TOVA(capacity=200),
+        "decoding_snapkv": ec.DecodingSnapKV(capacity=200, window=4, interval=8),
+    }
+    policy = roomy.get(name) or type(EVERY[name]())(**{**EVERY[name]().__dict__, "capacity": 200})
+    prompt = random_prompt(40, seed=2)
+    full = ec.generate(llama, prompt, ec.Full(), max_new_tokens=30)
+    out = ec.generate(llama, prompt, policy, max_new_tokens=30)
+    assert out.sequences.tolist() == full.sequences.tolist()
+    torch.testing.assert_close(out.logits, full.logits, atol=2e-5, rtol=1e-5)
+
+
+# -- batches -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(EVERY))
+def test_batch_with_left_padding_equals_each_prompt_alone(llama, name):
+    from test_compression import left_pad
+
+    policy = EVERY[name]()
+    prompts = [random_prompt(n, seed=n) for n in (50, 17, 33)]
+    ids, mask = left_pad(prompts)
+    batched = ec.generate(llama, ids, policy, attention_mask=mask, max_new_tokens=30)
+    for row, prompt in enumerate(prompts):
+        alone = ec.generate(llama, prompt, policy, max_new_tokens=30)
+        assert batched.sequences[row, ids.shape[1] :].tolist() == alone.sequences[0, prompt.shape[1] :].tolist()
+        torch.testing.assert_close(batched.logits[row], alone.logits[0], atol=2e-4, rtol=1e-4)
+        for key in ("kept_prompt_tokens", "kept_prompt_tokens_per_head", "peak_cache_tokens", "tokens_seen"):
+            assert batched.stats[row][key] == alone.stats[0][key], key
+
+
+# -- decoding: the evicted tokens are the ones the definition names, and the cache never outgrows its capacity ----
+@pytest.mark.parametrize("name", sorted(DECODING))
+def test_decode_eviction_follows_the_definition_at_every_step(llama, name):
+    policy = DECODING[name]()
+    prompt = random_prompt(30, seed=4)
+    steps = 120
+    tokens = ec.generate(llama, prompt, policy, max_new_tokens=steps).sequences[0, 30:].tolist()
+    if name == "decoding_snapkv":
+        prefill = kept_snapkv_budgets(__import__("baseline_reference").full_run(llama, prompt),
+                                      {0: 32, 1: 32}, 4, 3, "max", module_scaling(llama))
+    else:
+        prefill = kept_prompt(llama, policy, prompt)
+    reference_logits, history = simulate_decoding(llama, policy, prompt, tokens[:-1], prefill)
+
+    session = ec.CompressionSession(llama, policy)
+    first = session.prefill(prompt)
+    logits = []
+    for step, token in enumerate(tokens[:-1]):
+        logits.append(session.step(torch.tensor([[token]]))[0, -1])
+        for index, layer in enumerate(session.cache.layers):
+            heads = layer.heads
+            assert layer.keys.shape[-2] == policy.capacity
+            assert int(heads.valid.sum(dim=-1).max()) <= policy.capacity
+            held = [set(heads.positions[0, h][heads.valid[0, h]].tolist()) for h in range(heads.valid.shape[1])]
+            assert held == history[step][index], f"step {step} layer {index}"
+    assert first.argmax(-1).item() == tokens[0]
+    torch.testing.assert_close(torch.stack(logits), reference_logits, atol=2e-4, rtol=1e-4)
+    # Evictions really happened, and differently per head where the method allows it.
+    sizes = {len(h) for per_layer in history for heads in per_layer.values() for h in heads}
+    assert max(sizes) <= policy.capacity
+    assert len(history[-1][0][0] & set(range(30))) < 30
+
+
+@pytest.mark.parametrize("name", sorted(DECODING))
+def test_decode_time_caches_stay_within_capacity_over_1000_tokens(name):
+    model = tiny_model("llama", max_position_embeddings=2048)
+    policy = DECODING[name]()
+    out = ec.generate(model, random_prompt(30, seed=4), policy, max_new_tokens=1000, return_logits=False)
+    stats = out.stats[0]
+    assert stats["generated_tokens"] == 1000
+    assert stats["peak_cache_tokens"] == policy.capacity
+    assert stats["realized_ratio"] == pytest.approx((30 + 999) / policy.capacity)
+
+
+def test_eviction_reference_detects_a_wrong_victim(llama):
+    """The step-by-step check can fail: H2O with another recent window names other victims."""
+    prompt = random_prompt(30, seed=4)
+    policy, other = ec.H2O(capacity=21, recent=6), ec.H2O(capacity=21, recent=3)
+    tokens = ec.generate(llama, prompt, policy, max_new_tokens=40).sequences[0, 30:].tolist()
+    _, history = simulate_decoding(llama, other, prompt, tokens[:-1], kept_prompt(llama, other, prompt))
+    session = ec.CompressionSession(llama, policy)
+    session.prefill(prompt)
+    mismatches = 0
+    for step, token in enumerate(tokens[:-1]):
+        session.step(torch.tensor([[token]]))
+        heads = session.cache.layers[0].heads
+        mismatches += [set(heads.positions[0, h][heads.valid[0, h]].tolist()) for h in range(2)] != history[step][0]
+    assert mismatches > 0

@@ -32,7 +32,7 @@ CONTEXT_END = "\u2063"
 SCOPES = ("prompt", "context")
 TRUNCATIONS = ("left", "middle")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-POLICY_FIELDS = ("sink", "window", "kernel_size", "pooling", "gqa_reduce", "recent")
+POLICY_FIELDS = tuple(sorted({field for name in ec.POLICIES for field in ec.method_params(name)}))
 
 
 def resolve_pretrained(pretrained: str) -> str:

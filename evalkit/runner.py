@@ -26,12 +26,8 @@ from evalkit.progress import Progress
 from evalkit.results import metrics_table, samples_table, write_table
 from evalkit.scoring import all_responses
 
-METHOD_PARAMS = {
-    "full": (),
-    "streaming_llm": ("sink",),
-    "snapkv": ("window", "kernel_size", "pooling", "gqa_reduce"),
-    "snapstream": ("sink", "window", "kernel_size", "pooling", "gqa_reduce", "recent"),
-}
+# Each method's settings a config may give (its policy's fields but what the budget decides).
+METHOD_PARAMS = {name: ec.method_params(name) for name in ec.POLICIES}
 
 
 # conf/task/<name>.yaml beyond its name: `dataset` (arguments of the task's loader: hub id or path, release, ...),
@@ -466,7 +462,7 @@ def tidy_rows(
                     "score": float(sample[metric]) if metric in sample else None,
                     "prompt_tokens": row_stats.get("prompt_tokens"),
                     "generated_tokens": row_stats.get("generated_tokens"),
-                    "kept_prompt_tokens": min(kept) if kept else None,
+                    "kept_prompt_tokens": sum(kept) / len(kept) if kept else None,  # mean over layers and heads
                     "peak_cache_tokens": row_stats.get("peak_cache_tokens"),
                     "tokens_seen": row_stats.get("tokens_seen"),
                     "realized_ratio": row_stats.get("realized_ratio"),

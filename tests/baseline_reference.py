@@ -188,7 +188,7 @@ def kept_prompt(model, policy, prompt) -> dict[int, list[set[int]]]:
     if isinstance(policy, ec.KNorm):
         return kept_knorm(run, policy.capacity)
     if isinstance(policy, ec.Random):
-        return kept_random(run, policy.capacity, policy.seed)
+        return kept_random(run, policy.capacity, policy.selection_seed)
     if isinstance(policy, ec.ObservedAttention):
         return kept_observed(run, policy.capacity, scaling)
     if isinstance(policy, ec.ExpectedAttention):

@@ -307,4 +307,4 @@ def test_policy_from_budget():
     with pytest.raises(ValueError, match="budget must look like"):
         ec.policy_from_budget("snapkv", "four", 1024)
     with pytest.raises(ValueError, match="unknown method"):
-        ec.policy_from_budget("h2o", "4x", 1024)
+        ec.policy_from_budget("h3o", "4x", 1024)

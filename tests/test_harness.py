@@ -78,7 +78,8 @@ def test_bad_config_exits_nonzero_and_writes_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("method=h2o", "Could not find 'method/h2o'; Available options in 'method': full, snapkv, snapstream, spec_prefill"),
+    ("method=h3o", "Could not find 'method/h3o'; Available options in 'method': adakv, decoding_snapkv, "
+                   "expected_attention, full, h2o, knorm, observed_attention, pyramidkv, random, snapkv, snapstream"),
     ("bogus=1", "Could not override 'bogus'. To append to your config use +bogus=1"),
     ("method.window==", "Error parsing override 'method.window=='"),
 ])

@@ -13,7 +13,7 @@ import evalkit.compression as ec
 
 PREFILL = {
     "knorm": lambda: ec.KNorm(capacity=20),
-    "random": lambda: ec.Random(capacity=20, seed=3),
+    "random": lambda: ec.Random(capacity=20, selection_seed=3),
     "observed_attention": lambda: ec.ObservedAttention(capacity=20),
     "expected_attention": lambda: ec.ExpectedAttention(capacity=20, n_future_positions=16),
     "tova": lambda: ec.TOVA(capacity=21),

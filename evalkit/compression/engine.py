@@ -34,7 +34,7 @@ from transformers.masking_utils import (
 
 from .base import Policy
 from .cache import additive_mask, attention_implementation, check_hookable
-from .generate import _eos_ids, _stop_criteria, prefill
+from .generate import _eos_ids, _stop_criteria, generate, prefill
 
 _MASK32 = 0xFFFFFFFF
 
@@ -385,6 +385,8 @@ class Engine:
         for request in stream:
             if not isinstance(request, Request):
                 raise TypeError(f"requests must be evalkit.compression.engine.Request, got {type(request).__name__}")
+        if self.policy.per_head:
+            return self._run_one_at_a_time(stream, on_finish)
         self._prepare(stream)
         waiting = deque(enumerate(stream))
         residents: dict[int, _Resident] = {}
@@ -412,6 +414,27 @@ class Engine:
             self.counters["busy_slot_steps"] += self.sync_every * len(residents)
             self._collect(residents, done, on_finish)
         return [done[i] for i in range(len(stream))]
+
+    def _run_one_at_a_time(self, stream: list[Request], on_finish) -> list[Completion]:
+        """Per-layer and per-head layouts (PyramidKV, AdaKV, H2O, TOVA, SnapKV re-applied) keep a validity mask per
+        layer and head that the static slots do not carry: their requests go through :func:`generate` one at a
+        time, with the same statistics (sampling draws from a generator seeded with the request's seed)."""
+        completions = []
+        device = self.model.device
+        for index, request in enumerate(stream):
+            positions = request.position_ids[None].to(device) if request.position_ids is not None else None
+            out = generate(self.model, request.input_ids[None].to(device), self.policy,
+                           max_new_tokens=request.max_new_tokens, do_sample=request.do_sample,
+                           temperature=request.temperature, top_p=request.top_p,
+                           eos_token_id=self.eos.tolist() if self.eos is not None else None,
+                           stop_strings=list(request.stop_strings) or None, tokenizer=self.tokenizer, seed=request.seed,
+                           return_logits=False, compress_prefix=request.compress_prefix, position_ids=positions)
+            stats = {**out.stats[0], "reserved_cache_tokens": self.policy.cache_capacity()}
+            completion = Completion(index, out.sequences[0, request.input_ids.numel() :].tolist(), stats)
+            completions.append(completion)
+            if on_finish is not None:
+                on_finish(completion)
+        return completions
 
     def _prepare(self, stream: list[Request]) -> None:
         capacity = self.policy.cache_capacity()

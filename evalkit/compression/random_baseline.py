@@ -12,25 +12,25 @@ from .base import PrefillView, PromptScoring, require_int
 
 @dataclasses.dataclass
 class Random(PromptScoring):
-    """Keep ``capacity`` prompt tokens per layer and KV head chosen uniformly at random, reproducibly from ``seed``.
+    """Keep ``capacity`` prompt tokens per layer and KV head chosen uniformly at random, reproducibly from ``selection_seed``.
 
-    As kvpress' ``RandomPress``, every layer draws ``torch.rand`` from a generator seeded with ``seed`` (so layers
+    As kvpress' ``RandomPress``, every layer draws ``torch.rand`` from a generator seeded with ``selection_seed`` (so layers
     draw alike); unlike it, the draw is made per prompt (``[kv_heads, prompt length]``), so a prompt keeps the same
     tokens alone or in any batch. For one prompt the draws are kvpress' own.
     """
 
     name: ClassVar[str] = "random"
-    seed: int = 0
+    selection_seed: int = 0  # kvpress' ``seed``; named apart from the run's sampling seed
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require_int(self, "seed", 0)
+        require_int(self, "selection_seed", 0)
 
     def score(self, view: PrefillView) -> torch.Tensor:
         batch, kv_heads, n, _ = view.keys.shape
         scores = torch.zeros(batch, kv_heads, n)
         for row, valid in enumerate(view.key_valid.cpu()):
             real = int(valid.sum())
-            generator = torch.Generator().manual_seed(self.seed)
+            generator = torch.Generator().manual_seed(self.selection_seed)
             scores[row, :, n - real :] = torch.rand(kv_heads, real, generator=generator)
         return scores.to(view.keys.device)

@@ -86,8 +86,8 @@ SAMPLE_COLUMNS: dict[str, pa.DataType] = {
     "score": pa.float64(),
     "prompt_tokens": pa.int64(),
     "generated_tokens": pa.int64(),
-    "kept_prompt_tokens": pa.int64(),
-    "peak_cache_tokens": pa.int64(),
+    "kept_prompt_tokens": pa.float64(),  # mean over layers and KV heads (per-layer and per-head budgets differ)
+    "peak_cache_tokens": pa.float64(),
     "tokens_seen": pa.int64(),
     "realized_ratio": pa.float64(),
     "truncated": pa.bool_(),

@@ -206,3 +206,39 @@ def test_eviction_reference_detects_a_wrong_victim(llama):
         heads = session.cache.layers[0].heads
         mismatches += [set(heads.positions[0, h][heads.valid[0, h]].tolist()) for h in range(2)] != history[step][0]
     assert mismatches > 0
+
+
+# -- the harness ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(EVERY))
+def test_every_method_config_builds_its_policy_with_the_documented_defaults(name):
+    from test_harness import composed
+    from yaml import safe_load
+
+    from evalkit.paths import conf_dir
+    from evalkit.runner import validate
+
+    spec = validate(composed(f"method={name}", "+budget=tokens_4096", "model=llama31_8b_instruct"))
+    assert type(spec.policy) is ec.POLICIES[name]
+    written = safe_load((conf_dir() / "method" / f"{name}.yaml").read_text())
+    for key, value in written.items():
+        if key != "name" and value is not None:
+            assert getattr(spec.policy, key) == value, key
+    assert spec.flat_config()["policy_params"].count('"capacity": 4096') == 1
+
+
+@pytest.mark.slow
+def test_cli_rows_carry_each_method_and_its_realized_budget(tmp_path, random_model_dir):
+    import pandas as pd
+    from helpers import evalkit
+
+    results = tmp_path / "results"
+    for args in (["method=adakv"], ["method=h2o"], ["method=decoding_snapkv", "method.interval=16", "method.window=8"]):
+        result = evalkit(*args, "+budget=4x", "task=kv_retrieval", f"model.pretrained={random_model_dir}", "limit=3",
+                         f"results_dir={results}", cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-2000:]
+    samples = pd.read_parquet(results / "samples")
+    assert set(samples["method"]) == {"adakv", "h2o", "decoding_snapkv"}
+    fixed = samples[samples["method"] != "adakv"]
+    assert (fixed["peak_cache_tokens"] <= fixed["capacity"]).all() and (fixed["realized_ratio"] > 1).all()
+    adakv = samples[samples["method"] == "adakv"]
+    assert (adakv["kept_prompt_tokens"] <= 64).all() and adakv["policy_params"].str.contains("alpha_safeguard").all()

@@ -17,7 +17,13 @@ from test_harness import composed
 from evalkit.identity import fingerprint, source_identity
 from evalkit.paths import conf_dir
 from evalkit.results import read_table
-from evalkit.runner import InvalidCombination, config_digest, identify, validate
+from evalkit.runner import (
+    METHOD_PARAMS,
+    InvalidCombination,
+    config_digest,
+    identify,
+    validate,
+)
 
 
 @pytest.fixture(scope="module")
@@ -205,3 +211,18 @@ def test_quick_grid_runs_every_job(tmp_path, random_model_dir):
     assert len(runs) == len(sweep_jobs("quick_grid")) - len(skips) == 7
     assert all("needs a budget" in line or "takes no budget" in line for line in skips)  # pairings only
     assert json.loads(runs["task_options"].iloc[0]) == {}
+
+
+def test_baselines_grid_is_the_paper_grid_with_every_method():
+    jobs = sweep_jobs("baselines_grid")
+    valid = 0
+    for job in jobs:
+        try:
+            spec = validate(composed("+experiment=baselines_grid", *job), method_explicit=True)
+        except InvalidCombination:
+            continue
+        valid += 1
+        assert spec.model_name == "llama31_8b_instruct"
+    methods = {job[1].split("=")[1] for job in jobs}
+    assert methods == set(METHOD_PARAMS)  # every method the harness knows
+    assert valid == 3 + (len(methods) - 1) * 3 * 3  # full once per task; every other method x 3 budgets x 3 tasks

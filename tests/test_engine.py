@@ -38,6 +38,13 @@ POLICIES = [
     ec.SnapStream(capacity=64, window=8, sink=4, recent=16),
     ec.StreamingLLM(sink=4, window=40),
     ec.SnapKV(capacity=48, window=8),
+    # Per-layer and per-head layouts: each slot carries a validity mask and positions per layer and KV head.
+    ec.PyramidKV(capacity=48, window=8),
+    ec.AdaKV(capacity=48, window=4, alpha_safeguard=0.5),
+    ec.H2O(capacity=40, recent=10),
+    ec.TOVA(capacity=40),
+    ec.DecodingSnapKV(capacity=64, window=4, kernel_size=3, interval=8),
+    ec.KNorm(capacity=40),
 ]
 
 
@@ -51,9 +58,13 @@ def test_greedy_tokens_and_stats_equal_running_alone(model, policy):
         alone = ec.generate(model, request.input_ids[None], policy, max_new_tokens=request.max_new_tokens,
                             return_logits=False)
         assert completion.tokens == alone.sequences[0, request.input_ids.numel():].tolist()
-        for key in ("prompt_tokens", "generated_tokens", "kept_prompt_tokens", "peak_cache_tokens", "tokens_seen"):
+        for key in ("prompt_tokens", "generated_tokens", "kept_prompt_tokens", "kept_prompt_tokens_per_head",
+                    "peak_cache_tokens", "tokens_seen"):
             assert completion.stats[key] == alone.stats[0][key], key
         assert completion.stats["reserved_cache_tokens"] == engine.slot_tokens
+    if policy.evicts_while_decoding:  # a static cache of exactly the capacity, never exceeded
+        assert engine.slot_tokens == policy.capacity
+        assert max(c.stats["peak_cache_tokens"] for c in completions) <= policy.capacity
 
 
 def test_fixed_capacity_cache_is_allocated_once_at_capacity(model):
@@ -204,6 +215,20 @@ def test_compiled_step_compiles_once_and_matches_eager(model):
     assert steps > 50 and counter.frame_count == 1  # one graph for every step: no recompiles, no graph breaks
     engine.run(stream(count=8, seed=9))  # new requests, new prompts and lengths: still the same graph
     assert engine.counters["decode_steps"] > steps and counter.frame_count == 1
+
+
+@pytest.mark.parametrize("policy", [ec.H2O(capacity=40, recent=10), ec.AdaKV(capacity=48, window=4),
+                                    ec.DecodingSnapKV(capacity=64, window=4, kernel_size=3, interval=8)],
+                         ids=lambda p: p.name)
+def test_per_head_layouts_compile_to_one_graph(model, policy):
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    requests = stream(6, seed=3)
+    engine = ec.Engine(model, policy, slots=3, compile=True, compile_backend=counter)
+    compiled = engine.run(requests)
+    eager = ec.Engine(model, policy, slots=3).run(requests)
+    assert counter.frame_count == 1
+    assert [c.tokens for c in compiled] == [c.tokens for c in eager]
 
 
 def test_bad_requests_are_refused_clearly(model):

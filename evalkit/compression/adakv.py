@@ -32,6 +32,10 @@ class AdaKV(SnapKV):
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
             raise ValueError(f"AdaKV.alpha_safeguard must be a number in [0, 1], got {alpha!r}")
 
+    def prompt_slots(self, n: int, kv_heads: int) -> int:
+        # One head may take the layer's whole budget but what the others' safeguards keep.
+        return min(n, kv_heads * self.capacity - (kv_heads - 1) * int(self.capacity * self.alpha_safeguard))
+
     def allocate(self, scores: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
         batch, kv_heads, n = scores.shape
         budget = budget.to(scores.device)

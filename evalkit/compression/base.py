@@ -70,7 +70,7 @@ class DecodeView:
     query_buffer: torch.Tensor | None  # [B, Hq, w, D] post-RoPE queries of the last w tokens (``query_window``)
     keys: torch.Tensor  # [B, Hkv, S, D]
     scaling: float
-    steps: int  # decode steps taken so far, this one included
+    steps: torch.Tensor  # [B] long: decode steps each row has taken, this one included
     capacity: int
 
 
@@ -126,6 +126,11 @@ class Policy:
     def query_window(self) -> int:
         """Decode queries a decode-time policy needs to look back at (SnapKV re-applied); 0: none."""
         return 0
+
+    def prompt_slots(self, n: int, kv_heads: int) -> int:
+        """Most prompt tokens one KV head of one layer may keep of an ``n``-token prompt (to size static caches)."""
+        capacity = self.prompt_capacity()
+        return n if capacity is None else min(n, capacity)
 
     def decode_evict(self, view: DecodeView) -> torch.Tensor | None:
         """Slots to free after this decode step, ``[B, Hkv, S]`` bool, or None."""

@@ -264,7 +264,7 @@ class CompressedCache(Cache):
             probabilities=probabilities.reshape(batch, kv_heads * groups, slots),
             valid=heads.valid, positions=heads.positions, position=self.pending_positions[:, -1],
             scores=heads.scores, query_buffer=heads.queries, keys=keys, scaling=scaling,
-            steps=self.decode_steps, capacity=policy.cache_capacity(),
+            steps=torch.full_like(self.pending_positions[:, -1], self.decode_steps), capacity=policy.cache_capacity(),
         )
         freed = policy.decode_evict(view)
         if freed is not None:

@@ -61,7 +61,9 @@ class DecodingSnapKV(SnapKVScoring):
         return self.window
 
     def decode_evict(self, view: DecodeView) -> torch.Tensor | None:
-        if view.steps % self.interval:
+        due = view.steps % self.interval == 0  # [B]: rows whose interval ends at this step
+        # Eager, skip the scoring on the other steps; compiled, always score (masked by ``due``): one static graph.
+        if not torch.compiler.is_compiling() and not bool(due.any()):
             return None
         valid, positions, window = view.valid, view.positions, self.window
         target = self.capacity - self.interval
@@ -83,4 +85,4 @@ class DecodingSnapKV(SnapKVScoring):
         scores = scores.masked_fill(in_order(valid & in_window), float("inf")).masked_fill(~in_order(valid), float("-inf"))
         ranked = scores.sort(dim=-1, descending=True, stable=True).indices
         dropped = torch.zeros_like(valid).scatter_(-1, ranked[..., target:], True)  # in text order
-        return valid & torch.zeros_like(valid).scatter_(-1, order, dropped)
+        return valid & torch.zeros_like(valid).scatter_(-1, order, dropped) & due[:, None, None]

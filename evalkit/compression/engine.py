@@ -32,9 +32,9 @@ from transformers.masking_utils import (
     AttentionMaskInterface,
 )
 
-from .base import Policy
+from .base import DecodeView, Policy, attention_probabilities
 from .cache import additive_mask, attention_implementation, check_hookable
-from .generate import _eos_ids, _stop_criteria, generate, prefill
+from .generate import _eos_ids, _stop_criteria, prefill
 
 _MASK32 = 0xFFFFFFFF
 
@@ -137,15 +137,21 @@ def choose_tokens(logits, greedy_only: bool, seeds, steps, do_sample, temperatur
 def _decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """sdpa for one query token per row, the query heads of a KV group packed as that group's queries (what
     transformers' sdpa does when not compiled). Compiled, transformers would copy the whole cache to every query
-    head instead; this keeps the same arithmetic, compiled or not."""
+    head instead; this keeps the same arithmetic, compiled or not. A per-head layout masks each KV head by its own
+    validity, and a decode-time eviction policy then frees the slots it names."""
+    layer = _ACTIVE_SLOTS[0].layers[module.layer_idx] if _ACTIVE_SLOTS[0] is not None else None
+    if layer is not None and layer.valid is not None:
+        attention_mask = layer.valid[:, :, None, :]  # [B, Hkv, 1, T]: broadcast over the packed group queries
     groups = query.shape[1] // key.shape[1]
     batch, _, _, dim = query.shape
-    if groups > 1:
-        query = query.reshape(batch, key.shape[1], groups, dim)
-    output = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
+    packed = query.reshape(batch, key.shape[1], groups, dim) if groups > 1 else query
+    output = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask, scale=scaling)
+    if layer is not None and layer.valid is not None:
+        layer.after_attention(query, key, scaling)
     return output.reshape(batch, -1, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
+_ACTIVE_SLOTS: list = [None]  # the slot cache of the step running now (a plain list: compiled steps read it too)
 _DECODE_ATTENTION = "evalkit_decode"
 AttentionInterface.register(_DECODE_ATTENTION, _decode_attention)
 AttentionMaskInterface.register(_DECODE_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
@@ -155,30 +161,71 @@ AttentionMaskInterface.register(_DECODE_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS[
 class _SlotLayer(DynamicLayer):
     is_compileable = True
 
-    def __init__(self, cache: _SlotCache, keys: torch.Tensor, values: torch.Tensor):
+    def __init__(self, cache: _SlotCache, keys: torch.Tensor, values: torch.Tensor, heads: dict | None):
         super().__init__()
         self.cache, self.keys, self.values = cache, keys, values
         self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+        heads = heads or {}
+        # Per-head layouts: validity, text positions, running scores, recent queries and peak per slot and KV head.
+        self.valid, self.positions = heads.get("valid"), heads.get("positions")
+        self.scores, self.queries, self.peak = heads.get("scores"), heads.get("queries"), heads.get("peak")
 
     def update(self, key_states, value_states, *args, **kwargs):
         # keys[row, :, write_slot[row]] = the row's new key: an in-place index_put_, which a compiled graph keeps
         # in place (a scatter_ there becomes a copy of the whole cache every step).
-        rows, slots = self.cache.rows, self.cache.write_slot
-        self.keys.index_put_((rows, self.cache.all_heads, slots[:, None]), key_states[:, :, 0])
-        self.values.index_put_((rows, self.cache.all_heads, slots[:, None]), value_states[:, :, 0])
+        cache = self.cache
+        rows, heads = cache.rows, cache.all_heads
+        if self.valid is None:
+            slots = cache.write_slot[:, None]
+        else:  # each head's first free slot
+            slots = (~self.valid).to(torch.uint8).argmax(dim=-1)  # [slots, kv_heads]
+        self.keys.index_put_((rows, heads, slots), key_states[:, :, 0])
+        self.values.index_put_((rows, heads, slots), value_states[:, :, 0])
+        if self.valid is not None:
+            self.valid.index_put_((rows, heads, slots), torch.ones_like(slots, dtype=torch.bool))
+            self.positions.index_put_((rows, heads, slots), cache.position[:, None].expand_as(slots))
+            if self.scores is not None:
+                self.scores.index_put_((rows, heads, slots), torch.zeros_like(slots, dtype=self.scores.dtype))
+            held = self.valid.sum(dim=-1)
+            self.peak.copy_(torch.where(cache.active[:, None], torch.maximum(self.peak, held), self.peak))
         return self.keys, self.values
+
+    def after_attention(self, query: torch.Tensor, keys: torch.Tensor, scaling: float) -> None:
+        """Hand this step's attention to a decode-time eviction policy and free the slots it names (in place)."""
+        policy = self.cache.policy
+        if self.queries is not None:
+            self.queries.copy_(torch.cat([self.queries[:, :, 1:], query], dim=2))
+        if not policy.evicts_while_decoding:
+            return
+        probabilities = attention_probabilities(query, keys, self.valid[:, :, None, :], scaling)
+        batch, kv_heads, groups, _, slots = probabilities.shape
+        view = DecodeView(
+            probabilities=probabilities.reshape(batch, kv_heads * groups, slots), valid=self.valid,
+            positions=self.positions, position=self.cache.position, scores=self.scores, query_buffer=self.queries,
+            keys=keys, scaling=scaling, steps=self.cache.steps, capacity=policy.cache_capacity(),
+        )
+        freed = policy.decode_evict(view)
+        if freed is not None:
+            freed = freed & self.valid
+            self.valid.logical_and_(~freed)
+            self.positions.masked_fill_(freed, -1)
+            if self.scores is not None:
+                self.scores.masked_fill_(freed, 0.0)
 
     def get_seq_length(self) -> int:
         return self.keys.shape[-2]
 
 
 class _SlotCache(Cache):
-    def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]], write_slot: torch.Tensor):
+    def __init__(self, layers: list[tuple], policy: Policy, write_slot: torch.Tensor, position: torch.Tensor,
+                 steps: torch.Tensor, active: torch.Tensor):
         super().__init__(layers=[])
-        self.write_slot = write_slot  # [slots]: where this step's token goes, per slot
+        self.policy = policy
+        self.write_slot = write_slot  # [slots]: where this step's token goes, per slot (row layouts)
+        self.position, self.steps, self.active = position, steps, active  # [slots] each: this step's token
         self.rows = torch.arange(len(write_slot), device=write_slot.device)[:, None]  # [slots, 1]
         self.all_heads = torch.arange(layers[0][0].shape[1], device=write_slot.device)[None, :]  # [1, kv_heads]
-        self.layers = [_SlotLayer(self, keys, values) for keys, values in layers]
+        self.layers = [_SlotLayer(self, keys, values, heads) for keys, values, heads in layers]
 
     @property
     def is_compileable(self) -> bool:
@@ -221,6 +268,8 @@ class Engine:
             raise ValueError("grow=True changes the cache's shape; a compiled step needs a static one (grow=False)")
         if grow and policy.cache_capacity() is not None:
             raise ValueError(f"{policy.name} has a fixed capacity; grow applies to growing policies only")
+        if grow and policy.per_head:
+            raise ValueError(f"{policy.name} keeps a layout per layer and head; reserve slot_tokens instead of grow")
         check_hookable(model)
         self.model, self.policy, self.slots = model, policy, slots
         self.tokenizer, self.grow, self.sync_every = tokenizer, grow, sync_every
@@ -237,14 +286,13 @@ class Engine:
 
     # -- allocation -----------------------------------------------------------------------------------------------
     def _needed(self, request: Request) -> int:
-        """Cache slots ``request`` needs under a growing policy."""
+        """Cache slots ``request`` needs under a growing policy (its largest head's, for per-head layouts)."""
         n = request.input_ids.numel()
-        capacity = self.policy.prompt_capacity()
+        kv_heads = getattr(self.model.config, "num_key_value_heads", None) or self.model.config.num_attention_heads
         if request.compress_prefix is not None and request.compress_prefix < n:
             head = request.compress_prefix
-            kept = head if capacity is None else min(head, capacity)
-            return kept + (n - head) + request.max_new_tokens
-        return (n if capacity is None else min(n, capacity)) + request.max_new_tokens
+            return self.policy.prompt_slots(head, kv_heads) + (n - head) + request.max_new_tokens
+        return self.policy.prompt_slots(n, kv_heads) + request.max_new_tokens
 
     def _allocate(self, size: int) -> None:
         config = self.model.config
@@ -252,9 +300,10 @@ class Engine:
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         shape = (self.slots, kv_heads, size, head_dim)
-        layers = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                  for _ in range(config.num_hidden_layers)]
         long = dict(dtype=torch.long, device=device)
+        layers = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
+                   self._head_state(kv_heads, size, config) if self.policy.per_head else None)
+                  for _ in range(config.num_hidden_layers)]
         self.valid = torch.zeros(self.slots, size, dtype=torch.bool, device=device)
         self.valid[:, 0] = True  # an empty slot attends to one zero key: finite outputs, no NaN in its cache
         self.seq_len = torch.zeros(self.slots, **long)
@@ -270,13 +319,31 @@ class Engine:
         self.do_sample = torch.zeros(self.slots, dtype=torch.bool, device=device)
         self.temperature = torch.ones(self.slots, device=device)
         self.top_p = torch.ones(self.slots, device=device)
-        self.cache = _SlotCache(layers, self.write_slot)
+        self.active = torch.zeros(self.slots, dtype=torch.bool, device=device)
+        self.cache = _SlotCache(layers, self.policy, self.write_slot, self.seq_len, self.generated, self.active)
         self.slot_tokens = size
         if self.compile:
-            for tensor in [*(t for pair in layers for t in pair), self.valid, self.seq_len, self.written, self.fixed,
+            state = [t for keys, values, heads in layers for t in (keys, values, *(heads or {}).values())]
+            for tensor in [*state, self.active, self.valid, self.seq_len, self.written, self.fixed,
                            self.ring, self.write_slot, self.next_token, self.generated, self.max_new, self.finished,
                            self.seeds, self.do_sample, self.temperature, self.top_p]:
                 torch._dynamo.mark_static_address(tensor)
+
+    def _head_state(self, kv_heads: int, size: int, config) -> dict:
+        device, policy = self.model.device, self.policy
+        heads = {
+            "valid": torch.zeros(self.slots, kv_heads, size, dtype=torch.bool, device=device),
+            "positions": torch.full((self.slots, kv_heads, size), -1, dtype=torch.long, device=device),
+            "peak": torch.zeros(self.slots, kv_heads, dtype=torch.long, device=device),
+        }
+        heads["valid"][:, :, 0] = True  # an empty slot attends to one zero key, as in row layouts
+        if policy.accumulates:
+            heads["scores"] = torch.zeros(self.slots, kv_heads, size, device=device)
+        if policy.query_window():
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            heads["queries"] = torch.zeros(self.slots, config.num_attention_heads, policy.query_window(), head_dim,
+                                           dtype=self.model.dtype, device=device)
+        return heads
 
     def _grow_to(self, size: int) -> None:
         size = 64 * math.ceil(size / 64)
@@ -290,12 +357,13 @@ class Engine:
     # -- one decode step (static shapes) ---------------------------------------------------------------------------
     def _step(self, greedy_only: bool, use_top_p: bool) -> None:
         active = ~self.finished
+        self.active.copy_(active)
         index = self.written
         slot = torch.where(index < self.fixed, index, self.fixed + (index - self.fixed) % self.ring)
         self.write_slot.copy_(slot)
         self.valid.scatter_(1, slot[:, None], True)  # finished rows too: they must keep attending somewhere
         mask = self.valid[:, None, None, :]
-        if self.eager:
+        if self.eager and not self.policy.per_head:
             mask = additive_mask(mask, self.model.dtype)
         logits = self.model(input_ids=self.next_token[:, None], attention_mask=mask,
                             position_ids=self.seq_len[:, None], past_key_values=self.cache, use_cache=True).logits
@@ -350,12 +418,26 @@ class Engine:
         for layer, source in zip(self.cache.layers, session.cache.layers):
             layer.keys[slot, :, :used] = source.keys[0]
             layer.values[slot, :, :used] = source.values[0]
+            if layer.valid is not None:
+                heads = source.heads
+                layer.valid[slot] = False
+                layer.valid[slot, :, :used] = heads.valid[0]
+                layer.positions[slot] = -1
+                layer.positions[slot, :, :used] = heads.positions[0]
+                layer.peak[slot] = heads.peak[0]
+                if layer.scores is not None:
+                    layer.scores[slot] = 0.0
+                    layer.scores[slot, :, :used] = heads.scores[0]
+                if layer.queries is not None:
+                    layer.queries[slot] = heads.queries[0]
         self.valid[slot] = False
         self.valid[slot, :used] = state.valid[0]
         self.seq_len[slot] = int(state.seq_len[0])
         self.written[slot] = int(state.written[0])
         self.fixed[slot] = int(state.fixed[0])
         self.ring[slot] = int(state.ring[0])
+        if self.policy.per_head:  # the row-level slot is unused: keep it in range
+            self.fixed[slot], self.ring[slot] = 0, self.slot_tokens
         self.seeds[slot] = request.seed & ((1 << 63) - 1)
         self.do_sample[slot] = request.do_sample
         self.temperature[slot] = request.temperature or 1.0
@@ -385,8 +467,6 @@ class Engine:
         for request in stream:
             if not isinstance(request, Request):
                 raise TypeError(f"requests must be evalkit.compression.engine.Request, got {type(request).__name__}")
-        if self.policy.per_head:
-            return self._run_one_at_a_time(stream, on_finish)
         self._prepare(stream)
         waiting = deque(enumerate(stream))
         residents: dict[int, _Resident] = {}
@@ -407,34 +487,19 @@ class Engine:
                 self._grow_for(residents)
             greedy_only = not any(r.request.do_sample for r in residents.values())
             use_top_p = any(r.request.top_p is not None for r in residents.values())
-            with attention_implementation(self.model, None if self.eager else _DECODE_ATTENTION):
-                for _ in range(self.sync_every):
-                    step_fn(greedy_only, use_top_p)
+            # Row layouts keep an eager model's own attention; per-head layouts need the engine's masks.
+            implementation = None if self.eager and not self.policy.per_head else _DECODE_ATTENTION
+            _ACTIVE_SLOTS[0] = self.cache
+            try:
+                with attention_implementation(self.model, implementation):
+                    for _ in range(self.sync_every):
+                        step_fn(greedy_only, use_top_p)
+            finally:
+                _ACTIVE_SLOTS[0] = None
             self.counters["decode_steps"] += self.sync_every
             self.counters["busy_slot_steps"] += self.sync_every * len(residents)
             self._collect(residents, done, on_finish)
         return [done[i] for i in range(len(stream))]
-
-    def _run_one_at_a_time(self, stream: list[Request], on_finish) -> list[Completion]:
-        """Per-layer and per-head layouts (PyramidKV, AdaKV, H2O, TOVA, SnapKV re-applied) keep a validity mask per
-        layer and head that the static slots do not carry: their requests go through :func:`generate` one at a
-        time, with the same statistics (sampling draws from a generator seeded with the request's seed)."""
-        completions = []
-        device = self.model.device
-        for index, request in enumerate(stream):
-            positions = request.position_ids[None].to(device) if request.position_ids is not None else None
-            out = generate(self.model, request.input_ids[None].to(device), self.policy,
-                           max_new_tokens=request.max_new_tokens, do_sample=request.do_sample,
-                           temperature=request.temperature, top_p=request.top_p,
-                           eos_token_id=self.eos.tolist() if self.eos is not None else None,
-                           stop_strings=list(request.stop_strings) or None, tokenizer=self.tokenizer, seed=request.seed,
-                           return_logits=False, compress_prefix=request.compress_prefix, position_ids=positions)
-            stats = {**out.stats[0], "reserved_cache_tokens": self.policy.cache_capacity()}
-            completion = Completion(index, out.sequences[0, request.input_ids.numel() :].tolist(), stats)
-            completions.append(completion)
-            if on_finish is not None:
-                on_finish(completion)
-        return completions
 
     def _prepare(self, stream: list[Request]) -> None:
         capacity = self.policy.cache_capacity()
@@ -508,6 +573,8 @@ class Engine:
         # Every token fed back takes a new slot until the ring is full; the count never drops, so the end is the peak.
         # (Read off the request's own tokens: the device may have run a few steps past a stop string.)
         peak = min(resident.held_at_start + max(generated - 1, 0), resident.limit)
+        if self.policy.per_head:  # tracked on the device, per layer and head: the mean over them
+            peak = round(float(torch.stack([layer.peak[slot] for layer in self.cache.layers]).float().mean()), 3)
         prompt = resident.stats["prompt_tokens"]
         seen = prompt + max(generated - 1, 0)
         stats = {**resident.stats, "generated_tokens": generated, "peak_cache_tokens": peak, "tokens_seen": seen,

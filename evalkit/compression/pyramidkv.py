@@ -35,6 +35,9 @@ class PyramidKV(SnapKV):
     def layer_budget(self, layer_idx: int, num_layers: int, real_len: torch.Tensor) -> torch.Tensor:
         return torch.tensor([self._budget(layer_idx, num_layers, int(n)) for n in real_len.tolist()])
 
+    def prompt_slots(self, n: int, kv_heads: int) -> int:
+        return min(n, 2 * self.capacity - self.window)  # the first layer's largest budget
+
     def _budget(self, layer_idx: int, num_layers: int, n: int) -> int:
         capacity, window = self.capacity, self.window
         if n < capacity:

@@ -12,12 +12,14 @@ import datetime as dt
 import functools
 import hashlib
 import json
+import math
 import subprocess
 import uuid
 from importlib import metadata
 from pathlib import Path
 
 import pandas as pd
+import torch
 
 import evalkit.compression as ec
 from evalkit import identity, memory
@@ -188,7 +190,7 @@ def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
     scope = cfg.get("compression_scope", "prompt")
     if scope not in ("prompt", "context"):
         raise ConfigError(f"compression_scope must be prompt or context, got {scope!r}")
-    verdict = _price_deployment(cfg, budget if method != "full" else None)
+    verdict = _price_deployment(cfg, budget if method != "full" else None, policy)
     fidelity_tokens = cfg.get("fidelity_tokens", 0)
     if not isinstance(fidelity_tokens, int) or fidelity_tokens < 0:
         raise ConfigError(f"fidelity_tokens must be a non-negative integer, got {fidelity_tokens!r}")
@@ -287,13 +289,25 @@ def _spec_prefill_settings(method_cfg: dict) -> dict:
     return {**settings, "draft_model": draft_model, "then": then}
 
 
-def _price_deployment(cfg: dict, budget: str | None) -> memory.Verdict | None:
+def deployed_capacity(policy: ec.Policy, budget: str | None, deployment: memory.Deployment) -> int | None:
+    """Tokens per sequence, per layer and KV head on average, that ``policy`` holds at the deployment's context with
+    ``budget``: the budget's capacity, or for per-layer budgets (PyramidKV) the mean of its layer budgets there."""
+    capacity = memory.capacity_for_budget(budget, deployment.context)
+    if capacity is None or policy.cache_capacity() is not None or not policy.per_head:
+        return capacity
+    scaled = dataclasses.replace(policy, capacity=capacity)
+    layers = deployment.model.layers
+    budgets = [int(scaled.layer_budget(layer, layers, torch.tensor([deployment.context]))[0]) for layer in range(layers)]
+    return math.ceil(sum(budgets) / layers)
+
+
+def _price_deployment(cfg: dict, budget: str | None, policy: ec.Policy) -> memory.Verdict | None:
     """Price the run's budget on the configured deployment; with memory.enforce, refuse what does not fit."""
     if not cfg.get("deployment"):
         return None
     try:
         deployment = memory.load_deployment(cfg["deployment"], hardware=cfg.get("hardware"))
-        verdict = memory.price(deployment, memory.capacity_for_budget(budget, deployment.context))
+        verdict = memory.price(deployment, deployed_capacity(policy, budget, deployment))
     except ValueError as error:
         raise ConfigError(f"deployment: {error}") from None
     if (cfg.get("memory") or {}).get("enforce") and not verdict.fits:

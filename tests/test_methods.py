@@ -242,3 +242,21 @@ def test_cli_rows_carry_each_method_and_its_realized_budget(tmp_path, random_mod
     assert (fixed["peak_cache_tokens"] <= fixed["capacity"]).all() and (fixed["realized_ratio"] > 1).all()
     adakv = samples[samples["method"] == "adakv"]
     assert (adakv["kept_prompt_tokens"] <= 64).all() and adakv["policy_params"].str.contains("alpha_safeguard").all()
+
+
+def test_memory_rows_price_the_budget_each_method_realizes_at_the_deployment_context():
+    from test_harness import composed
+
+    from evalkit.runner import validate
+
+    def cached(method: str) -> int:
+        spec = validate(composed(f"method={method}", "+budget=4x", "model=llama31_8b_instruct",
+                                 "deployment=llama31_8b_tp1_128k"))
+        return spec.memory.cached_tokens
+
+    # 4x of 131072 is 32768. PyramidKV at n = 131072, C = 32768, w = 32, beta = 20, 32 layers (KVCache-Factory):
+    # min = 32736 // 20 = 1636, max = 65472 - 1636 = 63836, steps = 62200 // 31 = 2006; mean over layers
+    # = 63836 - 15.5 * 2006 + 32 = 32775 (the floored steps), rounded up.
+    assert cached("pyramidkv") == 32775
+    for method in ("snapkv", "adakv", "h2o", "tova", "decoding_snapkv", "knorm"):
+        assert cached(method) == 32768, method

@@ -34,7 +34,9 @@ def full_run(model, prompt: torch.Tensor) -> dict:
     for index, layer in enumerate(model.model.layers):
         def keep(module, inputs, output, index=index):
             pre_rope[index] = output[0].reshape(-1, heads, dim).transpose(0, 1).double()
-        hooks.append(layer.self_attn.q_proj.register_forward_hook(keep))
+        # The query just before RoPE: after q_norm where the family has one (Qwen3), else q_proj's output.
+        source = getattr(layer.self_attn, "q_norm", None) or layer.self_attn.q_proj
+        hooks.append(source.register_forward_hook(keep))
     original = model.config._attn_implementation
     model.config._attn_implementation = "reference_masked"
     _RECORD.clear()

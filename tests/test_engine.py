@@ -188,8 +188,10 @@ def test_stop_strings_end_a_request_at_the_same_token(model):
         assert completion.stats["generated_tokens"] == alone.stats[0]["generated_tokens"]
 
 
-def test_context_scope_and_kept_positions_match_generate(model):
-    policy = ec.SnapStream(capacity=64, window=8, sink=4, recent=16)
+@pytest.mark.parametrize("policy", [ec.SnapStream(capacity=64, window=8, sink=4, recent=16),
+                                    ec.AdaKV(capacity=48, window=4), ec.H2O(capacity=40, recent=10),
+                                    ec.ExpectedAttention(capacity=40, n_future_positions=32)], ids=lambda p: p.name)
+def test_context_scope_and_kept_positions_match_generate(model, policy):
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, VOCAB, (120,), generator=g)
     prefix = ec.Request(ids, max_new_tokens=12, compress_prefix=100)

@@ -74,6 +74,27 @@ def test_prefill_keeps_exactly_the_tokens_the_definition_names(llama, name):
         assert layer.keys.shape[-2] == (max(per_head) if name != "h2o" and name != "tova" else policy.capacity)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "qwen2"])
+@pytest.mark.parametrize("name", ["expected_attention", "h2o", "adakv"])
+def test_prefill_selection_is_exact_in_the_other_families(family, name):
+    model = tiny_model(family)
+    policy = PREFILL[name]()
+    prompt = random_prompt(50, seed=11)
+    session = ec.CompressionSession(model, policy)
+    session.prefill(prompt)
+    assert held_positions(session, reference_keys(model, prompt)) == kept_prompt(model, policy, prompt)
+
+
+@pytest.mark.parametrize("name", ["adakv", "h2o", "tova", "pyramidkv"])
+def test_eager_attention_gives_the_tokens_sdpa_gives(name):
+    policy = EVERY[name]()
+    prompt = random_prompt(50, seed=11)
+    sdpa = ec.generate(tiny_model("llama"), prompt, policy, max_new_tokens=30)
+    eager = ec.generate(tiny_model("llama", attn_implementation="eager"), prompt, policy, max_new_tokens=30)
+    assert eager.sequences.tolist() == sdpa.sequences.tolist()
+    torch.testing.assert_close(eager.logits, sdpa.logits, atol=2e-4, rtol=1e-4)
+
+
 def test_pyramidkv_budgets_decrease_with_depth_and_keep_the_total():
     model = tiny_model("llama", num_hidden_layers=4)
     policy = ec.PyramidKV(capacity=20, window=6, kernel_size=5)

@@ -409,29 +409,33 @@ class Engine:
         positions = request.position_ids[None].to(device) if request.position_ids is not None else None
         session, logits, seconds = prefill(self.model, self.policy, ids, None, request.compress_prefix, positions)
         state = session.state
-        used = state.slots
+        if self.policy.per_head:  # layers may have grown past their last token (question chunks): copy what is used
+            used = max(int(layer.heads.valid[0].any(dim=0).nonzero().max()) + 1 for layer in session.cache.layers)
+        else:
+            used = state.slots
         if used > self.slot_tokens:
             if not self.grow:
                 raise ValueError(f"request {index} needs {used} cache slots after prefill, more than the "
                                  f"{self.slot_tokens} reserved per slot (raise slot_tokens or use grow=True)")
             self._grow_to(used + request.max_new_tokens)
         for layer, source in zip(self.cache.layers, session.cache.layers):
-            layer.keys[slot, :, :used] = source.keys[0]
-            layer.values[slot, :, :used] = source.values[0]
+            layer.keys[slot, :, :used] = source.keys[0, :, :used]
+            layer.values[slot, :, :used] = source.values[0, :, :used]
             if layer.valid is not None:
                 heads = source.heads
                 layer.valid[slot] = False
-                layer.valid[slot, :, :used] = heads.valid[0]
+                layer.valid[slot, :, :used] = heads.valid[0, :, :used]
                 layer.positions[slot] = -1
-                layer.positions[slot, :, :used] = heads.positions[0]
+                layer.positions[slot, :, :used] = heads.positions[0, :, :used]
                 layer.peak[slot] = heads.peak[0]
                 if layer.scores is not None:
                     layer.scores[slot] = 0.0
-                    layer.scores[slot, :, :used] = heads.scores[0]
+                    layer.scores[slot, :, :used] = heads.scores[0, :, :used]
                 if layer.queries is not None:
                     layer.queries[slot] = heads.queries[0]
-        self.valid[slot] = False
-        self.valid[slot, :used] = state.valid[0]
+        self.valid[slot] = self.policy.per_head  # per-head layouts mask by their own validity (see _SlotLayer)
+        if not self.policy.per_head:
+            self.valid[slot, :used] = state.valid[0]
         self.seq_len[slot] = int(state.seq_len[0])
         self.written[slot] = int(state.written[0])
         self.fixed[slot] = int(state.fixed[0])

@@ -63,6 +63,14 @@ def causal_probabilities(query: torch.Tensor, key: torch.Tensor, scaling: float)
     return logits.softmax(dim=-1)
 
 
+def group_mean(r, score) -> list[torch.Tensor]:
+    """Per KV head, the mean over the query heads of its group of ``score(query_head, kv_head)``."""
+    kv_heads = r["key"].shape[0]
+    group = r["query"].shape[0] // kv_heads
+    return [torch.stack([torch.as_tensor(score(h * group + g, h)) for g in range(group)]).mean(dim=0)
+            for h in range(kv_heads)]
+
+
 def kept_knorm(run, capacity):
     return {layer: [top((-k.norm(dim=-1)).tolist(), capacity) for k in r["key"]] for layer, r in run.items()}
 
@@ -78,16 +86,13 @@ def kept_random(run, capacity, seed):
 def kept_observed(run, capacity, scaling):
     kept = {}
     for layer, r in run.items():
-        kv_heads, n = r["key"].shape[:2]
-        group = r["query"].shape[0] // kv_heads
-        heads = []
-        for h in range(kv_heads):
-            per_query_head = []
-            for g in range(group):
-                p = causal_probabilities(r["query"][h * group + g], r["key"][h], scaling)
-                per_query_head.append([float(p[:, j].sum()) / (n - j) for j in range(n)])
-            heads.append(top(torch.tensor(per_query_head).mean(dim=0).tolist(), capacity))
-        kept[layer] = heads
+        n = r["key"].shape[1]
+
+        def observed(query_head, kv_head, r=r, n=n):
+            p = causal_probabilities(r["query"][query_head], r["key"][kv_head], scaling)
+            return [float(p[:, j].sum()) / (n - j) for j in range(n)]
+
+        kept[layer] = [top(score.tolist(), capacity) for score in group_mean(r, observed)]
     return kept
 
 
@@ -95,8 +100,7 @@ def kept_expected(model, run, capacity, sink, future):
     kept = {}
     rotary = model.model.rotary_emb
     for layer, r in run.items():
-        kv_heads, n, dim = r["key"].shape
-        group = r["query"].shape[0] // kv_heads
+        n, dim = r["key"].shape[1:]
         rotation = torch.zeros(dim, dim, dtype=torch.double)
         for position in range(n, n + future):
             cos, sin = rotary(r["key"][None].float(), torch.tensor([[position]]))
@@ -106,21 +110,18 @@ def kept_expected(model, run, capacity, sink, future):
                 matrix[i, i + dim // 2] = -sin[i]
                 matrix[i + dim // 2, i] = sin[i + dim // 2]
             rotation += matrix / future
-        heads = []
-        for h in range(kv_heads):
-            per_query_head = []
-            for g in range(group):
-                queries = r["pre_rope"][h * group + g, sink:]
-                mean = queries.mean(dim=0)
-                centered = queries - mean
-                covariance = centered.T @ centered / queries.shape[0]
-                mean, covariance = rotation @ mean, rotation @ covariance @ rotation.T
-                keys = r["key"][h, sink:]
-                logits = torch.stack([k @ mean / math.sqrt(dim) + k @ covariance @ k / dim / 2 for k in keys])
-                per_query_head.append(logits.softmax(dim=0))
-            score = torch.stack(per_query_head).mean(dim=0) * r["value"][h, sink:].norm(dim=-1)
-            heads.append(set(range(sink)) | top(score.tolist(), capacity - sink, offset=sink))
-        kept[layer] = heads
+
+        def expected(query_head, kv_head, r=r, rotation=rotation):
+            queries = r["pre_rope"][query_head, sink:]
+            mean = queries.mean(dim=0)
+            centered = queries - mean
+            covariance = centered.T @ centered / queries.shape[0]
+            mean, covariance = rotation @ mean, rotation @ covariance @ rotation.T
+            logits = torch.stack([k @ mean / math.sqrt(dim) + k @ covariance @ k / dim / 2 for k in r["key"][kv_head, sink:]])
+            return logits.softmax(dim=0)
+
+        scores = [s * r["value"][h, sink:].norm(dim=-1) for h, s in enumerate(group_mean(r, expected))]
+        kept[layer] = [set(range(sink)) | top(s.tolist(), capacity - sink, offset=sink) for s in scores]
     return kept
 
 
@@ -165,13 +166,10 @@ def kept_adakv(run, capacity, window, kernel_size, pooling, alpha, scaling):
 
 
 def h2o_prefill_scores(r, scaling) -> list[list[float]]:
-    kv_heads = r["key"].shape[0]
-    group = r["query"].shape[0] // kv_heads
-    return [
-        torch.stack([causal_probabilities(r["query"][h * group + g], r["key"][h], scaling).sum(dim=0)
-                     for g in range(group)]).mean(dim=0).tolist()
-        for h in range(kv_heads)
-    ]
+    def received(query_head, kv_head):
+        return causal_probabilities(r["query"][query_head], r["key"][kv_head], scaling).sum(dim=0)
+
+    return [score.tolist() for score in group_mean(r, received)]
 
 
 def kept_h2o(run, capacity, recent, scaling):

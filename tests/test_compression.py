@@ -190,18 +190,23 @@ def left_pad(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-@pytest.mark.parametrize("name", ["full", *sorted(COMPRESSING)])
-def test_batch_with_left_padding_equals_each_prompt_alone(family_model, name):
-    policy = ec.Full() if name == "full" else COMPRESSING[name]()
+def assert_batch_equals_alone(model, policy, new_tokens: int = 24) -> None:
+    """Left-padded prompts of 50, 17 and 33 tokens give, row by row, what each gives alone."""
     prompts = [random_prompt(n, seed=n) for n in (50, 17, 33)]  # 17 fits every capacity: no eviction for it
     ids, mask = left_pad(prompts)
-    batched = ec.generate(family_model, ids, policy, attention_mask=mask, max_new_tokens=24)
+    batched = ec.generate(model, ids, policy, attention_mask=mask, max_new_tokens=new_tokens)
     for row, prompt in enumerate(prompts):
-        alone = ec.generate(family_model, prompt, policy, max_new_tokens=24)
+        alone = ec.generate(model, prompt, policy, max_new_tokens=new_tokens)
         assert batched.sequences[row, ids.shape[1] :].tolist() == alone.sequences[0, prompt.shape[1] :].tolist()
         torch.testing.assert_close(batched.logits[row], alone.logits[0], atol=2e-4, rtol=1e-4)
-        for key in ("prompt_tokens", "generated_tokens", "kept_prompt_tokens", "peak_cache_tokens", "tokens_seen"):
+        for key in ("prompt_tokens", "generated_tokens", "kept_prompt_tokens", "kept_prompt_tokens_per_head",
+                    "peak_cache_tokens", "tokens_seen"):
             assert batched.stats[row][key] == alone.stats[0][key], key
+
+
+@pytest.mark.parametrize("name", ["full", *sorted(COMPRESSING)])
+def test_batch_with_left_padding_equals_each_prompt_alone(family_model, name):
+    assert_batch_equals_alone(family_model, ec.Full() if name == "full" else COMPRESSING[name]())
 
 
 def test_eos_stops_a_row_and_is_counted(llama):

@@ -155,18 +155,9 @@ def test_capacity_beyond_the_sequence_equals_full(llama, name):
 # -- batches -----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", sorted(EVERY))
 def test_batch_with_left_padding_equals_each_prompt_alone(llama, name):
-    from test_compression import left_pad
+    from test_compression import assert_batch_equals_alone
 
-    policy = EVERY[name]()
-    prompts = [random_prompt(n, seed=n) for n in (50, 17, 33)]
-    ids, mask = left_pad(prompts)
-    batched = ec.generate(llama, ids, policy, attention_mask=mask, max_new_tokens=30)
-    for row, prompt in enumerate(prompts):
-        alone = ec.generate(llama, prompt, policy, max_new_tokens=30)
-        assert batched.sequences[row, ids.shape[1] :].tolist() == alone.sequences[0, prompt.shape[1] :].tolist()
-        torch.testing.assert_close(batched.logits[row], alone.logits[0], atol=2e-4, rtol=1e-4)
-        for key in ("kept_prompt_tokens", "kept_prompt_tokens_per_head", "peak_cache_tokens", "tokens_seen"):
-            assert batched.stats[row][key] == alone.stats[0][key], key
+    assert_batch_equals_alone(llama, EVERY[name](), new_tokens=30)
 
 
 # -- decoding: the evicted tokens are the ones the definition names, and the cache never outgrows its capacity ----

@@ -272,3 +272,18 @@ def test_memory_rows_price_the_budget_each_method_realizes_at_the_deployment_con
     assert cached("pyramidkv") == 32775
     for method in ("snapkv", "adakv", "h2o", "tova", "decoding_snapkv", "knorm"):
         assert cached(method) == 32768, method
+
+
+def test_attention_sums_do_not_depend_on_the_chunking():
+    from evalkit.compression.base import causal_attention_sums
+
+    g = torch.Generator().manual_seed(0)
+    query, keys = torch.randn(2, 4, 37, 8, generator=g), torch.randn(2, 2, 37, 8, generator=g)
+    valid = torch.ones(2, 37, dtype=torch.bool)
+    valid[1, :9] = False  # a left-padded row
+    view = ec.PrefillView(query, keys, keys, valid, 0.35, 0, 1, None, torch.arange(37).expand(2, -1))
+    whole = causal_attention_sums(view)
+    chunked = causal_attention_sums(view, budget=2 * 4 * 37 * 5)  # 5 queries at a time
+    torch.testing.assert_close(chunked, whole)
+    assert whole[1, :, :, :9].abs().max() == 0  # padding keys receive nothing
+    torch.testing.assert_close(whole[0].sum(dim=-1), torch.full((2, 2), 37.0))  # each real query spends 1

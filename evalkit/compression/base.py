@@ -248,10 +248,12 @@ class PromptScoring(Policy):
         return self.capacity
 
 
-def causal_attention_sums(view: PrefillView, last: int | None = None, chunk: int = 256) -> torch.Tensor:
+def causal_attention_sums(view: PrefillView, last: int | None = None, budget: int = 1 << 26) -> torch.Tensor:
     """Attention each prompt key receives, summed over the prompt's queries (or its ``last`` queries), in fp32:
-    ``[B, Hkv, G, n]``. Causal, padding excluded on both sides; computed ``chunk`` queries at a time."""
-    n = view.keys.shape[2]
+    ``[B, Hkv, G, n]``. Causal, padding excluded on both sides; computed a chunk of queries at a time, each chunk's
+    probabilities at most ``budget`` floats (256 MiB)."""
+    batch, q_heads, n, _ = view.query.shape
+    chunk = max(1, min(n, budget // (batch * q_heads * n)))
     start = 0 if last is None else n - last
     key_index = torch.arange(n, device=view.keys.device)
     total = None

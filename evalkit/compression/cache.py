@@ -76,7 +76,6 @@ class HeadState:
     peak: torch.Tensor  # [B, Hkv] most tokens held at once
     scores: torch.Tensor | None = None  # [B, Hkv, slots] running score of an accumulating policy (H2O)
     queries: torch.Tensor | None = None  # [B, Hq, w, D] the last w queries (a policy's ``query_window``)
-    pending: torch.Tensor | None = None  # [B, Hkv, q] slots this step's tokens went to
 
     def pad_to(self, slots: int) -> None:
         extra = slots - self.valid.shape[-1]
@@ -132,7 +131,6 @@ class CompressedLayer(DynamicLayer):
         heads.positions.scatter_(2, slots, positions)
         if heads.scores is not None:
             heads.scores.scatter_(2, slots, 0.0)
-        heads.pending = slots
         held = heads.valid.sum(dim=-1)
         heads.peak = torch.where(self.cache.active[:, None], torch.maximum(heads.peak, held), heads.peak)
         return self.keys, self.values

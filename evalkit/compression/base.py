@@ -87,6 +87,10 @@ class Policy:
     evicts_while_decoding: ClassVar[bool] = False
     # Keep a running per-slot score (the accumulated attention of H2O), gathered with the prompt tokens kept.
     accumulates: ClassVar[bool] = False
+    # Works on a latent (MLA) cache: one shared head whose per-head keys attention expands; scores are reduced over
+    # all the layer's heads, as for a single KV group.
+    supports_latent: ClassVar[bool] = True
+    latent_refusal: ClassVar[str] = ""
 
     def kept_sink(self) -> int:
         """Leading prompt tokens always kept (attention sinks)."""

@@ -6,6 +6,8 @@ Layout: every layer stores keys/values ``[batch, kv_heads, slots, head_dim]``. T
   layer and head (which tokens differs per layer and head): the first ``kept`` slots of a row hold the surviving
   prompt tokens in text order, then new tokens are written slot by slot; a ring policy wraps around after ``fixed``
   slots. Slots a row does not use (a shorter prompt in a batch) are invalid and masked out; padding is never kept.
+* A latent (MLA) cache holds one shared head per layer (DeepSeek's compressed KV as keys, its shared RoPE key as
+  values); a policy's per-head scores are then reduced over all the layer's heads, so the latent itself shrinks.
 * **Per layer and KV head** (:class:`HeadState`, policies with ``per_head``): each layer keeps a validity mask and
   the text position of every slot ``[batch, kv_heads, slots]``, so heads and layers may hold different numbers of
   tokens (PyramidKV, AdaKV: the slot axis is padded to the largest head) and free different slots while decoding
@@ -32,7 +34,13 @@ from transformers.masking_utils import (
     AttentionMaskInterface,
 )
 
-from .base import DecodeView, Policy, PrefillView, attention_probabilities
+from .base import (
+    DecodeView,
+    Policy,
+    PrefillView,
+    attention_probabilities,
+    reduce_groups,
+)
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 _ACTIVE: contextvars.ContextVar[CompressedCache | None] = contextvars.ContextVar("evalkit_cache", default=None)
@@ -107,10 +115,13 @@ class CompressedLayer(DynamicLayer):
             pad = (0, 0, 0, grow)
             self.keys = torch.nn.functional.pad(self.keys, pad)
             self.values = torch.nn.functional.pad(self.values, pad)
-        index = slots[:, None, :, None].expand(-1, key_states.shape[1], -1, key_states.shape[-1])
-        self.keys.scatter_(2, index, key_states)
-        self.values.scatter_(2, index, value_states)
+        self._write(slots[:, None, :].expand(-1, key_states.shape[1], -1), key_states, value_states)
         return self.keys, self.values
+
+    def _write(self, slots: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """keys/values[b, h, slots[b, h, i]] = the i-th new token's (key and value widths may differ: MLA latents)."""
+        self.keys.scatter_(2, slots[..., None].expand(-1, -1, -1, key_states.shape[-1]), key_states)
+        self.values.scatter_(2, slots[..., None].expand(-1, -1, -1, value_states.shape[-1]), value_states)
 
     def _update_heads(self, key_states, value_states):
         """Write each head's new tokens into its first free slots (growing the slot axis if a head has none)."""
@@ -123,9 +134,7 @@ class CompressedLayer(DynamicLayer):
             self.pad_slots(self.keys.shape[-2] + max(shortfall, 64))
             free = ~heads.valid
         slots = (~free).to(torch.uint8).argsort(dim=-1, stable=True)[..., :count]  # first free slots, in order
-        index = slots[..., None].expand(-1, -1, -1, key_states.shape[-1])
-        self.keys.scatter_(2, index, key_states)
-        self.values.scatter_(2, index, value_states)
+        self._write(slots, key_states, value_states)
         heads.valid.scatter_(2, slots, True)
         positions = self.cache.pending_positions[:, None, :].expand(-1, slots.shape[1], -1)
         heads.positions.scatter_(2, slots, positions)
@@ -145,9 +154,8 @@ class CompressedLayer(DynamicLayer):
 
     def compress(self, index: torch.Tensor) -> None:
         """Keep the rows ``index`` ``[B, kv_heads, kept]`` of this layer's keys and values, in that order."""
-        gather = index[..., None].expand(-1, -1, -1, self.keys.shape[-1])
-        self.keys = self.keys.gather(2, gather)
-        self.values = self.values.gather(2, gather)
+        self.keys = self.keys.gather(2, index[..., None].expand(-1, -1, -1, self.keys.shape[-1]))
+        self.values = self.values.gather(2, index[..., None].expand(-1, -1, -1, self.values.shape[-1]))
 
     def visible(self, query_positions: torch.Tensor) -> torch.Tensor:
         """``[B, Hkv, q, slots]`` bool: which slots each of this step's queries (at ``query_positions`` ``[B, q]``)
@@ -184,12 +192,15 @@ class CompressedCache(Cache):
         policy's raw scores ``[B, kv_heads, n]``."""
         key_valid, real_len = view.key_valid, self.prefill_plan["real_len"]
         policy, keys = self.policy, view.keys
-        batch, kv_heads, n, _ = keys.shape
+        batch, n = keys.shape[0], keys.shape[2]
+        kv_heads = self.layers[view.layer_idx].keys.shape[1]  # the cache's heads: 1 for a latent (MLA) cache
         window, sink = min(policy.kept_window(), n), policy.kept_sink()
         budget = policy.layer_budget(view.layer_idx, view.num_layers, real_len).to(keys.device)
         raw = torch.zeros(batch, kv_heads, n, device=keys.device)
         if policy.needs_scores and n > window:
             raw = policy.score(view).float()
+            if raw.shape[1] != kv_heads:  # per-head scores over a shared latent: one group of all the heads
+                raw = reduce_groups(raw[:, None], getattr(policy, "gqa_reduce", "mean"))
         position = torch.arange(n, device=keys.device)
         first = (n - real_len)[:, None]
         forced = (position >= n - window)[None, :] | ((position >= first) & (position < first + sink))
@@ -356,8 +367,6 @@ def check_hookable(model) -> None:
             f"attention implementation {implementation!r} cannot be compressed; load the model with "
             f"attn_implementation in {list(SUPPORTED_ATTENTION)}"
         )
-    if getattr(config, "kv_lora_rank", None):
-        raise ValueError(f"{type(model).__name__} uses latent (MLA) attention, which the reference policies do not support")
     attention_modules = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
     if not attention_modules or any(getattr(m, "layer_idx", None) is None for m in attention_modules):
         raise ValueError(f"{type(model).__name__} has no attention modules with a layer_idx; it cannot be hooked")

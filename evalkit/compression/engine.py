@@ -82,6 +82,18 @@ class Completion:
     stats: dict  # as generate()'s stats, plus reserved_cache_tokens (the slot's allocation)
 
 
+def cache_geometry(config) -> tuple[tuple[int, int, int], int]:
+    """((cached heads, key width, value width), query width) of a model's cache. A latent (MLA) cache holds one shared
+    head: the compressed KV (``kv_lora_rank``) as keys and the shared RoPE key part as values, which attention
+    expands to per-head keys of ``qk_nope_head_dim + qk_rope_head_dim``."""
+    if getattr(config, "kv_lora_rank", None):
+        query = config.qk_nope_head_dim + config.qk_rope_head_dim
+        return (1, config.kv_lora_rank, config.qk_rope_head_dim), query
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return (kv_heads, head_dim, head_dim), head_dim
+
+
 def compile_backend(value) -> str | None:
     """The ``compile`` setting as a torch.compile backend: off (false) is None, true is inductor; a backend name
     (``eager``, ``aot_eager``: graph capture without code generation) is itself."""
@@ -288,7 +300,7 @@ class Engine:
     def _needed(self, request: Request) -> int:
         """Cache slots ``request`` needs under a growing policy (its largest head's, for per-head layouts)."""
         n = request.input_ids.numel()
-        kv_heads = getattr(self.model.config, "num_key_value_heads", None) or self.model.config.num_attention_heads
+        (kv_heads, _, _), _ = cache_geometry(self.model.config)
         if request.compress_prefix is not None and request.compress_prefix < n:
             head = request.compress_prefix
             return self.policy.prompt_slots(head, kv_heads) + (n - head) + request.max_new_tokens
@@ -297,11 +309,10 @@ class Engine:
     def _allocate(self, size: int) -> None:
         config = self.model.config
         device, dtype = self.model.device, self.model.dtype
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        shape = (self.slots, kv_heads, size, head_dim)
+        (kv_heads, key_dim, value_dim), _ = cache_geometry(config)
         long = dict(dtype=torch.long, device=device)
-        layers = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
+        layers = [(torch.zeros(self.slots, kv_heads, size, key_dim, dtype=dtype, device=device),
+                   torch.zeros(self.slots, kv_heads, size, value_dim, dtype=dtype, device=device),
                    self._head_state(kv_heads, size, config) if self.policy.per_head else None)
                   for _ in range(config.num_hidden_layers)]
         self.valid = torch.zeros(self.slots, size, dtype=torch.bool, device=device)
@@ -340,8 +351,8 @@ class Engine:
         if policy.accumulates:
             heads["scores"] = torch.zeros(self.slots, kv_heads, size, device=device)
         if policy.query_window():
-            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-            heads["queries"] = torch.zeros(self.slots, config.num_attention_heads, policy.query_window(), head_dim,
+            _, query_dim = cache_geometry(config)
+            heads["queries"] = torch.zeros(self.slots, config.num_attention_heads, policy.query_window(), query_dim,
                                            dtype=self.model.dtype, device=device)
         return heads
 

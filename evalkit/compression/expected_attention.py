@@ -28,6 +28,8 @@ class ExpectedAttention(PromptScoring):
     """
 
     name: ClassVar[str] = "expected_attention"
+    supports_latent: ClassVar[bool] = False
+    latent_refusal: ClassVar[str] = "its query statistics assume RoPE on the whole query; MLA rotates only part of it"
     sink: int = 4
     n_future_positions: int = 512
     use_covariance: bool = True

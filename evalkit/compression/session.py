@@ -26,6 +26,8 @@ class CompressionSession:
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be an evalkit.compression policy, got {type(policy).__name__}")
         check_hookable(model)
+        if getattr(model.config, "kv_lora_rank", None) and not policy.supports_latent:
+            raise ValueError(f"{policy.name} cannot score a latent (MLA) cache: {policy.latent_refusal}")
         self.model = model
         self.policy = policy
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else None

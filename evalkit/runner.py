@@ -563,7 +563,9 @@ def run(spec: RunSpec, model=None, tokenizer=None) -> RunResult | None:
             progress=progress, fidelity_tokens=spec.fidelity_tokens, spec_prefill=spec.spec_prefill,
             revision=spec.revision, compile=spec.compile,
         )
-    except (OSError, ValueError) as error:
+    except OSError as error:
+        raise RunError(_model_unavailable(spec.pretrained, error)) from None
+    except ValueError as error:
         raise RunError(f"model {spec.pretrained}: {_one_line(error)}") from None
 
     def evaluate(config) -> dict:  # a task config, or the task already built from one
@@ -606,6 +608,16 @@ def run(spec: RunSpec, model=None, tokenizer=None) -> RunResult | None:
     progress.remove()
     progress_path.with_name(f"{progress_path.stem}-reasoning.jsonl").unlink(missing_ok=True)
     return RunResult(run_id, pd.DataFrame(metrics), pd.DataFrame(samples), paths)
+
+
+def _model_unavailable(pretrained: str, error: OSError) -> str:
+    """One line for a model that cannot be loaded: for a hub id that is not cached here, where to put its weights."""
+    is_path = pretrained.startswith(("/", ".", "~")) or Path(pretrained).exists()
+    if is_path or ":" in pretrained:  # a local folder, or builtin:/gguf: (their loaders say what is missing)
+        return f"model {pretrained}: {_one_line(error)}"
+    return (f"model {pretrained} is not in the local Hugging Face cache and the hub cannot be reached: run "
+            f"`huggingface-cli download {pretrained}` where it can (HF_HOME sets the cache), or put the weights "
+            f"(config.json, *.safetensors, tokenizer files) in a folder and set model.pretrained=/path/to/that/folder")
 
 
 def _one_line(error: BaseException) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FAMILIES, random_prompt, tiny_model
+from conftest import FAMILIES, VOCAB, random_prompt, tiny_model
 from masked_reference import masked_run
 
 import evalkit.compression as ec
@@ -207,6 +207,28 @@ def assert_batch_equals_alone(model, policy, new_tokens: int = 24) -> None:
 @pytest.mark.parametrize("name", ["full", *sorted(COMPRESSING)])
 def test_batch_with_left_padding_equals_each_prompt_alone(family_model, name):
     assert_batch_equals_alone(family_model, ec.Full() if name == "full" else COMPRESSING[name]())
+
+
+def test_phi3_compresses_exactly_like_the_other_plain_families():
+    """Phi-3 (fused QKV projection) goes through the same hook: Full is model.generate, SnapStream shrinks the cache,
+    batches equal single prompts, and the masked-attention reference agrees."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Phi3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=0, eos_token_id=None)
+    config._attn_implementation = "sdpa"
+    model = Phi3ForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    prompt = random_prompt(48, seed=5)
+    full = ec.generate(model, prompt, ec.Full(), max_new_tokens=20)
+    assert full.sequences.tolist() == model.generate(prompt, max_new_tokens=20, do_sample=False).tolist()
+    policy = COMPRESSING["snapstream"]()
+    out = ec.generate(model, prompt, policy, max_new_tokens=36)
+    assert out.stats[0]["peak_cache_tokens"] == 28
+    reference, _ = masked_run(model, policy, prompt, out.sequences[0, 48:].tolist())
+    torch.testing.assert_close(out.logits[0], reference, atol=2e-4, rtol=1e-4)
+    assert_batch_equals_alone(model, policy)
 
 
 def test_eos_stops_a_row_and_is_counted(llama):

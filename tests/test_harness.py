@@ -7,6 +7,7 @@ import pytest
 import torch
 from helpers import evalkit
 from hydra import compose, initialize_config_dir
+from yaml import safe_load
 
 import evalkit.compression as ec
 from evalkit.cli import method_was_chosen
@@ -267,3 +268,23 @@ def test_tables_of_different_runs_read_back_as_one(tmp_path):
 def test_table_refuses_config_fields_without_a_column(tmp_path):
     with pytest.raises(ValueError, match="colour"):
         metrics_table([], {"run_id": "a", "colour": "red"})
+
+
+HUB_MODELS = sorted(p.stem for p in (conf_dir() / "model").glob("*.yaml")
+                    if not str(safe_load(p.read_text())["pretrained"]).startswith(("builtin:", "gguf:")))
+
+
+@pytest.mark.parametrize("name", HUB_MODELS)
+def test_every_hub_model_config_validates(name):
+    spec = spec_for(f"model={name}", "method=snapstream", "+budget=4x")
+    assert spec.model_name == name and spec.max_context >= 32768 and spec.dtype == "bfloat16"
+    assert spec.apply_chat_template
+
+
+def test_a_hub_model_missing_offline_fails_with_one_line_saying_where_to_put_it(tmp_path):
+    assert {"llama31_8b_instruct", "deepseek_r1_distill_llama_8b", "deepseek_v2_lite_chat", "qwen3_8b"} <= set(HUB_MODELS)
+    result = evalkit("model=qwen3_8b", "task=kv_retrieval", "limit=2", f"results_dir={tmp_path / 'results'}", cwd=tmp_path)
+    assert result.returncode == 2
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("evalkit:")]
+    assert "huggingface-cli download Qwen/Qwen3-8B" in line and "model.pretrained=/path/to/that/folder" in line
+    assert not (tmp_path / "results" / "metrics").exists()

@@ -19,7 +19,8 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 import evalkit.compression as ec
 from evalkit import gguf_models
@@ -66,6 +67,9 @@ def load_model(pretrained: str, dtype: str = "float32", device: str = "auto", at
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(AutoConfig.from_pretrained(path, revision=revision)), None)
+    if attn_implementation == "sdpa" and not getattr(model_class, "_supports_sdpa", True):
+        attn_implementation = "eager"  # e.g. gpt-oss, whose learned attention sinks sdpa does not compute
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attn_implementation,
                                                  revision=revision)
     return model.to(resolve_device(device)).eval(), tokenizer

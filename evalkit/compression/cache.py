@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import sys
 
 import torch
 from transformers import AttentionInterface
@@ -97,9 +98,9 @@ class HeadState:
 class CompressedLayer(DynamicLayer):
     """One layer's keys and values; the prompt is compressed by :meth:`compress`, new tokens go where the state says."""
 
-    def __init__(self, cache: CompressedCache):
+    def __init__(self, cache: CompressedCache, index: int):
         super().__init__()
-        self.cache = cache
+        self.cache, self.index = cache, index
         self.heads: HeadState | None = None
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -129,8 +130,9 @@ class CompressedLayer(DynamicLayer):
         free = ~heads.valid
         shortfall = count - int(free.sum(dim=-1).min())
         if shortfall > 0:
-            if self.cache.policy.cache_capacity() is not None:
-                raise RuntimeError(f"{self.cache.policy.name} left no free slot in a full cache; its eviction is broken")
+            policy = self.cache.layer_policies[self.index]
+            if policy.cache_capacity() is not None:
+                raise RuntimeError(f"{policy.name} left no free slot in a full cache; its eviction is broken")
             self.pad_slots(self.keys.shape[-2] + max(shortfall, 64))
             free = ~heads.valid
         slots = (~free).to(torch.uint8).argsort(dim=-1, stable=True)[..., :count]  # first free slots, in order
@@ -167,11 +169,13 @@ class CompressedLayer(DynamicLayer):
 class CompressedCache(Cache):
     """The cache a policy controls. Built by :class:`CompressionSession`; not meant to be passed to ``model.generate``."""
 
-    def __init__(self, policy: Policy, num_layers: int, rotary=None):
+    def __init__(self, policy: Policy, num_layers: int, rotary=None, layer_policies: list[Policy] | None = None):
         super().__init__(layers=[])
         self.policy = policy
+        # Each layer's policy: ``policy``, or the sliding window of a hybrid model's sliding-window layers.
+        self.layer_policies = layer_policies or [policy] * num_layers
         self.rotary = rotary  # the model's rotary embedding (scores that need pre-RoPE queries)
-        self.layers = [CompressedLayer(self) for _ in range(num_layers)]
+        self.layers = [CompressedLayer(self, index) for index in range(num_layers)]
         self.state: RowState | None = None
         self.pending_slots: torch.Tensor | None = None
         self.pending_positions: torch.Tensor | None = None  # [B, q] text positions of this step's tokens
@@ -191,7 +195,7 @@ class CompressedCache(Cache):
         that keeps fewer than ``kept`` has its extra picks last), the count each head keeps ``[B, kv_heads]``, and the
         policy's raw scores ``[B, kv_heads, n]``."""
         key_valid, real_len = view.key_valid, self.prefill_plan["real_len"]
-        policy, keys = self.policy, view.keys
+        policy, keys = self.layer_policies[view.layer_idx], view.keys
         batch, n = keys.shape[0], keys.shape[2]
         kv_heads = self.layers[view.layer_idx].keys.shape[1]  # the cache's heads: 1 for a latent (MLA) cache
         window, sink = min(policy.kept_window(), n), policy.kept_sink()
@@ -226,27 +230,31 @@ class CompressedCache(Cache):
         view = PrefillView(query, keys, values, plan["key_valid"], scaling, layer_idx, len(self.layers), module,
                            plan["positions"], self.rotary)
         indices, counts, raw = self.select(view)
-        layer = self.layers[layer_idx]
+        layer, policy = self.layers[layer_idx], self.layer_policies[layer_idx]
         layer.compress(indices)
-        if not self.policy.per_head:
+        if not policy.per_head:
             return
         kept = torch.arange(indices.shape[-1], device=indices.device) < counts[..., None]
         positions = plan["positions"][:, None, :].expand(-1, indices.shape[1], -1).gather(2, indices)
         layer.heads = HeadState(valid=kept, positions=positions.masked_fill(~kept, -1), kept_prompt=counts,
                                 peak=counts.clone())
-        if self.policy.accumulates:
+        if policy.accumulates:
             layer.heads.scores = raw.gather(2, indices).masked_fill(~kept, 0.0)
-        window = self.policy.query_window()
+        window = policy.query_window()
         if window:
             layer.heads.queries = query[:, :, -window:]
 
+    def head_layers(self) -> list[CompressedLayer]:
+        return [layer for layer, policy in zip(self.layers, self.layer_policies) if policy.per_head]
+
     def finish_head_prefill(self) -> int:
-        """Give every layer of a ``per_head`` policy the same slot axis (the largest head's, or the policy's fixed
-        capacity); return its size."""
-        capacity = self.policy.cache_capacity()
-        slots = max(layer.keys.shape[-2] for layer in self.layers)
-        slots = max(slots, capacity) if capacity is not None else slots
-        for layer in self.layers:
+        """Give every layer with a per-head layout the same slot axis (its largest head's, or its policy's fixed
+        capacity, whichever is larger, over those layers); return its size."""
+        layers = self.head_layers()
+        slots = max(layer.keys.shape[-2] for layer in layers)
+        capacities = [policy.cache_capacity() for policy in self.layer_policies if policy.per_head]
+        slots = max([slots, *(c for c in capacities if c is not None)])
+        for layer in layers:
             layer.pad_slots(slots)
         return slots
 
@@ -259,7 +267,7 @@ class CompressedCache(Cache):
 
     def after_decode_attention(self, layer_idx: int, query: torch.Tensor, keys: torch.Tensor, scaling: float) -> None:
         """Hand this step's attention to a decode-time eviction policy and free the slots it names."""
-        layer, policy = self.layers[layer_idx], self.policy
+        layer, policy = self.layers[layer_idx], self.layer_policies[layer_idx]
         heads = layer.heads
         window = policy.query_window()
         if window:
@@ -284,19 +292,26 @@ class CompressedCache(Cache):
                 heads.scores.masked_fill_(freed, 0.0)
 
     def realized(self, row: int) -> dict:
-        """What row ``row`` held: prompt tokens kept per layer (mean over its KV heads), per layer and head, and the
-        most tokens held at once (mean over layers and heads: the memory a per-head layout without padding needs)."""
-        if self.policy.per_head:
-            kept = [layer.heads.kept_prompt[row].tolist() for layer in self.layers]
-            peak = torch.stack([layer.heads.peak[row] for layer in self.layers]).float().mean()
-            per_layer = [sum(heads) / len(heads) for heads in kept]
-            return {"kept_prompt_tokens": [int(k) if float(k).is_integer() else round(k, 3) for k in per_layer],
-                    "kept_prompt_tokens_per_head": kept, "peak_cache_tokens": round(float(peak), 3)}
-        state = self.state
-        kept = [min(int(state.kept_prompt[row]), slots) for slots in self.prefill_slots]
-        heads = self.layers[0].keys.shape[1]
-        return {"kept_prompt_tokens": kept, "kept_prompt_tokens_per_head": [[k] * heads for k in kept],
-                "peak_cache_tokens": int(state.peak[row])}
+        """What row ``row`` held: prompt tokens kept per layer (mean over its KV heads), per layer and head, the most
+        tokens held at once (mean over layers and heads: the memory a per-head layout without padding needs), and
+        the layers the run's policy compressed (a hybrid model's sliding-window layers keep their window)."""
+        kept, peaks = [], []
+        for index, layer in enumerate(self.layers):
+            if layer.heads is not None:
+                kept.append(layer.heads.kept_prompt[row].tolist())
+                peaks.append(float(layer.heads.peak[row].float().mean()))
+            else:
+                count = min(int(self.state.kept_prompt[row]), self.prefill_slots[index])
+                kept.append([count] * layer.keys.shape[1])
+                peaks.append(float(self.state.peak[row]))
+        per_layer = [sum(heads) / len(heads) for heads in kept]
+        peak = sum(peaks) / len(peaks)
+        return {
+            "kept_prompt_tokens": [int(k) if float(k).is_integer() else round(k, 3) for k in per_layer],
+            "kept_prompt_tokens_per_head": kept,
+            "peak_cache_tokens": int(peak) if peak.is_integer() and not self.head_layers() else round(peak, 3),
+            "compressed_layers": [i for i, policy in enumerate(self.layer_policies) if policy is self.policy],
+        }
 
     # -- decoding --------------------------------------------------------------------------------------------------
     def plan_step(self, count: int, active: torch.Tensor) -> torch.Tensor:
@@ -323,18 +338,24 @@ class CompressedCache(Cache):
         return mask
 
 
+def family_eager(module, default):
+    """The model family's own eager attention (gpt-oss adds its sinks, Gemma-2 its soft-capping), else Llama's."""
+    return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", default)
+
+
 def _hooked_attention(delegate, eager: bool):
     def attention(module, query, key, value, attention_mask, **kwargs):
         cache = _ACTIVE.get()
         decoding = cache is not None and cache.prefill_plan is None
-        per_head = decoding and cache.policy.per_head
+        per_head = decoding and cache.layers[module.layer_idx].heads is not None
         if per_head:
             attention_mask = cache.head_mask(module.layer_idx, query.shape[1], query.dtype if eager else None)
         elif decoding and cache.all_visible:
             # One new token that sees every slot (a full ring, no padding): without a mask, sdpa can use its GQA
             # path instead of copying K/V for every query head.
             attention_mask = None
-        output = delegate(module, query, key, value, attention_mask, **kwargs)
+        forward = family_eager(module, delegate) if eager else delegate
+        output = forward(module, query, key, value, attention_mask, **kwargs)
         scaling = kwargs.get("scaling", module.scaling)
         if cache is not None and cache.prefill_plan is not None:
             cache.compress_layer(module.layer_idx, module, query, key, value, scaling)
@@ -371,10 +392,18 @@ def check_hookable(model) -> None:
     if not attention_modules or any(getattr(m, "layer_idx", None) is None for m in attention_modules):
         raise ValueError(f"{type(model).__name__} has no attention modules with a layer_idx; it cannot be hooked")
     layer_types = getattr(config, "layer_types", None) or []
-    if any(kind != "full_attention" for kind in layer_types):
+    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if unknown:
         raise ValueError(
-            f"{type(model).__name__} has non-full attention layers ({sorted(set(layer_types))}); only full-attention "
-            "models are supported"
+            f"{type(model).__name__} has {unknown} layers; evalkit compresses full-attention layers and keeps "
+            "sliding-window layers as they are, and knows no other kind"
+        )
+    if "sliding_attention" in layer_types and not getattr(config, "sliding_window", None):
+        raise ValueError(f"{type(model).__name__} has sliding-window layers but no sliding_window in its config")
+    if implementation != "eager" and any(getattr(m, "sinks", None) is not None for m in attention_modules):
+        raise ValueError(
+            f"{type(model).__name__} has learned attention sinks, which sdpa does not compute; load it with "
+            "attn_implementation='eager'"
         )
 
 

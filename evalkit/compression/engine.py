@@ -33,8 +33,9 @@ from transformers.masking_utils import (
 )
 
 from .base import DecodeView, Policy, attention_probabilities
-from .cache import additive_mask, attention_implementation, check_hookable
+from .cache import additive_mask, attention_implementation, check_hookable, family_eager
 from .generate import _eos_ids, _stop_criteria, prefill
+from .sliding_window import layer_policies
 
 _MASK32 = 0xFFFFFFFF
 
@@ -156,11 +157,18 @@ def _decode_attention(module, query, key, value, attention_mask, dropout: float 
         attention_mask = layer.valid[:, :, None, :]  # [B, Hkv, 1, T]: broadcast over the packed group queries
     groups = query.shape[1] // key.shape[1]
     batch, _, _, dim = query.shape
-    packed = query.reshape(batch, key.shape[1], groups, dim) if groups > 1 else query
-    output = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask, scale=scaling)
+    if getattr(module, "sinks", None) is not None:  # learned sinks (gpt-oss): the family's own eager attention
+        mask = attention_mask.repeat_interleave(query.shape[1] // attention_mask.shape[1], dim=1)
+        output, _ = family_eager(module, None)(module, query, key, value, additive_mask(mask, query.dtype),
+                                               dropout=dropout, scaling=scaling, **kwargs)
+    else:
+        packed = query.reshape(batch, key.shape[1], groups, dim) if groups > 1 else query
+        output = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask,
+                                                                  scale=scaling)
+        output = output.reshape(batch, -1, 1, value.shape[-1]).transpose(1, 2).contiguous()
     if layer is not None and layer.valid is not None:
         layer.after_attention(query, key, scaling)
-    return output.reshape(batch, -1, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+    return output, None
 
 
 _ACTIVE_SLOTS: list = [None]  # the slot cache of the step running now (a plain list: compiled steps read it too)
@@ -173,9 +181,9 @@ AttentionMaskInterface.register(_DECODE_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS[
 class _SlotLayer(DynamicLayer):
     is_compileable = True
 
-    def __init__(self, cache: _SlotCache, keys: torch.Tensor, values: torch.Tensor, heads: dict | None):
+    def __init__(self, cache: _SlotCache, keys: torch.Tensor, values: torch.Tensor, heads: dict | None, policy: Policy):
         super().__init__()
-        self.cache, self.keys, self.values = cache, keys, values
+        self.cache, self.keys, self.values, self.policy = cache, keys, values, policy
         self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
         heads = heads or {}
         # Per-head layouts: validity, text positions, running scores, recent queries and peak per slot and KV head.
@@ -204,7 +212,7 @@ class _SlotLayer(DynamicLayer):
 
     def after_attention(self, query: torch.Tensor, keys: torch.Tensor, scaling: float) -> None:
         """Hand this step's attention to a decode-time eviction policy and free the slots it names (in place)."""
-        policy = self.cache.policy
+        policy = self.policy
         if self.queries is not None:
             self.queries.copy_(torch.cat([self.queries[:, :, 1:], query], dim=2))
         if not policy.evicts_while_decoding:
@@ -229,15 +237,15 @@ class _SlotLayer(DynamicLayer):
 
 
 class _SlotCache(Cache):
-    def __init__(self, layers: list[tuple], policy: Policy, write_slot: torch.Tensor, position: torch.Tensor,
+    def __init__(self, layers: list[tuple], policies: list[Policy], write_slot: torch.Tensor, position: torch.Tensor,
                  steps: torch.Tensor, active: torch.Tensor):
         super().__init__(layers=[])
-        self.policy = policy
         self.write_slot = write_slot  # [slots]: where this step's token goes, per slot (row layouts)
         self.position, self.steps, self.active = position, steps, active  # [slots] each: this step's token
         self.rows = torch.arange(len(write_slot), device=write_slot.device)[:, None]  # [slots, 1]
         self.all_heads = torch.arange(layers[0][0].shape[1], device=write_slot.device)[None, :]  # [1, kv_heads]
-        self.layers = [_SlotLayer(self, keys, values, heads) for keys, values, heads in layers]
+        self.layers = [_SlotLayer(self, keys, values, heads, policy)
+                       for (keys, values, heads), policy in zip(layers, policies)]
 
     @property
     def is_compileable(self) -> bool:
@@ -280,9 +288,13 @@ class Engine:
             raise ValueError("grow=True changes the cache's shape; a compiled step needs a static one (grow=False)")
         if grow and policy.cache_capacity() is not None:
             raise ValueError(f"{policy.name} has a fixed capacity; grow applies to growing policies only")
-        if grow and policy.per_head:
-            raise ValueError(f"{policy.name} keeps a layout per layer and head; reserve slot_tokens instead of grow")
         check_hookable(model)
+        # Each layer's policy (a hybrid model's sliding-window layers keep their window); per-head layouts among them.
+        self.layer_policies = layer_policies(model, policy)
+        self.head_layouts = any(p.per_head for p in self.layer_policies)
+        if grow and self.head_layouts:
+            raise ValueError(f"{policy.name} on this model keeps layouts per layer and head; reserve slot_tokens "
+                             "instead of grow")
         self.model, self.policy, self.slots = model, policy, slots
         self.tokenizer, self.grow, self.sync_every = tokenizer, grow, sync_every
         self.eos = _eos_ids(eos_token_id if eos_token_id is not None else model.generation_config.eos_token_id)
@@ -313,8 +325,8 @@ class Engine:
         long = dict(dtype=torch.long, device=device)
         layers = [(torch.zeros(self.slots, kv_heads, size, key_dim, dtype=dtype, device=device),
                    torch.zeros(self.slots, kv_heads, size, value_dim, dtype=dtype, device=device),
-                   self._head_state(kv_heads, size, config) if self.policy.per_head else None)
-                  for _ in range(config.num_hidden_layers)]
+                   self._head_state(kv_heads, size, config, policy) if policy.per_head else None)
+                  for policy in self.layer_policies]
         self.valid = torch.zeros(self.slots, size, dtype=torch.bool, device=device)
         self.valid[:, 0] = True  # an empty slot attends to one zero key: finite outputs, no NaN in its cache
         self.seq_len = torch.zeros(self.slots, **long)
@@ -331,7 +343,7 @@ class Engine:
         self.temperature = torch.ones(self.slots, device=device)
         self.top_p = torch.ones(self.slots, device=device)
         self.active = torch.zeros(self.slots, dtype=torch.bool, device=device)
-        self.cache = _SlotCache(layers, self.policy, self.write_slot, self.seq_len, self.generated, self.active)
+        self.cache = _SlotCache(layers, self.layer_policies, self.write_slot, self.seq_len, self.generated, self.active)
         self.slot_tokens = size
         if self.compile:
             state = [t for keys, values, heads in layers for t in (keys, values, *(heads or {}).values())]
@@ -340,8 +352,8 @@ class Engine:
                            self.seeds, self.do_sample, self.temperature, self.top_p]:
                 torch._dynamo.mark_static_address(tensor)
 
-    def _head_state(self, kv_heads: int, size: int, config) -> dict:
-        device, policy = self.model.device, self.policy
+    def _head_state(self, kv_heads: int, size: int, config, policy: Policy) -> dict:
+        device = self.model.device
         heads = {
             "valid": torch.zeros(self.slots, kv_heads, size, dtype=torch.bool, device=device),
             "positions": torch.full((self.slots, kv_heads, size), -1, dtype=torch.long, device=device),
@@ -374,7 +386,7 @@ class Engine:
         self.write_slot.copy_(slot)
         self.valid.scatter_(1, slot[:, None], True)  # finished rows too: they must keep attending somewhere
         mask = self.valid[:, None, None, :]
-        if self.eager and not self.policy.per_head:
+        if self.eager and not self.head_layouts:
             mask = additive_mask(mask, self.model.dtype)
         logits = self.model(input_ids=self.next_token[:, None], attention_mask=mask,
                             position_ids=self.seq_len[:, None], past_key_values=self.cache, use_cache=True).logits
@@ -420,16 +432,16 @@ class Engine:
         positions = request.position_ids[None].to(device) if request.position_ids is not None else None
         session, logits, seconds = prefill(self.model, self.policy, ids, None, request.compress_prefix, positions)
         state = session.state
-        if self.policy.per_head:  # layers may have grown past their last token (question chunks): copy what is used
-            used = max(int(layer.heads.valid[0].any(dim=0).nonzero().max()) + 1 for layer in session.cache.layers)
-        else:
-            used = state.slots
+        # Per-head layouts may have grown past their last token (question chunks): copy what is used.
+        used_by_layer = [int(layer.heads.valid[0].any(dim=0).nonzero().max()) + 1 if layer.heads is not None
+                         else layer.keys.shape[-2] for layer in session.cache.layers]
+        used = max(used_by_layer)
         if used > self.slot_tokens:
             if not self.grow:
                 raise ValueError(f"request {index} needs {used} cache slots after prefill, more than the "
                                  f"{self.slot_tokens} reserved per slot (raise slot_tokens or use grow=True)")
             self._grow_to(used + request.max_new_tokens)
-        for layer, source in zip(self.cache.layers, session.cache.layers):
+        for layer, source, used in zip(self.cache.layers, session.cache.layers, used_by_layer):
             layer.keys[slot, :, :used] = source.keys[0, :, :used]
             layer.values[slot, :, :used] = source.values[0, :, :used]
             if layer.valid is not None:
@@ -446,7 +458,7 @@ class Engine:
                     layer.queries[slot] = heads.queries[0]
         self.valid[slot] = self.policy.per_head  # per-head layouts mask by their own validity (see _SlotLayer)
         if not self.policy.per_head:
-            self.valid[slot, :used] = state.valid[0]
+            self.valid[slot, : state.slots] = state.valid[0]
         self.seq_len[slot] = int(state.seq_len[0])
         self.written[slot] = int(state.written[0])
         self.fixed[slot] = int(state.fixed[0])
@@ -469,7 +481,8 @@ class Engine:
         self.finished[slot] = done
         realized = session.realized(0)
         stats = {"prompt_tokens": request.input_ids.numel(), "kept_prompt_tokens": realized["kept_prompt_tokens"],
-                 "kept_prompt_tokens_per_head": realized["kept_prompt_tokens_per_head"], "prefill_seconds": seconds}
+                 "kept_prompt_tokens_per_head": realized["kept_prompt_tokens_per_head"],
+                 "compressed_layers": realized["compressed_layers"], "prefill_seconds": seconds}
         stop = self._stop_checker(request.stop_strings) if request.stop_strings else None
         held, limit = int(state.valid[0].sum()), int(state.fixed[0]) + int(state.ring[0])
         return _Resident(index, request, stats, int(state.written[0]), held, limit, done, stop=stop)
@@ -503,7 +516,7 @@ class Engine:
             greedy_only = not any(r.request.do_sample for r in residents.values())
             use_top_p = any(r.request.top_p is not None for r in residents.values())
             # Row layouts keep an eager model's own attention; per-head layouts need the engine's masks.
-            implementation = None if self.eager and not self.policy.per_head else _DECODE_ATTENTION
+            implementation = None if self.eager and not self.head_layouts else _DECODE_ATTENTION
             _ACTIVE_SLOTS[0] = self.cache
             try:
                 with attention_implementation(self.model, implementation):
@@ -526,6 +539,8 @@ class Engine:
             size = max((self._needed(r) for r in stream), default=1)
             if self.grow:
                 size = min(size, 64)
+        windows = [p.cache_capacity() for p in self.layer_policies if p is not self.policy]
+        size = max([size, *windows])  # a hybrid model's sliding-window layers hold their window
         longest = max((r.max_new_tokens for r in stream), default=1)
         if self.slot_tokens != size:
             self._allocate(size)
@@ -588,8 +603,10 @@ class Engine:
         # Every token fed back takes a new slot until the ring is full; the count never drops, so the end is the peak.
         # (Read off the request's own tokens: the device may have run a few steps past a stop string.)
         peak = min(resident.held_at_start + max(generated - 1, 0), resident.limit)
-        if self.policy.per_head:  # tracked on the device, per layer and head: the mean over them
-            peak = round(float(torch.stack([layer.peak[slot] for layer in self.cache.layers]).float().mean()), 3)
+        if self.head_layouts:  # per-head layouts are tracked on the device: the mean over layers and heads
+            peaks = [float(layer.peak[slot].float().mean()) if layer.peak is not None else peak
+                     for layer in self.cache.layers]
+            peak = round(sum(peaks) / len(peaks), 3)
         prompt = resident.stats["prompt_tokens"]
         seen = prompt + max(generated - 1, 0)
         stats = {**resident.stats, "generated_tokens": generated, "peak_cache_tokens": peak, "tokens_seen": seen,

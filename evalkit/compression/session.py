@@ -6,6 +6,7 @@ import torch
 
 from .base import UNBOUNDED, Policy
 from .cache import CompressedCache, RowState, additive_mask, check_hookable, hooked
+from .sliding_window import layer_policies
 
 
 def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -31,7 +32,10 @@ class CompressionSession:
         self.model = model
         self.policy = policy
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-        self.cache = CompressedCache(policy, model.config.num_hidden_layers, getattr(decoder, "rotary_emb", None))
+        self.cache = CompressedCache(policy, model.config.num_hidden_layers, getattr(decoder, "rotary_emb", None),
+                                     layer_policies(model, policy))
+        self.head_layouts = any(p.per_head for p in self.cache.layer_policies)
+        self.evicting = any(p.evicts_while_decoding for p in self.cache.layer_policies)
         self.eager = model.config._attn_implementation == "eager"
 
     @property
@@ -60,7 +64,7 @@ class CompressionSession:
         capacity = self.policy.prompt_capacity()
         keep = min(n, capacity) if capacity is not None else n
         per_head = self.policy.per_head
-        compress = per_head or bool((real_len > keep).any()) or not bool(key_valid.all())
+        compress = self.head_layouts or bool((real_len > keep).any()) or not bool(key_valid.all())
         positions = _position_ids(attention_mask) if position_ids is None else position_ids
         self.cache.prefill_plan = {"key_valid": key_valid, "real_len": real_len, "compress": compress,
                                    "positions": positions}
@@ -81,9 +85,10 @@ class CompressionSession:
             )
         self.cache.prefill_plan = None
         self.cache.prefill_slots = [layer.keys.shape[-2] for layer in self.cache.layers]
+        head_slots = self.cache.finish_head_prefill() if self.head_layouts else 0
         if per_head:
             # Rows keep per-layer, per-head validity; the row state only counts tokens and positions.
-            keep = self.cache.finish_head_prefill()
+            keep = head_slots
             kept = torch.stack([layer.heads.kept_prompt.amax(dim=1) for layer in self.cache.layers]).amax(dim=0).cpu()
             fixed, ring = kept.clone(), torch.full_like(kept, UNBOUNDED)
         else:
@@ -113,13 +118,14 @@ class CompressionSession:
         if active is None:
             active = torch.ones(input_ids.shape[0], dtype=torch.bool)
         per_head = self.policy.per_head
-        if count > 1 and (self.policy.evicts_while_decoding if per_head else self.state.wraps(count)):
+        if count > 1 and (self.evicting or (not per_head and self.state.wraps(count))):
             return torch.cat([self.step(input_ids[:, i : i + 1], active) for i in range(count)], dim=1)
         positions = self.state.seq_len[:, None].to(input_ids.device) + torch.arange(count, device=input_ids.device)
-        if per_head:  # each layer builds its own mask from its heads' validity (see the hook)
-            state = self.state
+        if self.head_layouts:  # layers with per-head layouts build their own masks (see the hook)
             self.cache.pending_positions, self.cache.active = positions, active.to(input_ids.device)
             self.cache.decode_steps += 1
+        if per_head:
+            state = self.state
             state.seq_len += count
             state.written += count
             mask = None

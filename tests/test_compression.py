@@ -204,6 +204,16 @@ def assert_batch_equals_alone(model, policy, new_tokens: int = 24) -> None:
             assert batched.stats[row][key] == alone.stats[0][key], key
 
 
+def assert_engine_equals_alone(model, policy, lengths=(30, 12, 45), new_tokens: int = 25) -> None:
+    """Prompts of ``lengths`` tokens through a 2-slot engine give each the tokens and peak it gets alone."""
+    prompts = [random_prompt(n, seed=n)[0] for n in lengths]
+    completions = ec.Engine(model, policy, slots=2).run([ec.Request(p, max_new_tokens=new_tokens) for p in prompts])
+    for prompt, completion in zip(prompts, completions):
+        alone = ec.generate(model, prompt[None], policy, max_new_tokens=new_tokens, return_logits=False)
+        assert completion.tokens == alone.sequences[0, len(prompt) :].tolist()
+        assert completion.stats["peak_cache_tokens"] == alone.stats[0]["peak_cache_tokens"]
+
+
 @pytest.mark.parametrize("name", ["full", *sorted(COMPRESSING)])
 def test_batch_with_left_padding_equals_each_prompt_alone(family_model, name):
     assert_batch_equals_alone(family_model, ec.Full() if name == "full" else COMPRESSING[name]())

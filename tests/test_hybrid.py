@@ -87,7 +87,7 @@ def test_snapstream_compresses_only_the_full_attention_layers(family):
 @pytest.mark.parametrize("family", sorted(MODELS))
 @pytest.mark.parametrize("name", ["snapstream", "h2o", "snapkv"])
 def test_roomy_budgets_equal_full_batches_equal_alone_and_the_engine_agrees(family, name):
-    from test_compression import assert_batch_equals_alone
+    from test_compression import assert_batch_equals_alone, assert_engine_equals_alone
 
     model = MODELS[family]()
     build = {"snapstream": lambda c: ec.SnapStream(**{**SNAPSTREAM, "capacity": c}),
@@ -97,12 +97,7 @@ def test_roomy_budgets_equal_full_batches_equal_alone_and_the_engine_agrees(fami
     assert ec.generate(model, prompt, build[name](200), max_new_tokens=20).sequences.tolist() == full.sequences.tolist()
     policy = build[name](20)
     assert_batch_equals_alone(model, policy)
-    prompts = [random_prompt(n, seed=n)[0] for n in (30, 12, 45)]
-    completions = ec.Engine(model, policy, slots=2).run([ec.Request(p, max_new_tokens=25) for p in prompts])
-    for prompt_ids, completion in zip(prompts, completions):
-        alone = ec.generate(model, prompt_ids[None], policy, max_new_tokens=25, return_logits=False)
-        assert completion.tokens == alone.sequences[0, len(prompt_ids) :].tolist()
-        assert completion.stats["peak_cache_tokens"] == alone.stats[0]["peak_cache_tokens"]
+    assert_engine_equals_alone(model, policy)
 
 
 def test_attention_sinks_without_eager_and_unknown_layer_kinds_are_refused_before_compute():

@@ -115,13 +115,9 @@ def test_batch_with_left_padding_equals_each_prompt_alone(name):
 
 @pytest.mark.parametrize("name", ["snapstream", "h2o", "decoding_snapkv"])
 def test_engine_on_a_latent_cache_gives_the_tokens_alone(name):
-    model, policy = tiny_deepseek(), POLICIES[name]()
-    prompts = [random_prompt(n, seed=n)[0] for n in (50, 17, 33, 61)]
-    completions = ec.Engine(model, policy, slots=2).run([ec.Request(p, max_new_tokens=30) for p in prompts])
-    for prompt, completion in zip(prompts, completions):
-        alone = ec.generate(model, prompt[None], policy, max_new_tokens=30, return_logits=False)
-        assert completion.tokens == alone.sequences[0, len(prompt) :].tolist()
-        assert completion.stats["peak_cache_tokens"] == alone.stats[0]["peak_cache_tokens"]
+    from test_compression import assert_engine_equals_alone
+
+    assert_engine_equals_alone(tiny_deepseek(), POLICIES[name](), lengths=(50, 17, 33, 61), new_tokens=30)
 
 
 def test_cache_bytes_are_what_the_memory_checker_prices_for_mla():

@@ -95,6 +95,27 @@ class HeadState:
                 self.scores = torch.nn.functional.pad(self.scores, (0, extra))
 
 
+def evict_after_step(heads, policy: Policy, query: torch.Tensor, keys: torch.Tensor, position: torch.Tensor,
+                     steps: torch.Tensor, scaling: float) -> None:
+    """After one decode step's attention (one token per row), hand it to a decode-time eviction policy and free, in
+    place, the slots it names. ``heads`` holds ``valid``, ``positions``, ``scores`` and ``queries`` per KV head (a
+    :class:`HeadState`, or the engine's slot layer): every valid slot is visible to this step's token."""
+    probabilities = attention_probabilities(query, keys, heads.valid[:, :, None, :], scaling)  # [B, Hkv, G, 1, S]
+    batch, kv_heads, groups, _, slots = probabilities.shape
+    view = DecodeView(
+        probabilities=probabilities.reshape(batch, kv_heads * groups, slots), valid=heads.valid,
+        positions=heads.positions, position=position, scores=heads.scores, query_buffer=heads.queries, keys=keys,
+        scaling=scaling, steps=steps, capacity=policy.cache_capacity(),
+    )
+    freed = policy.decode_evict(view)
+    if freed is not None:
+        freed = freed & heads.valid
+        heads.valid.logical_and_(~freed)
+        heads.positions.masked_fill_(freed, -1)
+        if heads.scores is not None:
+            heads.scores.masked_fill_(freed, 0.0)
+
+
 class CompressedLayer(DynamicLayer):
     """One layer's keys and values; the prompt is compressed by :meth:`compress`, new tokens go where the state says."""
 
@@ -224,13 +245,13 @@ class CompressedCache(Cache):
         if layer_idx in self.compressed_layers:
             raise RuntimeError(f"layer {layer_idx} was compressed twice in one prefill; its attention is shared")
         self.compressed_layers.add(layer_idx)
-        plan = self.prefill_plan
-        if not plan["compress"]:
+        plan, policy = self.prefill_plan, self.layer_policies[layer_idx]
+        if not (plan["compress"] or policy.per_head):  # per-head layouts always need their validity and positions
             return
         view = PrefillView(query, keys, values, plan["key_valid"], scaling, layer_idx, len(self.layers), module,
                            plan["positions"], self.rotary)
         indices, counts, raw = self.select(view)
-        layer, policy = self.layers[layer_idx], self.layer_policies[layer_idx]
+        layer = self.layers[layer_idx]
         layer.compress(indices)
         if not policy.per_head:
             return
@@ -272,24 +293,9 @@ class CompressedCache(Cache):
         window = policy.query_window()
         if window:
             heads.queries = torch.cat([heads.queries, query], dim=2)[:, :, -window:]
-        if not policy.evicts_while_decoding:
-            return
-        visible = layer.visible(self.pending_positions)
-        probabilities = attention_probabilities(query, keys, visible, scaling)  # [B, Hkv, G, 1, S]
-        batch, kv_heads, groups, _, slots = probabilities.shape
-        view = DecodeView(
-            probabilities=probabilities.reshape(batch, kv_heads * groups, slots),
-            valid=heads.valid, positions=heads.positions, position=self.pending_positions[:, -1],
-            scores=heads.scores, query_buffer=heads.queries, keys=keys, scaling=scaling,
-            steps=torch.full_like(self.pending_positions[:, -1], self.decode_steps), capacity=policy.cache_capacity(),
-        )
-        freed = policy.decode_evict(view)
-        if freed is not None:
-            freed &= heads.valid
-            heads.valid &= ~freed
-            heads.positions.masked_fill_(freed, -1)
-            if heads.scores is not None:
-                heads.scores.masked_fill_(freed, 0.0)
+        if policy.evicts_while_decoding:
+            position = self.pending_positions[:, -1]
+            evict_after_step(heads, policy, query, keys, position, torch.full_like(position, self.decode_steps), scaling)
 
     def realized(self, row: int) -> dict:
         """What row ``row`` held: prompt tokens kept per layer (mean over its KV heads), per layer and head, the most

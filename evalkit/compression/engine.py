@@ -32,8 +32,14 @@ from transformers.masking_utils import (
     AttentionMaskInterface,
 )
 
-from .base import DecodeView, Policy, attention_probabilities
-from .cache import additive_mask, attention_implementation, check_hookable, family_eager
+from .base import Policy
+from .cache import (
+    additive_mask,
+    attention_implementation,
+    check_hookable,
+    evict_after_step,
+    family_eager,
+)
 from .generate import _eos_ids, _stop_criteria, prefill
 from .sliding_window import layer_policies
 
@@ -215,22 +221,8 @@ class _SlotLayer(DynamicLayer):
         policy = self.policy
         if self.queries is not None:
             self.queries.copy_(torch.cat([self.queries[:, :, 1:], query], dim=2))
-        if not policy.evicts_while_decoding:
-            return
-        probabilities = attention_probabilities(query, keys, self.valid[:, :, None, :], scaling)
-        batch, kv_heads, groups, _, slots = probabilities.shape
-        view = DecodeView(
-            probabilities=probabilities.reshape(batch, kv_heads * groups, slots), valid=self.valid,
-            positions=self.positions, position=self.cache.position, scores=self.scores, query_buffer=self.queries,
-            keys=keys, scaling=scaling, steps=self.cache.steps, capacity=policy.cache_capacity(),
-        )
-        freed = policy.decode_evict(view)
-        if freed is not None:
-            freed = freed & self.valid
-            self.valid.logical_and_(~freed)
-            self.positions.masked_fill_(freed, -1)
-            if self.scores is not None:
-                self.scores.masked_fill_(freed, 0.0)
+        if policy.evicts_while_decoding:
+            evict_after_step(self, policy, query, keys, self.cache.position, self.cache.steps, scaling)
 
     def get_seq_length(self) -> int:
         return self.keys.shape[-2]

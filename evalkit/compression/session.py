@@ -64,7 +64,7 @@ class CompressionSession:
         capacity = self.policy.prompt_capacity()
         keep = min(n, capacity) if capacity is not None else n
         per_head = self.policy.per_head
-        compress = self.head_layouts or bool((real_len > keep).any()) or not bool(key_valid.all())
+        compress = bool((real_len > keep).any()) or not bool(key_valid.all())  # row layouts; per-head ones always
         positions = _position_ids(attention_mask) if position_ids is None else position_ids
         self.cache.prefill_plan = {"key_valid": key_valid, "real_len": real_len, "compress": compress,
                                    "positions": positions}

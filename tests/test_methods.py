@@ -287,3 +287,25 @@ def test_attention_sums_do_not_depend_on_the_chunking():
     torch.testing.assert_close(chunked, whole)
     assert whole[1, :, :, :9].abs().max() == 0  # padding keys receive nothing
     torch.testing.assert_close(whole[0].sum(dim=-1), torch.full((2, 2), 37.0))  # each real query spends 1
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: ec.KNorm(capacity=4, sink=2, window=2), r"KNorm.capacity must be > sink \+ window"),
+    (lambda: ec.Random(capacity=20, selection_seed=-1), "Random.selection_seed must be an integer >= 0"),
+    (lambda: ec.ExpectedAttention(capacity=20, n_future_positions=0), "ExpectedAttention.n_future_positions"),
+    (lambda: ec.ExpectedAttention(capacity=20, use_vnorm="yes"), "ExpectedAttention.use_vnorm must be true or false"),
+    (lambda: ec.PyramidKV(capacity=20, window=6, beta=0), "PyramidKV.beta must be an integer >= 1"),
+    (lambda: ec.AdaKV(capacity=20, window=4, alpha_safeguard=1.5), "AdaKV.alpha_safeguard must be a number in"),
+    (lambda: ec.H2O(capacity=21, recent=20), r"H2O.recent must be an integer in \[1, 19\]"),
+    (lambda: ec.TOVA(capacity=1), "TOVA.capacity must be an integer >= 2"),
+    (lambda: ec.DecodingSnapKV(capacity=64), r"DecodingSnapKV.capacity must be > interval \+ window"),
+    (lambda: ec.DecodingSnapKV(capacity=600, window=64, interval=64), "DecodingSnapKV.interval must be > window"),
+])
+def test_bad_method_settings_name_the_field(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_snapkv_family_capacity_errors_name_the_method_used():
+    with pytest.raises(ValueError, match=r"^AdaKV.capacity must be > window \(32\), got 20$"):
+        ec.AdaKV(capacity=20)

@@ -23,7 +23,7 @@ class SnapKV(SnapKVScoring):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.capacity <= self.window:
-            raise ValueError(f"SnapKV.capacity must be > window ({self.window}), got {self.capacity}")
+            raise ValueError(f"{type(self).__name__}.capacity must be > window ({self.window}), got {self.capacity}")
 
     def prompt_capacity(self) -> int:
         return self.capacity

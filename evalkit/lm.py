@@ -57,9 +57,11 @@ def resolve_device(device: str) -> str:
 
 
 def load_model(pretrained: str, dtype: str = "float32", device: str = "auto", attn_implementation: str = "sdpa",
-               revision: str | None = None):
+               revision: str | None = None, device_map: str | dict | None = None):
     """Model and tokenizer from a hub id (at ``revision``), a local path or ``builtin:NAME``; left padding for
-    batched prompts."""
+    batched prompts. ``device_map`` (accelerate's: ``"auto"``, ``"balanced"``, or a dict of module names to devices)
+    spreads the layers over the machine's GPUs instead of putting the model on ``device``; each layer's compressed
+    cache then lives on that layer's device."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     path = resolve_pretrained(pretrained)
@@ -70,9 +72,14 @@ def load_model(pretrained: str, dtype: str = "float32", device: str = "auto", at
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(AutoConfig.from_pretrained(path, revision=revision)), None)
     if attn_implementation == "sdpa" and not getattr(model_class, "_supports_sdpa", True):
         attn_implementation = "eager"  # e.g. gpt-oss, whose learned attention sinks sdpa does not compute
+    placement = {"device_map": device_map} if device_map is not None else {}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attn_implementation,
-                                                 revision=revision)
-    return model.to(resolve_device(device)).eval(), tokenizer
+                                                 revision=revision, **placement)
+    if device_map is None:
+        model = model.to(resolve_device(device))
+    else:
+        ec.cache.layer_devices(model)  # refuses layers offloaded to meta/disk
+    return model.eval(), tokenizer
 
 
 def truncate_middle(tokenizer, text: str, max_len: int) -> tuple[str, bool]:
@@ -118,6 +125,7 @@ class EvalkitLM(LM):
         fidelity_tokens: int = 0,
         spec_prefill: dict | None = None,
         revision: str | None = None,
+        device_map: str | dict | None = None,
         compile: bool | str = False,
         sync_every: int = 4,
         **policy_params,
@@ -132,7 +140,8 @@ class EvalkitLM(LM):
         if model is None:
             if pretrained is None:
                 raise ValueError("give either pretrained=<hub id or path> or a loaded model")
-            model, tokenizer = load_model(str(pretrained), dtype=dtype, device=device, revision=revision)
+            model, tokenizer = load_model(str(pretrained), dtype=dtype, device=device, revision=revision,
+                                          device_map=device_map)
         if tokenizer is None:
             raise ValueError("a loaded model needs its tokenizer")
         self.model, self.tokenizer = model, tokenizer

@@ -86,6 +86,7 @@ class RunSpec:
     resume: bool = True
     fidelity_tokens: int = 0
     revision: str | None = None  # hub revision of the model (branch, tag or commit)
+    device_map: str | dict | None = None  # accelerate's device map: the model's layers spread over GPUs
     bad_rows: str = "error"  # error | skip: what a malformed data row does
     threads: int | None = None  # torch CPU threads of this job (None: torch's default, one per core)
     compile: str | None = None  # torch.compile backend of the engine's decode step (None: not compiled)
@@ -125,6 +126,8 @@ class RunSpec:
             "bad_rows": self.bad_rows,
             "policy_params": json.dumps(params, sort_keys=True, default=str),
             "spec_prefill": json.dumps(self.spec_prefill, sort_keys=True, default=str) if self.spec_prefill else None,
+            # Only when set, so that earlier runs keep their config digest (the tables show it empty otherwise).
+            **({"device_map": json.dumps(self.device_map, sort_keys=True)} if self.device_map is not None else {}),
         }
 
 
@@ -229,6 +232,7 @@ def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
         resume=bool(cfg.get("resume", True)),
         fidelity_tokens=fidelity_tokens,
         revision=model.get("revision"),
+        device_map=_device_map(model.get("device_map")),
         bad_rows=bad_rows,
         threads=threads,
         compile=compile_with,
@@ -249,6 +253,29 @@ def _livecodebench_style(options: dict, apply_chat_template: bool) -> bool:
     generation = options.setdefault("generation", {})
     generation.setdefault("until", list(style.until))
     return apply_chat_template and style.chat_template
+
+
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def _device_map(value):
+    """``model.device_map``: null (the whole model on ``device``), one of accelerate's strategies, or a mapping of
+    module names to devices."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value not in DEVICE_MAPS:
+            raise ConfigError(f"model.device_map must be null, one of {list(DEVICE_MAPS)} or a mapping of module "
+                              f"names to devices, got {value!r}")
+        return value
+    if isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
+        devices = {str(v) for v in value.values()}
+        if devices & {"meta", "disk"}:
+            raise ConfigError("model.device_map offloads layers to meta/disk; evalkit keeps each layer's cache on "
+                              "that layer's device, so every layer needs a GPU or cpu")
+        return {k: (v if isinstance(v, int) else str(v)) for k, v in value.items()}
+    raise ConfigError(f"model.device_map must be null, one of {list(DEVICE_MAPS)} or a mapping of module names to "
+                      f"devices, got {value!r}")
 
 
 def _check_device(device: str) -> None:
@@ -561,7 +588,7 @@ def run(spec: RunSpec, model=None, tokenizer=None) -> RunResult | None:
             max_context=spec.max_context, batch_size=spec.batch_size, device=spec.device, dtype=spec.dtype,
             seed=spec.seed, apply_chat_template=spec.apply_chat_template, compression_scope=spec.compression_scope,
             progress=progress, fidelity_tokens=spec.fidelity_tokens, spec_prefill=spec.spec_prefill,
-            revision=spec.revision, compile=spec.compile,
+            revision=spec.revision, device_map=spec.device_map, compile=spec.compile,
         )
     except OSError as error:
         raise RunError(_model_unavailable(spec.pretrained, error)) from None

@@ -61,6 +61,7 @@ def test_sweep_axes_reach_the_policy():
         (["+budget=4x", "batch_size=0"], "batch_size"),
         (["+budget=4x", "task.name=nonexistent"], "unknown task"),
         (["+budget=4x", "+method.bogus=1"], "bogus"),
+        (["+budget=4x", "model.device_map=everywhere"], "model.device_map must be null, one of"),
     ],
 )
 def test_bad_configs_give_one_clear_error(overrides, message):

@@ -44,6 +44,31 @@ from .base import (
 )
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+
+def on_device(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on ``like``'s device: a model spread over devices (``device_map``) keeps each layer's cache on that
+    layer's device, and the step's row bookkeeping (made on the input's device) goes to it, never the cache."""
+    return tensor if tensor.device == like.device else tensor.to(like.device, non_blocking=True)
+
+
+def layer_devices(model) -> list[torch.device]:
+    """The device of each decoder layer's attention: one device, or several for a model loaded with a device map.
+    Layers offloaded to ``meta``/disk are refused (their weights move in at every step; their cache would have no
+    device)."""
+    devices: dict[int, torch.device] = {}
+    for module in model.modules():
+        index = getattr(module, "layer_idx", None)
+        if index is None or index in devices or not type(module).__name__.endswith("Attention"):
+            continue
+        parameter = next(module.parameters(), None)
+        if parameter is not None:
+            devices[index] = parameter.device
+    offloaded = sorted(i for i, device in devices.items() if device.type == "meta")
+    if offloaded:
+        raise ValueError(f"layers {offloaded} are offloaded (their weights are on 'meta'); evalkit needs every layer "
+                         "on a device: give device_map only GPUs and cpu, or more GPU memory (max_memory)")
+    return [devices.get(i, model.device) for i in range(model.config.num_hidden_layers)]
 _ACTIVE: contextvars.ContextVar[CompressedCache | None] = contextvars.ContextVar("evalkit_cache", default=None)
 
 
@@ -131,7 +156,7 @@ class CompressedLayer(DynamicLayer):
             return self.keys, self.values
         if self.heads is not None:
             return self._update_heads(key_states, value_states)
-        slots = self.cache.pending_slots  # [B, q] on the device
+        slots = on_device(self.cache.pending_slots, self.keys)  # [B, q]
         grow = self.cache.state.slots - self.keys.shape[-2]
         if grow > 0:
             pad = (0, 0, 0, grow)
@@ -159,12 +184,13 @@ class CompressedLayer(DynamicLayer):
         slots = (~free).to(torch.uint8).argsort(dim=-1, stable=True)[..., :count]  # first free slots, in order
         self._write(slots, key_states, value_states)
         heads.valid.scatter_(2, slots, True)
-        positions = self.cache.pending_positions[:, None, :].expand(-1, slots.shape[1], -1)
+        positions = on_device(self.cache.pending_positions, slots)[:, None, :].expand(-1, slots.shape[1], -1)
         heads.positions.scatter_(2, slots, positions)
         if heads.scores is not None:
             heads.scores.scatter_(2, slots, 0.0)
         held = heads.valid.sum(dim=-1)
-        heads.peak = torch.where(self.cache.active[:, None], torch.maximum(heads.peak, held), heads.peak)
+        active = on_device(self.cache.active, held)
+        heads.peak = torch.where(active[:, None], torch.maximum(heads.peak, held), heads.peak)
         return self.keys, self.values
 
     def pad_slots(self, slots: int) -> None:
@@ -215,7 +241,7 @@ class CompressedCache(Cache):
         """The prompt tokens to keep, per row and KV head: indices ``[B, kv_heads, kept]`` (in text order; a head
         that keeps fewer than ``kept`` has its extra picks last), the count each head keeps ``[B, kv_heads]``, and the
         policy's raw scores ``[B, kv_heads, n]``."""
-        key_valid, real_len = view.key_valid, self.prefill_plan["real_len"]
+        key_valid, real_len = view.key_valid, on_device(self.prefill_plan["real_len"], view.keys)
         policy, keys = self.layer_policies[view.layer_idx], view.keys
         batch, n = keys.shape[0], keys.shape[2]
         kv_heads = self.layers[view.layer_idx].keys.shape[1]  # the cache's heads: 1 for a latent (MLA) cache
@@ -248,15 +274,15 @@ class CompressedCache(Cache):
         plan, policy = self.prefill_plan, self.layer_policies[layer_idx]
         if not (plan["compress"] or policy.per_head):  # per-head layouts always need their validity and positions
             return
-        view = PrefillView(query, keys, values, plan["key_valid"], scaling, layer_idx, len(self.layers), module,
-                           plan["positions"], self.rotary)
+        view = PrefillView(query, keys, values, on_device(plan["key_valid"], keys), scaling, layer_idx,
+                           len(self.layers), module, on_device(plan["positions"], keys), self.rotary)
         indices, counts, raw = self.select(view)
         layer = self.layers[layer_idx]
         layer.compress(indices)
         if not policy.per_head:
             return
         kept = torch.arange(indices.shape[-1], device=indices.device) < counts[..., None]
-        positions = plan["positions"][:, None, :].expand(-1, indices.shape[1], -1).gather(2, indices)
+        positions = view.positions[:, None, :].expand(-1, indices.shape[1], -1).gather(2, indices)
         layer.heads = HeadState(valid=kept, positions=positions.masked_fill(~kept, -1), kept_prompt=counts,
                                 peak=counts.clone())
         if policy.accumulates:
@@ -282,7 +308,8 @@ class CompressedCache(Cache):
     # -- per-head decoding -------------------------------------------------------------------------------------------
     def head_mask(self, layer_idx: int, q_heads: int, dtype: torch.dtype | None) -> torch.Tensor:
         """This layer's attention mask for the step, ``[B, Hq, q, slots]`` (bool, or additive in ``dtype``)."""
-        visible = self.layers[layer_idx].visible(self.pending_positions)
+        layer = self.layers[layer_idx]
+        visible = layer.visible(on_device(self.pending_positions, layer.keys))
         mask = visible.repeat_interleave(q_heads // visible.shape[1], dim=1)
         return mask if dtype is None else additive_mask(mask, dtype)
 
@@ -294,7 +321,7 @@ class CompressedCache(Cache):
         if window:
             heads.queries = torch.cat([heads.queries, query], dim=2)[:, :, -window:]
         if policy.evicts_while_decoding:
-            position = self.pending_positions[:, -1]
+            position = on_device(self.pending_positions[:, -1], keys)
             evict_after_step(heads, policy, query, keys, position, torch.full_like(position, self.decode_steps), scaling)
 
     def realized(self, row: int) -> dict:

@@ -39,6 +39,7 @@ from .cache import (
     check_hookable,
     evict_after_step,
     family_eager,
+    layer_devices,
 )
 from .generate import _eos_ids, _stop_criteria, prefill
 from .sliding_window import layer_policies
@@ -187,9 +188,10 @@ AttentionMaskInterface.register(_DECODE_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS[
 class _SlotLayer(DynamicLayer):
     is_compileable = True
 
-    def __init__(self, cache: _SlotCache, keys: torch.Tensor, values: torch.Tensor, heads: dict | None, policy: Policy):
+    def __init__(self, step: dict, keys: torch.Tensor, values: torch.Tensor, heads: dict | None, policy: Policy):
         super().__init__()
-        self.cache, self.keys, self.values, self.policy = cache, keys, values, policy
+        # ``step``: this step's per-slot bookkeeping on this layer's device (see _SlotCache).
+        self.step, self.keys, self.values, self.policy = step, keys, values, policy
         self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
         heads = heads or {}
         # Per-head layouts: validity, text positions, running scores, recent queries and peak per slot and KV head.
@@ -199,21 +201,21 @@ class _SlotLayer(DynamicLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         # keys[row, :, write_slot[row]] = the row's new key: an in-place index_put_, which a compiled graph keeps
         # in place (a scatter_ there becomes a copy of the whole cache every step).
-        cache = self.cache
-        rows, heads = cache.rows, cache.all_heads
+        step = self.step
+        rows, heads = step["rows"], step["all_heads"]
         if self.valid is None:
-            slots = cache.write_slot[:, None]
+            slots = step["write_slot"][:, None]
         else:  # each head's first free slot
             slots = (~self.valid).to(torch.uint8).argmax(dim=-1)  # [slots, kv_heads]
         self.keys.index_put_((rows, heads, slots), key_states[:, :, 0])
         self.values.index_put_((rows, heads, slots), value_states[:, :, 0])
         if self.valid is not None:
             self.valid.index_put_((rows, heads, slots), torch.ones_like(slots, dtype=torch.bool))
-            self.positions.index_put_((rows, heads, slots), cache.position[:, None].expand_as(slots))
+            self.positions.index_put_((rows, heads, slots), step["position"][:, None].expand_as(slots))
             if self.scores is not None:
                 self.scores.index_put_((rows, heads, slots), torch.zeros_like(slots, dtype=self.scores.dtype))
             held = self.valid.sum(dim=-1)
-            self.peak.copy_(torch.where(cache.active[:, None], torch.maximum(self.peak, held), self.peak))
+            self.peak.copy_(torch.where(step["active"][:, None], torch.maximum(self.peak, held), self.peak))
         return self.keys, self.values
 
     def after_attention(self, query: torch.Tensor, keys: torch.Tensor, scaling: float) -> None:
@@ -222,22 +224,40 @@ class _SlotLayer(DynamicLayer):
         if self.queries is not None:
             self.queries.copy_(torch.cat([self.queries[:, :, 1:], query], dim=2))
         if policy.evicts_while_decoding:
-            evict_after_step(self, policy, query, keys, self.cache.position, self.cache.steps, scaling)
+            evict_after_step(self, policy, query, keys, self.step["position"], self.step["steps"], scaling)
 
     def get_seq_length(self) -> int:
         return self.keys.shape[-2]
 
 
 class _SlotCache(Cache):
-    def __init__(self, layers: list[tuple], policies: list[Policy], write_slot: torch.Tensor, position: torch.Tensor,
-                 steps: torch.Tensor, active: torch.Tensor):
+    """``step``: per slot, where this step's token goes (``write_slot``, row layouts), its text ``position``, the
+    tokens generated so far (``steps``) and whether it is ``active`` (``[slots]`` each, on the engine's device). A
+    model spread over devices gets a mirror of them on every other layer device, refreshed by :meth:`sync` once per
+    step: the caches never move."""
+
+    def __init__(self, layers: list[tuple], policies: list[Policy], step: dict[str, torch.Tensor]):
         super().__init__(layers=[])
-        self.write_slot = write_slot  # [slots]: where this step's token goes, per slot (row layouts)
-        self.position, self.steps, self.active = position, steps, active  # [slots] each: this step's token
-        self.rows = torch.arange(len(write_slot), device=write_slot.device)[:, None]  # [slots, 1]
-        self.all_heads = torch.arange(layers[0][0].shape[1], device=write_slot.device)[None, :]  # [1, kv_heads]
-        self.layers = [_SlotLayer(self, keys, values, heads, policy)
+        device = step["write_slot"].device
+        step = {**step, "rows": torch.arange(len(step["write_slot"]), device=device)[:, None],  # [slots, 1]
+                "all_heads": torch.arange(layers[0][0].shape[1], device=device)[None, :]}  # [1, kv_heads]
+        self.mirrors = {device: step}
+        for keys, _, _ in layers:
+            if keys.device not in self.mirrors:
+                self.mirrors[keys.device] = {name: tensor.to(keys.device) for name, tensor in step.items()}
+        self.step = step
+        self.layers = [_SlotLayer(self.mirrors[keys.device], keys, values, heads, policy)
                        for (keys, values, heads), policy in zip(layers, policies)]
+
+    def sync(self) -> None:
+        """Copy this step's bookkeeping to the other layer devices (nothing to do on one device)."""
+        for mirror in self.mirrors.values():
+            if mirror is not self.step:
+                for name in ("write_slot", "position", "steps", "active"):
+                    mirror[name].copy_(self.step[name], non_blocking=True)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [tensor for mirror in self.mirrors.values() for tensor in mirror.values()]
 
     @property
     def is_compileable(self) -> bool:
@@ -283,6 +303,7 @@ class Engine:
         check_hookable(model)
         # Each layer's policy (a hybrid model's sliding-window layers keep their window); per-head layouts among them.
         self.layer_policies = layer_policies(model, policy)
+        self.layer_devices = layer_devices(model)
         self.head_layouts = any(p.per_head for p in self.layer_policies)
         if grow and self.head_layouts:
             raise ValueError(f"{policy.name} on this model keeps layouts per layer and head; reserve slot_tokens "
@@ -315,10 +336,11 @@ class Engine:
         device, dtype = self.model.device, self.model.dtype
         (kv_heads, key_dim, value_dim), _ = cache_geometry(config)
         long = dict(dtype=torch.long, device=device)
-        layers = [(torch.zeros(self.slots, kv_heads, size, key_dim, dtype=dtype, device=device),
-                   torch.zeros(self.slots, kv_heads, size, value_dim, dtype=dtype, device=device),
-                   self._head_state(kv_heads, size, config, policy) if policy.per_head else None)
-                  for policy in self.layer_policies]
+        # Each layer's cache on that layer's device (one device, or several under a device map).
+        layers = [(torch.zeros(self.slots, kv_heads, size, key_dim, dtype=dtype, device=at),
+                   torch.zeros(self.slots, kv_heads, size, value_dim, dtype=dtype, device=at),
+                   self._head_state(kv_heads, size, config, policy, at) if policy.per_head else None)
+                  for policy, at in zip(self.layer_policies, self.layer_devices)]
         self.valid = torch.zeros(self.slots, size, dtype=torch.bool, device=device)
         self.valid[:, 0] = True  # an empty slot attends to one zero key: finite outputs, no NaN in its cache
         self.seq_len = torch.zeros(self.slots, **long)
@@ -335,17 +357,17 @@ class Engine:
         self.temperature = torch.ones(self.slots, device=device)
         self.top_p = torch.ones(self.slots, device=device)
         self.active = torch.zeros(self.slots, dtype=torch.bool, device=device)
-        self.cache = _SlotCache(layers, self.layer_policies, self.write_slot, self.seq_len, self.generated, self.active)
+        self.cache = _SlotCache(layers, self.layer_policies, {"write_slot": self.write_slot, "position": self.seq_len,
+                                                              "steps": self.generated, "active": self.active})
         self.slot_tokens = size
         if self.compile:
             state = [t for keys, values, heads in layers for t in (keys, values, *(heads or {}).values())]
-            for tensor in [*state, self.active, self.valid, self.seq_len, self.written, self.fixed,
+            for tensor in [*state, *self.cache.state_tensors(), self.active, self.valid, self.seq_len, self.written, self.fixed,
                            self.ring, self.write_slot, self.next_token, self.generated, self.max_new, self.finished,
                            self.seeds, self.do_sample, self.temperature, self.top_p]:
                 torch._dynamo.mark_static_address(tensor)
 
-    def _head_state(self, kv_heads: int, size: int, config, policy: Policy) -> dict:
-        device = self.model.device
+    def _head_state(self, kv_heads: int, size: int, config, policy: Policy, device: torch.device) -> dict:
         heads = {
             "valid": torch.zeros(self.slots, kv_heads, size, dtype=torch.bool, device=device),
             "positions": torch.full((self.slots, kv_heads, size), -1, dtype=torch.long, device=device),
@@ -377,12 +399,14 @@ class Engine:
         slot = torch.where(index < self.fixed, index, self.fixed + (index - self.fixed) % self.ring)
         self.write_slot.copy_(slot)
         self.valid.scatter_(1, slot[:, None], True)  # finished rows too: they must keep attending somewhere
+        self.cache.sync()
         mask = self.valid[:, None, None, :]
         if self.eager and not self.head_layouts:
             mask = additive_mask(mask, self.model.dtype)
         logits = self.model(input_ids=self.next_token[:, None], attention_mask=mask,
                             position_ids=self.seq_len[:, None], past_key_values=self.cache, use_cache=True).logits
-        chosen = choose_tokens(logits[:, -1].float(), greedy_only, self.seeds, self.generated, self.do_sample,
+        logits = logits[:, -1].float().to(self.finished.device)  # a device-mapped model's last layer may be elsewhere
+        chosen = choose_tokens(logits, greedy_only, self.seeds, self.generated, self.do_sample,
                                self.temperature, self.top_p, use_top_p)
         step = active.long()
         self.written.add_(step)
@@ -463,7 +487,7 @@ class Engine:
         self.top_p[slot] = request.top_p or 1.0
         self.max_new[slot] = request.max_new_tokens
         self.generated[slot] = 0
-        first = choose_tokens(logits.float(), not request.do_sample, self.seeds[slot : slot + 1], self.generated[slot : slot + 1],
+        first = choose_tokens(logits.float().to(self.finished.device), not request.do_sample, self.seeds[slot : slot + 1], self.generated[slot : slot + 1],
                               self.do_sample[slot : slot + 1], self.temperature[slot : slot + 1], self.top_p[slot : slot + 1],
                               request.top_p is not None)
         self.out[slot, 0] = first[0]

@@ -54,6 +54,7 @@ CONFIG_COLUMNS: dict[str, pa.DataType] = {
     "dtype": pa.string(),
     "device": pa.string(),
     "device_class": pa.string(),
+    "device_map": pa.string(),  # JSON: accelerate's device map when the model was spread over devices
     "bad_rows": pa.string(),
     "policy_params": pa.string(),  # every field of the policy, JSON
     "spec_prefill": pa.string(),  # every speculative prefill setting, JSON

@@ -57,7 +57,9 @@ def test_a_4x_budget_holds_exactly_4x_less_kv_per_socket():
     full = memory.price(deployment)
     quarter = memory.price(deployment, memory.capacity_for_budget("4x", deployment.context))
     assert quarter.cached_tokens == 32_768 and full.kv == 4 * quarter.kv and quarter.onchip_ratio == 4.0
-    assert full.kv == 131_072 * 70_272  # the whole latent on each socket, batch 1
+    assert full.kv == 131_072 * 70_272 / 16  # the latent split by token over the 16 sockets, batch 1
+    whole = memory.price(dataclasses.replace(deployment, kv_sharding="head"))
+    assert whole.kv == 131_072 * 70_272  # head-wise TP: the whole latent on each socket
 
 
 def test_largest_fitting_batch_is_the_largest_not_off_by_one():
@@ -126,9 +128,9 @@ def test_every_run_prices_its_budget_on_the_deployment():
 
 
 def test_memory_enforce_refuses_a_budget_that_does_not_fit_before_loading():
-    with pytest.raises(ConfigError, match="does not fit .* largest batch that fits: 7"):
-        validate(_composed("+budget=4x", "memory.enforce=true", "deployment.batch=8"), method_explicit=False)
-    validate(_composed("+budget=4x", "memory.enforce=true", "deployment.batch=7"), method_explicit=False)
+    with pytest.raises(ConfigError, match="does not fit .* largest batch that fits: 115"):
+        validate(_composed("+budget=4x", "memory.enforce=true", "deployment.batch=116"), method_explicit=False)
+    validate(_composed("+budget=4x", "memory.enforce=true", "deployment.batch=115"), method_explicit=False)
 
 
 def test_evalkit_mem_prints_and_writes_the_table(tmp_path):

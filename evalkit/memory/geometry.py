@@ -4,12 +4,17 @@ Standard attention and GQA cache K and V per KV head: ``2 x layers x kv_heads x 
 KV heads shard across tensor-parallel ranks (``kv_heads / tp`` per socket, one replicated head per socket when
 ``tp > kv_heads``). MLA (DeepSeek-V2/V3/R1) caches one latent per token and layer, ``kv_lora_rank + qk_rope_head_dim``
 values shared by all heads: head-wise tensor parallelism does not shard it, so every socket holds all of it.
+
+Mixture of experts (DeepSeek-V3/R1, Mixtral, Qwen-MoE): ``experts`` routed experts per MoE layer, each token routed to
+``experts_per_token`` of them, plus ``shared_experts`` every token uses; the first ``dense_layers`` layers have a dense
+MLP. A decode step reads the experts the batch activates, not all of them (:func:`expected_active_experts`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
@@ -24,7 +29,11 @@ def dtype_bytes(dtype: str) -> float:
 @dataclasses.dataclass(frozen=True)
 class ModelGeometry:
     """What memory pricing needs to know about a model. ``attention``: ``gqa`` (MHA is GQA with kv_heads = heads) or
-    ``mla``. ``active_params``: parameters read per decoded token (all of them for dense models; MoE reads fewer)."""
+    ``mla``. ``active_params``: parameters read per decoded token (all of them for dense models; MoE reads fewer).
+    MoE: ``experts`` routed experts per MoE layer (0: a dense model), ``experts_per_token`` (top-k),
+    ``shared_experts``, ``dense_layers`` (the first layers, with a dense MLP), ``expert_params`` (one expert's
+    parameters: gate, up and down projections), ``mtp_layers`` (DeepSeek's multi-token-prediction blocks, each one
+    MoE layer beside the model, not counted in ``params``)."""
 
     name: str
     layers: int
@@ -36,6 +45,12 @@ class ModelGeometry:
     qk_rope_head_dim: int | None = None
     params: float = 0.0
     active_params: float | None = None
+    experts: int = 0
+    experts_per_token: int = 0
+    shared_experts: int = 0
+    dense_layers: int = 0
+    expert_params: float = 0.0
+    mtp_layers: int = 0
 
     def __post_init__(self):
         if self.attention not in ("gqa", "mla"):
@@ -52,6 +67,45 @@ class ModelGeometry:
             raise ValueError(f"{self.name}: {self.heads} heads are not a multiple of {self.kv_heads} KV heads")
         if self.params < 0 or (self.active_params is not None and not 0 <= self.active_params <= self.params):
             raise ValueError(f"{self.name}: need 0 <= active_params <= params, got {self.active_params}, {self.params}")
+        if self.experts:
+            if not 1 <= self.experts_per_token <= self.experts:
+                raise ValueError(f"{self.name}: need 1 <= experts_per_token <= experts, got {self.experts_per_token} "
+                                 f"of {self.experts}")
+            if not 0 <= self.dense_layers < self.layers or self.expert_params <= 0 or self.shared_experts < 0:
+                raise ValueError(f"{self.name}: a MoE model needs 0 <= dense_layers < layers, expert_params > 0 and "
+                                 "shared_experts >= 0")
+            if self.routed_params > self.params:
+                raise ValueError(f"{self.name}: its routed experts ({self.routed_params:.3g} parameters) exceed params "
+                                 f"({self.params:.3g})")
+        elif self.experts_per_token or self.shared_experts or self.mtp_layers:
+            raise ValueError(f"{self.name}: experts_per_token, shared_experts and mtp_layers need experts > 0")
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers if self.experts else 0
+
+    @property
+    def routed_params(self) -> float:
+        """Parameters of the routed experts (all MoE layers): the part a decode step reads only when activated."""
+        return self.moe_layers * self.experts * self.expert_params
+
+    @property
+    def dense_params(self) -> float:
+        """Parameters every decode step reads whatever the batch: attention, dense MLPs, shared experts, embeddings."""
+        return self.params - self.routed_params
+
+    @property
+    def mtp_params(self) -> float:
+        """One multi-token-prediction block: an MoE layer (its routed experts included) beside the model."""
+        return self.mtp_layers * (self.dense_params / self.layers + self.experts * self.expert_params)
+
+    def step_params(self, tokens: int) -> float:
+        """Expected parameters one decode step reads for ``tokens`` tokens routed together: the dense part once, plus
+        in every MoE layer the distinct experts those tokens activate (uniform routing)."""
+        if not self.experts:
+            return self.read_params
+        active = expected_active_experts(self.experts, self.experts_per_token, tokens)
+        return self.dense_params + self.moe_layers * active * self.expert_params
 
     @property
     def read_params(self) -> float:
@@ -81,6 +135,17 @@ class ModelGeometry:
         return self.layers * 2 * heads * self.head_dim * dtype_bytes(dtype)
 
 
+def expected_active_experts(experts: int, per_token: int, tokens: int) -> float:
+    """Expected number of distinct experts ``tokens`` tokens activate when each picks ``per_token`` of ``experts``
+    uniformly at random (without replacement), independently of the others: an expert is missed by one token with
+    probability ``1 - per_token/experts``, so ``E[distinct] = experts * (1 - (1 - per_token/experts) ** tokens)``.
+    Real routers are not uniform (DeepSeek balances load across experts, not within a batch); skewed routing
+    activates fewer distinct experts, so this is the bandwidth-heavy side."""
+    if tokens < 0 or not 1 <= per_token <= experts:
+        raise ValueError(f"need tokens >= 0 and 1 <= per_token <= experts, got {tokens}, {per_token}, {experts}")
+    return experts * -math.expm1(tokens * math.log1p(-per_token / experts)) if per_token < experts else float(experts)
+
+
 def check_tp(model: ModelGeometry, tp: int) -> None:
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be a positive integer, got {tp!r}")
@@ -96,22 +161,46 @@ PRESETS = {
     "llama31_8b": ModelGeometry("llama31_8b", layers=32, heads=32, kv_heads=8, head_dim=128, params=8.03e9),
     "llama31_70b": ModelGeometry("llama31_70b", layers=80, heads=64, kv_heads=8, head_dim=128, params=70.6e9),
     "llama31_405b": ModelGeometry("llama31_405b", layers=126, heads=128, kv_heads=8, head_dim=128, params=405.9e9),
+    # DeepSeek-V3/R1 (config.json of deepseek-ai/DeepSeek-R1; arXiv 2412.19437): 256 routed experts of
+    # 3 x 7168 x 2048 parameters, 8 per token, 1 shared, the first 3 of 61 layers dense, one MTP block.
     "deepseek_r1_671b": ModelGeometry("deepseek_r1_671b", layers=61, heads=128, attention="mla", kv_lora_rank=512,
-                                      qk_rope_head_dim=64, params=671e9, active_params=37e9),
+                                      qk_rope_head_dim=64, params=671e9, active_params=37e9, experts=256,
+                                      experts_per_token=8, shared_experts=1, dense_layers=3,
+                                      expert_params=3 * 7168 * 2048, mtp_layers=1),
 }
 
 
+def _moe_fields(get) -> dict:
+    """Mixture-of-experts fields from a config: DeepSeek (``n_routed_experts``), Mixtral (``num_local_experts``),
+    Qwen-MoE (``num_experts``)."""
+    experts = get("n_routed_experts") or get("num_local_experts") or get("num_experts") or 0
+    if not experts:
+        return {}
+    width = get("moe_intermediate_size") or get("intermediate_size") or 0
+    shared = get("n_shared_experts")
+    if shared is None:  # Qwen2-MoE: one shared expert of its own width
+        shared = 1 if get("shared_expert_intermediate_size") else 0
+    return {"experts": int(experts), "experts_per_token": int(get("num_experts_per_tok") or 1),
+            "shared_experts": int(shared), "dense_layers": int(get("first_k_dense_replace") or 0),
+            "expert_params": 3 * (get("hidden_size") or 0) * width, "mtp_layers": int(get("num_nextn_predict_layers") or 0)}
+
+
 def from_hf_config(config, name: str | None = None, params: float = 0.0, active_params: float | None = None) -> ModelGeometry:
-    """Geometry from a transformers config object (or its dict): MLA when it has ``kv_lora_rank``."""
+    """Geometry from a transformers config object (or its dict): MLA when it has ``kv_lora_rank``; its experts when
+    it is a mixture of experts (then ``params`` is needed to price its weights; 0 prices the cache alone)."""
     get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
     name = name or get("_name_or_path") or get("model_type") or "model"
     layers, heads = get("num_hidden_layers"), get("num_attention_heads")
+    moe = _moe_fields(get)
+    if moe and moe["experts"] * moe["expert_params"] * (layers - moe["dense_layers"]) > params:
+        moe = {}  # no parameter count to split: price the cache (and whatever params says) as a dense model
     if get("kv_lora_rank"):
         return ModelGeometry(name, layers=layers, heads=heads, attention="mla", kv_lora_rank=get("kv_lora_rank"),
-                             qk_rope_head_dim=get("qk_rope_head_dim") or 0, params=params, active_params=active_params)
+                             qk_rope_head_dim=get("qk_rope_head_dim") or 0, params=params, active_params=active_params,
+                             **moe)
     head_dim = get("head_dim") or (get("hidden_size") // heads if get("hidden_size") and heads else None)
     return ModelGeometry(name, layers=layers, heads=heads, kv_heads=get("num_key_value_heads") or heads,
-                         head_dim=head_dim, params=params, active_params=active_params)
+                         head_dim=head_dim, params=params, active_params=active_params, **moe)
 
 
 def resolve_model(model) -> ModelGeometry:

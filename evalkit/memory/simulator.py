@@ -1,14 +1,23 @@
-"""What a deployment needs per socket in SRAM, HBM and DDR, whether it fits, and a bandwidth-bound decode estimate.
+"""What a deployment needs per socket in SRAM, HBM and DDR, whether it fits, and what it decodes per second.
 
-Placement model (each assumption a field of :class:`Deployment`, documented in conf/deployment/):
-  * weights: sharded evenly over the ``tp`` sockets, in HBM first, the overflow in DDR (none on a GPU);
-  * KV cache: in HBM, ``batch x cached tokens x per-socket KV bytes per token`` (see geometry for GQA/MLA sharding);
+Placement model (each assumption a field of :class:`Deployment` or :class:`Hardware`, with its source in conf/):
+  * weights: sharded evenly over the ``tp`` sockets, in HBM first (the part every step reads, then the routed experts
+    of a mixture of experts), the overflow in DDR (none on a GPU);
+  * KV cache: in HBM, ``batch x cached tokens x per-socket KV bytes per token``: GQA shards its KV heads over the
+    sockets; an MLA latent is whole on every socket (``kv_sharding: head``) or split by token over them
+    (``kv_sharding: sequence``: each socket attends over its share of every sequence, the partial results combined);
   * on-chip working set: the KV of one layer for the running batch, which must fit in ``sram_kv_share`` of the SRAM
     (the rest holds weight tiles and activations); a GPU (``sram_holds_kv: false``) reads KV from HBM instead;
   * ``hbm_reserve``: share of HBM kept free for activations, program and runtime buffers.
-Decode estimate: one step reads every active weight once (from the tier it lives in) and the whole KV cache of the
-batch from HBM; step time = bytes / bandwidth per tier, summed; tokens/s = batch / step time. Compute, overlap and
-interconnect are ignored: an upper bound for memory-bound decoding.
+
+Decode model: one step reads the weights the batch needs once (the dense part, and in every MoE layer the distinct
+experts the batch's tokens activate, :func:`~evalkit.memory.geometry.expected_active_experts`, each from the tier it
+lives in) and the batch's whole KV cache from HBM. Step time = bytes / bandwidth per tier, summed, divided by the
+hardware's ``decode_efficiency`` (the share of peak bandwidth decoding reaches: with kernel looping on SN40L, or
+``unlooped_slowdown`` times less without). Multi-token prediction (``mtp_tokens`` drafts per step, each accepted with
+``mtp_acceptance`` given the previous one was) runs the model on ``1 + mtp_tokens`` tokens per sequence and the MTP
+block once per draft; it emits ``1 + a + a^2 + ...`` tokens per step. Tokens/s = batch x tokens per step / step time.
+Compute, the overlap of tiers and the interconnect are not modelled: decoding is taken as memory bound.
 """
 
 from __future__ import annotations
@@ -19,7 +28,13 @@ import re
 
 import pandas as pd
 
-from .geometry import ModelGeometry, check_tp, dtype_bytes, resolve_model
+from .geometry import (
+    ModelGeometry,
+    check_tp,
+    dtype_bytes,
+    expected_active_experts,
+    resolve_model,
+)
 
 _UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
@@ -50,6 +65,8 @@ class Hardware:
     ddr_bandwidth: float
     sockets_per_node: int
     sram_holds_kv: bool = True  # SN40L streams each layer's KV through SRAM; a GPU reads it from HBM (no such limit)
+    decode_efficiency: float = 1.0  # share of peak memory bandwidth a decode step reaches (kernel looping on SN40L)
+    unlooped_slowdown: float = 1.0  # how much slower decoding is without kernel looping (1: not applicable)
 
     @classmethod
     def from_config(cls, cfg: dict) -> Hardware:
@@ -59,6 +76,8 @@ class Hardware:
                 ddr=parse_bytes(cfg.get("ddr", 0)), hbm_bandwidth=parse_bytes(cfg["hbm_bandwidth"]),
                 ddr_bandwidth=parse_bytes(cfg.get("ddr_bandwidth", 0)), sockets_per_node=int(cfg["sockets_per_node"]),
                 sram_holds_kv=bool(cfg.get("sram_holds_kv", True)),
+                decode_efficiency=float(cfg.get("decode_efficiency", 1.0)),
+                unlooped_slowdown=float(cfg.get("unlooped_slowdown", 1.0)),
             )
         except KeyError as missing:
             raise ValueError(f"hardware spec {cfg.get('name', '?')} lacks {missing}") from None
@@ -68,6 +87,8 @@ class Hardware:
             raise ValueError(f"hardware {self.name}: hbm, hbm_bandwidth and sockets_per_node must be positive")
         if self.ddr > 0 and self.ddr_bandwidth <= 0:
             raise ValueError(f"hardware {self.name}: a DDR tier needs a positive ddr_bandwidth")
+        if not 0 < self.decode_efficiency <= 1 or self.unlooped_slowdown < 1:
+            raise ValueError(f"hardware {self.name}: need 0 < decode_efficiency <= 1 and unlooped_slowdown >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +102,10 @@ class Deployment:
     kv_dtype: str = "bf16"
     sram_kv_share: float = 0.5
     hbm_reserve: float = 0.05
+    kv_sharding: str = "head"  # head: MLA's latent whole on every socket; sequence: split by token over the sockets
+    kernel_looping: bool = True  # the decode loop fused into one kernel call (SN40L; arXiv 2410.23668)
+    mtp_tokens: int = 0  # multi-token prediction: drafted tokens per step (DeepSeek-V3/R1 have one MTP block)
+    mtp_acceptance: float = 0.85  # chance a draft is accepted given the previous one was
     name: str = "deployment"
 
     def __post_init__(self):
@@ -93,6 +118,29 @@ class Deployment:
         if not 0 < self.sram_kv_share <= 1 or not 0 <= self.hbm_reserve < 1:
             raise ValueError("need 0 < sram_kv_share <= 1 and 0 <= hbm_reserve < 1")
         dtype_bytes(self.weight_dtype), dtype_bytes(self.kv_dtype)
+        if self.kv_sharding not in ("head", "sequence"):
+            raise ValueError(f"kv_sharding must be head or sequence, got {self.kv_sharding!r}")
+        if not isinstance(self.mtp_tokens, int) or self.mtp_tokens < 0 or not 0 <= self.mtp_acceptance <= 1:
+            raise ValueError("need an integer mtp_tokens >= 0 and 0 <= mtp_acceptance <= 1")
+        if self.mtp_tokens and not self.model.mtp_layers:
+            raise ValueError(f"mtp_tokens={self.mtp_tokens} but {self.model.name} has no multi-token-prediction block")
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """KV bytes one cached token costs each socket."""
+        if self.kv_sharding == "sequence":
+            return self.model.kv_bytes_per_token(self.kv_dtype) / self.tp
+        return self.model.kv_bytes_per_token_per_socket(self.tp, self.kv_dtype)
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a decode step emits per sequence: 1, plus each draft while all before it were accepted."""
+        return 1 + sum(self.mtp_acceptance ** i for i in range(1, self.mtp_tokens + 1))
+
+    @property
+    def efficiency(self) -> float:
+        hardware = self.hardware
+        return hardware.decode_efficiency / (1 if self.kernel_looping else hardware.unlooped_slowdown)
 
     @classmethod
     def from_config(cls, cfg: dict, hardware: dict | Hardware) -> Deployment:
@@ -133,7 +181,11 @@ class Verdict:
     fits_ddr: bool
     max_batch: int
     onchip_ratio: float
-    decode_tokens_per_s: float
+    decode_tokens_per_s: float  # at the deployment's batch (NaN where weights fit no tier)
+    step_seconds: float = math.nan
+    active_experts: float = 0.0  # expected distinct routed experts per MoE layer and step (0: a dense model)
+    read_hbm: float = 0.0  # bytes one decode step reads from HBM per socket (weights + KV)
+    read_ddr: float = 0.0  # ... and from DDR (overflowed weights)
 
     @property
     def fits(self) -> bool:
@@ -141,17 +193,24 @@ class Verdict:
 
 
 def price(deployment: Deployment, capacity: int | None = None) -> Verdict:
-    """Bytes per socket per tier for ``deployment`` with a cache of ``capacity`` tokens (None: the full context)."""
+    """Bytes per socket per tier for ``deployment`` with a cache of ``capacity`` tokens (None: the full context), and
+    its decode speed at its batch."""
     d, hw, model = deployment, deployment.hardware, deployment.model
     if capacity is not None and (not isinstance(capacity, int) or capacity < 1):
         raise ValueError(f"capacity must be a positive integer or None, got {capacity!r}")
     tokens = d.context if capacity is None else min(capacity, d.context)
-    per_token = model.kv_bytes_per_token_per_socket(d.tp, d.kv_dtype)
-    per_sequence = tokens * per_token
-    weights = model.params * dtype_bytes(d.weight_dtype) / d.tp
+    per_sequence = tokens * d.kv_bytes_per_token
+    unit = dtype_bytes(d.weight_dtype) / d.tp  # bytes per parameter per socket
+    mtp = model.mtp_layers if d.mtp_tokens else 0
+    mtp_dense = mtp * model.dense_params / model.layers
+    dense = (model.dense_params + mtp_dense) * unit  # read whatever the batch
+    routed = (model.routed_params + mtp * model.experts * model.expert_params) * unit
+    weights = dense + routed
     hbm_free = hw.hbm * (1 - d.hbm_reserve)
     kv = d.batch * per_sequence
-    weights_hbm = max(0.0, min(weights, hbm_free - kv))
+    dense_hbm = max(0.0, min(dense, hbm_free - kv))
+    routed_hbm = max(0.0, min(routed, hbm_free - kv - dense_hbm))
+    weights_hbm = dense_hbm + routed_hbm
     weights_ddr = weights - weights_hbm
     sram_budget = hw.sram * d.sram_kv_share
     working_set = kv / model.layers
@@ -160,25 +219,80 @@ def price(deployment: Deployment, capacity: int | None = None) -> Verdict:
     if hw.sram_holds_kv:
         limits.append(sram_budget * model.layers / per_sequence)
     max_batch = max(0, math.floor(min(limits)))
-    read_hbm = model.read_params * dtype_bytes(d.weight_dtype) / d.tp * (weights_hbm / weights if weights else 0) + kv
-    read_ddr = model.read_params * dtype_bytes(d.weight_dtype) / d.tp * (weights_ddr / weights if weights else 0)
-    # Weights that fit nowhere (no DDR tier) make the estimate meaningless: NaN rather than a number.
-    step = read_hbm / hw.hbm_bandwidth + (read_ddr / hw.ddr_bandwidth if read_ddr and hw.ddr_bandwidth else 0.0)
-    if read_ddr and not hw.ddr_bandwidth:
-        step = math.nan
+    # One step: the dense part once (a dense model's read_params: all of it, or its active share), the experts the
+    # batch activates (the model runs 1 + mtp_tokens tokens per sequence; the MTP block runs once per draft on the
+    # batch), each tier in proportion to what it holds; and the batch's KV from HBM.
+    if model.experts:
+        active = expected_active_experts(model.experts, model.experts_per_token, d.batch * (1 + d.mtp_tokens))
+        drafted = expected_active_experts(model.experts, model.experts_per_token, d.batch) if mtp else 0.0
+        dense_read = (model.dense_params + d.mtp_tokens * mtp_dense) * unit
+        routed_read = (model.moe_layers * active + d.mtp_tokens * mtp * drafted) * model.expert_params * unit
+    else:
+        active, dense_read, routed_read = 0.0, model.read_params * unit, 0.0
+    share = lambda part, whole: part / whole if whole else 1.0  # noqa: E731
+    read_hbm = dense_read * share(dense_hbm, dense) + routed_read * share(routed_hbm, routed) + kv
+    read_ddr = dense_read + routed_read + kv - read_hbm
+    step = read_hbm / hw.hbm_bandwidth + (read_ddr / hw.ddr_bandwidth if read_ddr > 0 and hw.ddr_bandwidth else 0.0)
+    if read_ddr > 1e-6 * read_hbm and not hw.ddr_bandwidth:
+        step = math.nan  # weights that fit no tier (a GPU without DDR): no estimate rather than a wrong one
+    step /= d.efficiency
     return Verdict(
         deployment=d, capacity=capacity, cached_tokens=tokens, weights=weights, weights_hbm=weights_hbm,
         weights_ddr=weights_ddr, kv=kv, working_set=working_set,
         fits_sram=working_set <= sram_budget or not hw.sram_holds_kv,
         fits_hbm=kv <= hbm_free, fits_ddr=weights_ddr <= hw.ddr, max_batch=max_batch,
-        onchip_ratio=d.context / tokens, decode_tokens_per_s=d.batch / step,
+        onchip_ratio=d.context / tokens, decode_tokens_per_s=d.batch * d.tokens_per_step / step, step_seconds=step,
+        active_experts=active, read_hbm=read_hbm, read_ddr=max(0.0, read_ddr),
     )
 
 
+def best_throughput(deployment: Deployment, capacity: int | None = None) -> tuple[int, float]:
+    """The batch (up to the largest that fits) with the most tokens per second at ``capacity``, and that rate;
+    ``(0, nan)`` when not even one sequence fits. Spilling experts to DDR can make a larger batch slower, so every
+    batch is tried."""
+    largest = price(deployment, capacity).max_batch
+    best = (0, math.nan)
+    for batch in range(1, largest + 1):
+        rate = price(dataclasses.replace(deployment, batch=batch), capacity).decode_tokens_per_s
+        if not math.isnan(rate) and (math.isnan(best[1]) or rate > best[1]):
+            best = (batch, rate)
+    return best
+
+
+def throughput_table(deployment: Deployment, budgets=("full", "2x", "4x", "8x", "16x"), batches=None) -> pd.DataFrame:
+    """Decode tokens/s over budgets x batches, one row each: ``fits`` False (and NaN tokens/s) past the largest batch
+    that fits. ``batches`` default: powers of two up to the largest batch any budget fits, plus each budget's largest
+    and best batch."""
+    plans = {str(b): capacity_for_budget(str(b), deployment.context) for b in budgets}
+    limits = {b: price(deployment, c).max_batch for b, c in plans.items()}
+    bests = {b: best_throughput(deployment, c) for b, c in plans.items()}
+    if batches is None:
+        top = max([1, *limits.values()])
+        batches = {2**i for i in range(int(math.log2(top)) + 1)} | set(limits.values()) | {b for b, _ in bests.values()}
+    rows = []
+    for budget, capacity in plans.items():
+        for batch in sorted(int(b) for b in batches if int(b) >= 1):
+            verdict = price(dataclasses.replace(deployment, batch=batch), capacity)
+            fits = batch <= limits[budget]
+            rows.append({
+                "model": deployment.model.name, "hardware": deployment.hardware.name, "tp": deployment.tp,
+                "context": deployment.context, "budget": budget, "capacity": verdict.cached_tokens, "batch": batch,
+                "fits": fits, "tokens_per_s": verdict.decode_tokens_per_s if fits else math.nan,
+                "step_ms": verdict.step_seconds * 1e3 if fits else math.nan, "active_experts": verdict.active_experts,
+                "read_hbm_bytes": verdict.read_hbm, "read_ddr_bytes": verdict.read_ddr,
+                "max_batch": limits[budget], "best_batch": bests[budget][0], "best_tokens_per_s": bests[budget][1],
+                "weight_dtype": deployment.weight_dtype, "kv_sharding": deployment.kv_sharding,
+                "kernel_looping": deployment.kernel_looping, "mtp_tokens": deployment.mtp_tokens,
+                "tokens_per_step": deployment.tokens_per_step, "efficiency": deployment.efficiency,
+            })
+    return pd.DataFrame(rows)
+
+
 ASSUMPTIONS = (
-    "weights sharded over tp sockets, HBM first then DDR; KV cache in HBM; on-chip working set = one layer's KV for "
-    "the batch within sram_kv_share of SRAM; hbm_reserve of HBM kept free; decode = bytes read per step / bandwidth "
-    "(active weights once + the batch's whole KV), no compute, overlap or interconnect time"
+    "weights sharded over tp sockets, HBM first (always-read part, then routed experts) then DDR; KV cache in HBM; "
+    "on-chip working set = one layer's KV for the batch within sram_kv_share of SRAM; hbm_reserve of HBM kept free; "
+    "decode step = bytes read / bandwidth per tier (dense weights once, the distinct experts the batch activates under "
+    "uniform routing, the batch's whole KV) / decode_efficiency; no compute, overlap or interconnect time"
 )
 
 
@@ -197,6 +311,7 @@ def report(deployment: Deployment, budget: str | None = None) -> pd.DataFrame:
         "budget": budget or "full", "capacity": verdict.cached_tokens, "weight_dtype": d.weight_dtype,
         "kv_dtype": d.kv_dtype, "fits": verdict.fits, "max_batch": verdict.max_batch,
         "onchip_ratio": verdict.onchip_ratio, "decode_tokens_per_s": verdict.decode_tokens_per_s,
+        "kv_sharding": d.kv_sharding, "kernel_looping": d.kernel_looping, "mtp_tokens": d.mtp_tokens,
     }
     return pd.DataFrame([
         {**common, "tier": tier, "available_bytes": available, "weights_bytes": weights, "kv_bytes": kv,

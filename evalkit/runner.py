@@ -355,6 +355,10 @@ def memory_rows(verdict: memory.Verdict) -> list[dict]:
         "sram_working_set_bytes": verdict.working_set, "hbm_weights_bytes": verdict.weights_hbm,
         "ddr_weights_bytes": verdict.weights_ddr, "decode_tokens_per_s_estimate": verdict.decode_tokens_per_s,
     }
+    # The throughput this budget allows: the best over the batches that fit (see evalkit-mem's throughput table).
+    best_batch, best_rate = memory.best_throughput(verdict.deployment, verdict.capacity)
+    values.update({"decode_step_ms_estimate": verdict.step_seconds * 1e3, "best_batch": best_batch,
+                   "best_tokens_per_s_estimate": best_rate})
     return [{"subset": "memory", "metric": name, "value": float(value), "stderr": None, "n": 1} for name, value in values.items()]
 
 
@@ -745,7 +749,8 @@ def summary(result: RunResult, spec: RunSpec) -> str:
         v, d = spec.memory, spec.memory.deployment
         table += (f"\nmemory on {d.name} ({d.hardware.name}, tp={d.tp}, batch={d.batch}, context={d.context}): "
                   f"{'fits' if v.fits else 'DOES NOT FIT'}; KV {v.kv / 2**30:.2f} GiB/socket, on-chip ratio "
-                  f"{v.onchip_ratio:.1f}x, largest batch {v.max_batch}, ~{v.decode_tokens_per_s:.0f} tok/s (bandwidth bound)")
+                  f"{v.onchip_ratio:.1f}x, largest batch {v.max_batch}, ~{v.decode_tokens_per_s:.0f} tok/s at "
+                  f"batch {d.batch}, ~{memory.best_throughput(d, v.capacity)[1]:.0f} tok/s at best (bandwidth bound)")
     where = "\n".join(f"  {path}" for path in result.paths)
     return f"{head}\n{table}\nwritten (CSV copies under csv/):\n{where}"
 

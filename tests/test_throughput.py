@@ -108,3 +108,34 @@ def test_the_throughput_table_marks_batches_that_do_not_fit():
         assert rows.loc[~rows["fits"], "tokens_per_s"].isna().all()
         assert rows["tokens_per_s"].max() == pytest.approx(rows["best_tokens_per_s"].iloc[0])
     assert set(table["batch"]) >= {1, 2, 4, 8, 16, 32, 64, 115}
+
+
+def test_every_run_reports_the_throughput_its_budget_allows():
+    from test_harness import spec_for
+
+    from evalkit.runner import memory_rows
+
+    spec = spec_for("+budget=4x")  # the default deployment: DeepSeek-R1 TP16 128k on SN40L
+    rows = {row["metric"]: row["value"] for row in memory_rows(spec.memory)}
+    batch, rate = best_throughput(spec.memory.deployment, 32_768)
+    assert rows["best_batch"] == batch == 115 and rows["best_tokens_per_s_estimate"] == pytest.approx(rate)
+    assert rows["decode_tokens_per_s_estimate"] == pytest.approx(spec.memory.decode_tokens_per_s)
+    assert rows["decode_tokens_per_s_estimate"] < rate  # the run's batch 1 is not the best
+    assert rows["decode_step_ms_estimate"] > 0
+
+
+def test_evalkit_mem_prints_the_throughput_grid_and_plots_it(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "evalkit.memory.cli", f"results_dir={tmp_path}", "batches=[1]",
+                             "budgets=[full,4x]"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "decode tokens/s (whole node, fp8 weights" in result.stdout
+    assert "4x: 2,884 tok/s at batch 115 (largest that fits: 115)" in result.stdout
+    from evalkit.results import read_table
+
+    frame = read_table(tmp_path, "throughput")
+    assert set(frame["budget"]) == {"full", "4x"} and (~frame["fits"]).any()
+    plots = list((tmp_path / "plots" / "throughput").glob("*.png"))
+    assert len(plots) == 1 and plots[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -20,16 +20,19 @@ from .simulator import (
     ASSUMPTIONS,
     Deployment,
     Hardware,
+    best_throughput,
     capacity_for_budget,
     parse_bytes,
     price,
     report,
     sweep,
+    throughput_table,
 )
 
 __all__ = [
-    "ASSUMPTIONS", "PRESETS", "Deployment", "Hardware", "ModelGeometry", "capacity_for_budget", "deployment_report",
-    "kv_bytes_per_token", "load_deployment", "load_hardware", "parse_bytes", "price", "report", "resolve_model", "sweep",
+    "ASSUMPTIONS", "PRESETS", "Deployment", "Hardware", "ModelGeometry", "best_throughput", "capacity_for_budget",
+    "deployment_report", "kv_bytes_per_token", "load_deployment", "load_hardware", "parse_bytes", "price", "report",
+    "resolve_model", "sweep", "throughput_table",
 ]
 
 

@@ -1,4 +1,5 @@
-"""``evalkit-mem``: the memory table of a deployment over budgets and batch sizes, printed and written.
+"""``evalkit-mem``: the memory table of a deployment over budgets and batch sizes, and its decode throughput over
+budgets x batches (up to the largest batch each budget fits), printed, written and plotted.
 
     evalkit-mem                                        # DeepSeek-R1 TP16 128k on SN40L
     evalkit-mem deployment=llama31_8b_tp1_128k hardware=h200_141g batches=[1,8,32]
@@ -10,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import sys
 import uuid
+from pathlib import Path
 
 import hydra
 import pyarrow as pa
@@ -17,7 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from evalkit.memory import ASSUMPTIONS, load_deployment, sweep
+from evalkit.memory import ASSUMPTIONS, load_deployment, sweep, throughput_table
 from evalkit.paths import conf_dir
 from evalkit.results import write_table
 
@@ -28,6 +30,44 @@ SHOWN = ["budget", "batch", "capacity", "tier", "used_bytes", "available_bytes",
 def table(cfg: dict):
     deployment = load_deployment(cfg["deployment"], hardware=cfg["hardware"])
     return deployment, sweep(deployment, budgets=[str(b) for b in cfg["budgets"]], batches=list(cfg["batches"]))
+
+
+def throughput_grid(frame) -> str:
+    """Tokens/s with batches as rows and budgets as columns; "-" where the batch does not fit."""
+    grid = frame.pivot(index="batch", columns="budget", values="tokens_per_s")[list(dict.fromkeys(frame["budget"]))]
+    text = grid.apply(lambda column: column.map(lambda v: "-" if v != v else f"{v:,.0f}"))
+    best = frame.groupby("budget", sort=False).first()
+    footer = "\n".join(f"  {b}: {r.best_tokens_per_s:,.0f} tok/s at batch {r.best_batch} (largest that fits: "
+                        f"{r.max_batch})" for b, r in best.iterrows())
+    return f"{text.to_string()}\nbest per budget:\n{footer}"
+
+
+def plot_throughput(frame, deployment, path):
+    """Throughput vs batch, one line per budget, each line ending at its largest batch (an x past it: does not fit)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for budget, rows in frame.groupby("budget", sort=False):
+        fitting = rows[rows["fits"]]
+        line = axes.plot(fitting["batch"], fitting["tokens_per_s"], marker="o", markersize=3, label=budget)[0]
+        beyond = rows[~rows["fits"]]
+        if len(beyond) and len(fitting):
+            axes.plot(beyond["batch"].iloc[0], fitting["tokens_per_s"].iloc[-1], marker="x", markersize=9,
+                      color=line.get_color(), linestyle="none")
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("batch (sequences decoded together)")
+    axes.set_ylabel("decode tokens/s (node)")
+    axes.set_title(f"{deployment.model.name} on {deployment.hardware.name}, tp={deployment.tp}, "
+                   f"context {deployment.context} (x: does not fit)", fontsize=9)
+    axes.grid(alpha=0.3)
+    axes.legend(title="budget")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
 
 
 @hydra.main(config_path=str(conf_dir()), config_name="memory", version_base="1.3")
@@ -51,7 +91,18 @@ def _main(cfg: DictConfig) -> None:
     print(f"{deployment.name} on {deployment.hardware.name}: model {deployment.model.name}, tp={deployment.tp}, "
           f"context={deployment.context}, weights {deployment.weight_dtype}, KV {deployment.kv_dtype}; per socket")
     print(shown.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
-    print(f"assumptions: {ASSUMPTIONS}\nwritten: {path} (CSV copy under csv/memory/)")
+    speed = throughput_table(deployment, budgets=[str(b) for b in plain["budgets"]])
+    speed.insert(0, "run_id", run_id)
+    speed_path = write_table(pa.Table.from_pandas(speed, preserve_index=False), plain["results_dir"], "throughput",
+                             run_id)
+    plot_path = Path(plain["results_dir"]) / "plots" / "throughput" / f"{run_id}.png"
+    plot_path.parent.mkdir(parents=True, exist_ok=True)
+    plot = plot_throughput(speed, deployment, plot_path)
+    print(f"\ndecode tokens/s (whole node, {deployment.weight_dtype} weights, KV split by {deployment.kv_sharding}, "
+          f"kernel looping {'on' if deployment.kernel_looping else 'off'}, efficiency {deployment.efficiency:.2f}, "
+          f"{deployment.tokens_per_step:.2f} tokens per step):")
+    print(throughput_grid(speed))
+    print(f"assumptions: {ASSUMPTIONS}\nwritten: {path} (CSV copy under csv/memory/), {speed_path}, {plot}")
 
 
 def main() -> None:

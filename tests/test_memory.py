@@ -164,3 +164,18 @@ def test_a_sweep_over_deployments_is_a_hydra_multirun(tmp_path):
     frame = read_table(tmp_path, "memory")
     assert set(zip(frame["model"], frame["hardware"])) == {
         ("deepseek_r1_671b", "sn40l"), ("llama31_8b", "sn40l"), ("llama31_8b", "h200_141g")}
+
+
+def test_a_hybrid_models_sliding_layers_hold_their_window_whatever_the_budget():
+    deployment = memory.load_deployment("gpt_oss_120b_tp1_128k_h100")
+    per_layer_token = 2 * 8 * 64 * 2  # K and V, 8 KV heads of 64, bf16
+    full, quarter = memory.price(deployment), memory.price(deployment, 32_768)
+    assert full.kv == per_layer_token * (18 * 131_072 + 18 * 128)  # 18 full-attention layers, 18 of 128 tokens
+    assert quarter.kv == per_layer_token * (18 * 32_768 + 18 * 128)
+    assert full.working_set == per_layer_token * 131_072  # one full-attention layer, the largest
+    # Its geometry read from a transformers config: layer_types count the sliding-window layers.
+    config = {"num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "sliding_window": 512, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
+    geometry = memory.resolve_model(config)
+    assert (geometry.sliding_layers, geometry.sliding_window) == (5, 512)
+    assert geometry.held_tokens(4096) == (4096 + 5 * 512) / 6 and geometry.held_tokens(100) == 100

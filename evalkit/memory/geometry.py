@@ -8,6 +8,9 @@ values shared by all heads: head-wise tensor parallelism does not shard it, so e
 Mixture of experts (DeepSeek-V3/R1, Mixtral, Qwen-MoE): ``experts`` routed experts per MoE layer, each token routed to
 ``experts_per_token`` of them, plus ``shared_experts`` every token uses; the first ``dense_layers`` layers have a dense
 MLP. A decode step reads the experts the batch activates, not all of them (:func:`expected_active_experts`).
+
+Hybrid models (Gemma-2/3, gpt-oss): ``sliding_layers`` of the layers attend over the last ``sliding_window`` tokens
+only, so they never hold more; a budget compresses the full-attention layers (as evalkit's cache does).
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ class ModelGeometry:
     dense_layers: int = 0
     expert_params: float = 0.0
     mtp_layers: int = 0
+    sliding_layers: int = 0
+    sliding_window: int | None = None
 
     def __post_init__(self):
         if self.attention not in ("gqa", "mla"):
@@ -79,6 +84,15 @@ class ModelGeometry:
                                  f"({self.params:.3g})")
         elif self.experts_per_token or self.shared_experts or self.mtp_layers:
             raise ValueError(f"{self.name}: experts_per_token, shared_experts and mtp_layers need experts > 0")
+        if not 0 <= self.sliding_layers < self.layers or (self.sliding_layers and not (self.sliding_window or 0) >= 1):
+            raise ValueError(f"{self.name}: need 0 <= sliding_layers < layers, and a positive sliding_window with "
+                             f"them; got {self.sliding_layers}, {self.sliding_window}")
+
+    def held_tokens(self, tokens: int) -> float:
+        """Tokens the cache holds per layer, averaged over the layers, for a sequence of ``tokens`` (a hybrid model's
+        sliding-window layers hold at most their window)."""
+        full = self.layers - self.sliding_layers
+        return (full * tokens + self.sliding_layers * min(tokens, self.sliding_window or tokens)) / self.layers
 
     @property
     def moe_layers(self) -> int:
@@ -161,6 +175,11 @@ PRESETS = {
     "llama31_8b": ModelGeometry("llama31_8b", layers=32, heads=32, kv_heads=8, head_dim=128, params=8.03e9),
     "llama31_70b": ModelGeometry("llama31_70b", layers=80, heads=64, kv_heads=8, head_dim=128, params=70.6e9),
     "llama31_405b": ModelGeometry("llama31_405b", layers=126, heads=128, kv_heads=8, head_dim=128, params=405.9e9),
+    # gpt-oss-120b (config.json of openai/gpt-oss-120b): 36 layers alternating a 128-token sliding window and full
+    # attention, 64 query / 8 KV heads of 64; 128 experts of 3 x 2880 x 2880 parameters, 4 per token; MXFP4 experts.
+    "gpt_oss_120b": ModelGeometry("gpt_oss_120b", layers=36, heads=64, kv_heads=8, head_dim=64, params=116.8e9,
+                                  experts=128, experts_per_token=4, expert_params=3 * 2880 * 2880,
+                                  sliding_layers=18, sliding_window=128),
     # DeepSeek-V3/R1 (config.json of deepseek-ai/DeepSeek-R1; arXiv 2412.19437): 256 routed experts of
     # 3 x 7168 x 2048 parameters, 8 per token, 1 shared, the first 3 of 61 layers dense, one MTP block.
     "deepseek_r1_671b": ModelGeometry("deepseek_r1_671b", layers=61, heads=128, attention="mla", kv_lora_rank=512,
@@ -191,9 +210,11 @@ def from_hf_config(config, name: str | None = None, params: float = 0.0, active_
     get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
     name = name or get("_name_or_path") or get("model_type") or "model"
     layers, heads = get("num_hidden_layers"), get("num_attention_heads")
-    moe = _moe_fields(get)
-    if moe and moe["experts"] * moe["expert_params"] * (layers - moe["dense_layers"]) > params:
-        moe = {}  # no parameter count to split: price the cache (and whatever params says) as a dense model
+    sliding = sum(kind == "sliding_attention" for kind in (get("layer_types") or []))
+    moe = {**_moe_fields(get), **({"sliding_layers": sliding, "sliding_window": get("sliding_window")} if sliding else {})}
+    if moe.get("experts") and moe["experts"] * moe["expert_params"] * (layers - moe["dense_layers"]) > params:
+        # No parameter count to split: price the cache (and whatever params says) as a dense model.
+        moe = {k: v for k, v in moe.items() if k in ("sliding_layers", "sliding_window")}
     if get("kv_lora_rank"):
         return ModelGeometry(name, layers=layers, heads=heads, attention="mla", kv_lora_rank=get("kv_lora_rank"),
                              qk_rope_head_dim=get("qk_rope_head_dim") or 0, params=params, active_params=active_params,

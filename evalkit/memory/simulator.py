@@ -199,7 +199,9 @@ def price(deployment: Deployment, capacity: int | None = None) -> Verdict:
     if capacity is not None and (not isinstance(capacity, int) or capacity < 1):
         raise ValueError(f"capacity must be a positive integer or None, got {capacity!r}")
     tokens = d.context if capacity is None else min(capacity, d.context)
-    per_sequence = tokens * d.kv_bytes_per_token
+    # A hybrid model's sliding-window layers hold their window whatever the budget; the largest layer sets the
+    # on-chip working set.
+    per_sequence = model.held_tokens(tokens) * d.kv_bytes_per_token
     unit = dtype_bytes(d.weight_dtype) / d.tp  # bytes per parameter per socket
     mtp = model.mtp_layers if d.mtp_tokens else 0
     mtp_dense = mtp * model.dense_params / model.layers
@@ -213,11 +215,11 @@ def price(deployment: Deployment, capacity: int | None = None) -> Verdict:
     weights_hbm = dense_hbm + routed_hbm
     weights_ddr = weights - weights_hbm
     sram_budget = hw.sram * d.sram_kv_share
-    working_set = kv / model.layers
+    working_set = d.batch * tokens * d.kv_bytes_per_token / model.layers
     # Largest batch: KV within free HBM, weight overflow within DDR, one layer's KV within the SRAM share.
     limits = [hbm_free / per_sequence, (hbm_free + hw.ddr - weights) / per_sequence]
     if hw.sram_holds_kv:
-        limits.append(sram_budget * model.layers / per_sequence)
+        limits.append(sram_budget * model.layers / (tokens * d.kv_bytes_per_token))
     max_batch = max(0, math.floor(min(limits)))
     # One step: the dense part once (a dense model's read_params: all of it, or its active share), the experts the
     # batch activates (the model runs 1 + mtp_tokens tokens per sequence; the MTP block runs once per draft on the

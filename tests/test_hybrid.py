@@ -120,3 +120,28 @@ def test_a_model_with_attention_sinks_loads_with_eager_attention(tmp_path):
     model, _ = load_model(str(tmp_path), device="cpu")
     assert model.config._attn_implementation == "eager"
     ec.CompressionSession(model, ec.SnapStream(**SNAPSTREAM))  # accepted: the sinks are computed
+
+
+def test_scores_see_the_attention_sinks_as_the_model_does():
+    """gpt-oss' sink logits take a share of every query's softmax: the probabilities policies score with are the
+    model's own attention weights, and SnapKV's ranking differs from one that ignores the sinks."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from evalkit.compression.base import attention_probabilities, snapkv_scores
+
+    module = tiny_gpt_oss().model.layers[1].self_attn
+    generator = torch.Generator().manual_seed(3)
+    query, keys = torch.randn(1, 4, 12, 16, generator=generator), torch.randn(1, 2, 12, 16, generator=generator)
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()
+    additive = torch.zeros(12, 12).masked_fill(~causal, float("-inf"))[None, None]
+    _, weights = eager_attention_forward(module, query, keys, keys, additive, scaling=0.25)
+    ours = attention_probabilities(query, keys, causal[None, None], 0.25, module.sinks.detach())
+    torch.testing.assert_close(ours.reshape(1, 4, 12, 12), weights, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(attention_probabilities(query, keys, causal[None, None], 0.25).reshape(1, 4, 12, 12),
+                              weights)
+    with torch.no_grad():
+        module.sinks.copy_(torch.tensor([6.0, -6.0, 0.0, 3.0]))  # heads of one group weighed differently
+    valid = torch.ones(1, 12, dtype=torch.bool)
+    seen = snapkv_scores(query[:, :, -4:], keys, valid, 0.25, 1, "max", "mean", module.sinks.detach())
+    blind = snapkv_scores(query[:, :, -4:], keys, valid, 0.25, 1, "max", "mean")
+    assert not torch.allclose(seen, blind)

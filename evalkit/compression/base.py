@@ -72,6 +72,7 @@ class DecodeView:
     scaling: float
     steps: torch.Tensor  # [B] long: decode steps each row has taken, this one included
     capacity: int
+    sinks: torch.Tensor | None = None  # [Hq] learned attention-sink logits of the layer (gpt-oss), else None
 
 
 @dataclasses.dataclass
@@ -145,14 +146,26 @@ class Policy:
         return {"method": self.name, "capacity": self.cache_capacity(), **dataclasses.asdict(self)}
 
 
-def attention_probabilities(queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scaling: float) -> torch.Tensor:
+def attention_sinks(module) -> torch.Tensor | None:
+    """The learned attention-sink logits of an attention module (gpt-oss: one per query head), else None."""
+    return getattr(module, "sinks", None)
+
+
+def attention_probabilities(queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scaling: float,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention in fp32 of ``queries`` ``[B, Hq, q, D]`` over ``keys`` ``[B, Hkv, S, D]`` where ``visible``
-    (``[B, Hkv or 1, q, S]`` bool) allows: ``[B, Hkv, G, q, S]``, the query heads grouped by their KV head."""
+    (``[B, Hkv or 1, q, S]`` bool) allows: ``[B, Hkv, G, q, S]``, the query heads grouped by their KV head.
+    ``sinks`` (``[Hq]``, gpt-oss): each head's learned sink logit joins the softmax and takes its share of the mass,
+    as in the model's own attention, and is dropped from the result."""
     batch, q_heads, count, dim = queries.shape
     kv_heads = keys.shape[1]
     grouped = queries.float().reshape(batch, kv_heads, q_heads // kv_heads, count, dim)
     logits = torch.matmul(grouped, keys.float().unsqueeze(2).transpose(-1, -2)) * scaling
-    return logits.masked_fill(~visible[:, :, None], float("-inf")).softmax(dim=-1)
+    logits = logits.masked_fill(~visible[:, :, None], float("-inf"))
+    if sinks is None:
+        return logits.softmax(dim=-1)
+    sink = sinks.float().reshape(1, kv_heads, q_heads // kv_heads, 1, 1).expand(batch, -1, -1, count, 1)
+    return torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
 
 
 def pool_scores(scores: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
@@ -175,6 +188,7 @@ def snapkv_scores(
     kernel_size: int,
     pooling: str,
     gqa_reduce: str,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SnapKV importance of the keys before the observation window (Li et al., NeurIPS 2024, arXiv 2404.14469).
 
@@ -187,7 +201,7 @@ def snapkv_scores(
     query_pos = torch.arange(n - window, n, device=keys.device)
     visible = torch.arange(n, device=keys.device)[None, :] <= query_pos[:, None]  # [w, n] causal
     visible = (visible[None, :, :] & key_valid[:, None, :])[:, None]  # [B, 1, w, n]
-    attention = attention_probabilities(window_queries, keys, visible, scaling).sum(dim=-2)[..., : n - window]
+    attention = attention_probabilities(window_queries, keys, visible, scaling, sinks).sum(dim=-2)[..., : n - window]
     return reduce_groups(pool_scores(attention, kernel_size, pooling), gqa_reduce)
 
 
@@ -218,7 +232,7 @@ class SnapKVScoring(Policy):
     def score(self, view: PrefillView) -> torch.Tensor:
         n, window = view.keys.shape[2], self.window
         prefix = snapkv_scores(view.query[:, :, n - window :], view.keys, view.key_valid, view.scaling,
-                               self.kernel_size, self.pooling, self.gqa_reduce)
+                               self.kernel_size, self.pooling, self.gqa_reduce, attention_sinks(view.module))
         return torch.nn.functional.pad(prefix, (0, window))
 
 
@@ -260,12 +274,13 @@ def causal_attention_sums(view: PrefillView, last: int | None = None, budget: in
     chunk = max(1, min(n, budget // (batch * q_heads * n)))
     start = 0 if last is None else n - last
     key_index = torch.arange(n, device=view.keys.device)
+    sinks = attention_sinks(view.module)
     total = None
     for begin in range(start, n, chunk):
         end = min(begin + chunk, n)
         causal = key_index[None, :] <= torch.arange(begin, end, device=key_index.device)[:, None]  # [q, n]
         visible = (causal[None] & view.key_valid[:, None, :])[:, None]  # [B, 1, q, n]
-        probabilities = attention_probabilities(view.query[:, :, begin:end], view.keys, visible, view.scaling)
+        probabilities = attention_probabilities(view.query[:, :, begin:end], view.keys, visible, view.scaling, sinks)
         real_queries = view.key_valid[:, begin:end][:, None, None, :, None]  # a padding query adds nothing
         part = torch.nan_to_num(probabilities, nan=0.0).mul(real_queries).sum(dim=-2)
         total = part if total is None else total + part

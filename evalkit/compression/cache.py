@@ -40,6 +40,7 @@ from .base import (
     Policy,
     PrefillView,
     attention_probabilities,
+    attention_sinks,
     reduce_groups,
 )
 
@@ -121,16 +122,16 @@ class HeadState:
 
 
 def evict_after_step(heads, policy: Policy, query: torch.Tensor, keys: torch.Tensor, position: torch.Tensor,
-                     steps: torch.Tensor, scaling: float) -> None:
+                     steps: torch.Tensor, scaling: float, sinks: torch.Tensor | None = None) -> None:
     """After one decode step's attention (one token per row), hand it to a decode-time eviction policy and free, in
     place, the slots it names. ``heads`` holds ``valid``, ``positions``, ``scores`` and ``queries`` per KV head (a
     :class:`HeadState`, or the engine's slot layer): every valid slot is visible to this step's token."""
-    probabilities = attention_probabilities(query, keys, heads.valid[:, :, None, :], scaling)  # [B, Hkv, G, 1, S]
+    probabilities = attention_probabilities(query, keys, heads.valid[:, :, None, :], scaling, sinks)  # [B, Hkv, G, 1, S]
     batch, kv_heads, groups, _, slots = probabilities.shape
     view = DecodeView(
         probabilities=probabilities.reshape(batch, kv_heads * groups, slots), valid=heads.valid,
         positions=heads.positions, position=position, scores=heads.scores, query_buffer=heads.queries, keys=keys,
-        scaling=scaling, steps=steps, capacity=policy.cache_capacity(),
+        scaling=scaling, steps=steps, capacity=policy.cache_capacity(), sinks=sinks,
     )
     freed = policy.decode_evict(view)
     if freed is not None:
@@ -313,7 +314,8 @@ class CompressedCache(Cache):
         mask = visible.repeat_interleave(q_heads // visible.shape[1], dim=1)
         return mask if dtype is None else additive_mask(mask, dtype)
 
-    def after_decode_attention(self, layer_idx: int, query: torch.Tensor, keys: torch.Tensor, scaling: float) -> None:
+    def after_decode_attention(self, layer_idx: int, query: torch.Tensor, keys: torch.Tensor, scaling: float,
+                               sinks: torch.Tensor | None = None) -> None:
         """Hand this step's attention to a decode-time eviction policy and free the slots it names."""
         layer, policy = self.layers[layer_idx], self.layer_policies[layer_idx]
         heads = layer.heads
@@ -322,7 +324,8 @@ class CompressedCache(Cache):
             heads.queries = torch.cat([heads.queries, query], dim=2)[:, :, -window:]
         if policy.evicts_while_decoding:
             position = on_device(self.pending_positions[:, -1], keys)
-            evict_after_step(heads, policy, query, keys, position, torch.full_like(position, self.decode_steps), scaling)
+            evict_after_step(heads, policy, query, keys, position, torch.full_like(position, self.decode_steps), scaling,
+                             sinks)
 
     def realized(self, row: int) -> dict:
         """What row ``row`` held: prompt tokens kept per layer (mean over its KV heads), per layer and head, the most
@@ -393,7 +396,7 @@ def _hooked_attention(delegate, eager: bool):
         if cache is not None and cache.prefill_plan is not None:
             cache.compress_layer(module.layer_idx, module, query, key, value, scaling)
         elif per_head:
-            cache.after_decode_attention(module.layer_idx, query, key, scaling)
+            cache.after_decode_attention(module.layer_idx, query, key, scaling, attention_sinks(module))
         return output
 
     return attention

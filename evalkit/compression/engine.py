@@ -174,7 +174,7 @@ def _decode_attention(module, query, key, value, attention_mask, dropout: float 
                                                                   scale=scaling)
         output = output.reshape(batch, -1, 1, value.shape[-1]).transpose(1, 2).contiguous()
     if layer is not None and layer.valid is not None:
-        layer.after_attention(query, key, scaling)
+        layer.after_attention(query, key, scaling, getattr(module, "sinks", None))
     return output, None
 
 
@@ -218,13 +218,13 @@ class _SlotLayer(DynamicLayer):
             self.peak.copy_(torch.where(step["active"][:, None], torch.maximum(self.peak, held), self.peak))
         return self.keys, self.values
 
-    def after_attention(self, query: torch.Tensor, keys: torch.Tensor, scaling: float) -> None:
+    def after_attention(self, query: torch.Tensor, keys: torch.Tensor, scaling: float, sinks=None) -> None:
         """Hand this step's attention to a decode-time eviction policy and free the slots it names (in place)."""
         policy = self.policy
         if self.queries is not None:
             self.queries.copy_(torch.cat([self.queries[:, :, 1:], query], dim=2))
         if policy.evicts_while_decoding:
-            evict_after_step(self, policy, query, keys, self.step["position"], self.step["steps"], scaling)
+            evict_after_step(self, policy, query, keys, self.step["position"], self.step["steps"], scaling, sinks)
 
     def get_seq_length(self) -> int:
         return self.keys.shape[-2]

@@ -89,7 +89,7 @@ class CompressionSession:
         if per_head:
             # Rows keep per-layer, per-head validity; the row state only counts tokens and positions.
             keep = head_slots
-            kept = torch.stack([layer.heads.kept_prompt.amax(dim=1) for layer in self.cache.layers]).amax(dim=0).cpu()
+            kept = torch.stack([layer.heads.kept_prompt.amax(dim=1).cpu() for layer in self.cache.layers]).amax(dim=0)
             fixed, ring = kept.clone(), torch.full_like(kept, UNBOUNDED)
         else:
             kept = torch.minimum(real_len, torch.tensor(keep, device=device)).cpu()

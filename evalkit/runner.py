@@ -743,14 +743,16 @@ def summary(result: RunResult, spec: RunSpec) -> str:
     """A short table for the terminal."""
     head = (f"run {result.run_id}\nmodel={spec.model_name} task={spec.task} method={spec.method} "
             f"budget={spec.budget or '-'} capacity={spec.policy.cache_capacity() or 'all'}")
-    shown = result.metrics[result.metrics["subset"] != "memory"]
-    table = shown[["subset", "metric", "value", "stderr", "n"]].to_string(index=False, float_format="%.4f")
+    is_memory = result.metrics["subset"] == "memory"
+    table = result.metrics[~is_memory][["subset", "metric", "value", "stderr", "n"]].to_string(index=False,
+                                                                                             float_format="%.4f")
     if spec.memory is not None:
         v, d = spec.memory, spec.memory.deployment
+        best = result.metrics[is_memory].set_index("metric")["value"]["best_tokens_per_s_estimate"]
         table += (f"\nmemory on {d.name} ({d.hardware.name}, tp={d.tp}, batch={d.batch}, context={d.context}): "
                   f"{'fits' if v.fits else 'DOES NOT FIT'}; KV {v.kv / 2**30:.2f} GiB/socket, on-chip ratio "
                   f"{v.onchip_ratio:.1f}x, largest batch {v.max_batch}, ~{v.decode_tokens_per_s:.0f} tok/s at "
-                  f"batch {d.batch}, ~{memory.best_throughput(d, v.capacity)[1]:.0f} tok/s at best (bandwidth bound)")
+                  f"batch {d.batch}, ~{best:.0f} tok/s at best (bandwidth bound)")
     where = "\n".join(f"  {path}" for path in result.paths)
     return f"{head}\n{table}\nwritten (CSV copies under csv/):\n{where}"
 

@@ -101,6 +101,8 @@ def test_cli_run_writes_tidy_tables(tmp_path, random_model_dir):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "exact_match" in result.stdout
     metrics, samples = read_table(results, "metrics"), read_table(results, "samples")
+    best = metrics[(metrics["subset"] == "memory") & (metrics["metric"] == "best_tokens_per_s_estimate")]["value"]
+    assert f"~{best.iloc[0]:.0f} tok/s at best" in result.stdout  # the summary line reads the run's memory rows
     assert set(metrics["metric"]) >= {"exact_match", "realized_ratio_mean"}
     assert "all" in set(metrics["subset"]) and len(set(metrics["subset"])) > 1
     assert len(samples) == 6 and samples["doc_id"].is_unique

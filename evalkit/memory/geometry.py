@@ -113,13 +113,24 @@ class ModelGeometry:
         """One multi-token-prediction block: an MoE layer (its routed experts included) beside the model."""
         return self.mtp_layers * (self.dense_params / self.layers + self.experts * self.expert_params)
 
+    @property
+    def always_read_params(self) -> float:
+        """Parameters every decode step reads whatever the batch: a MoE model's dense part, a dense model's
+        ``read_params``."""
+        return self.dense_params if self.experts else self.read_params
+
+    def active_experts(self, tokens: int) -> float:
+        """Expected distinct routed experts per MoE layer for ``tokens`` tokens routed together (0: dense model)."""
+        return expected_active_experts(self.experts, self.experts_per_token, tokens) if self.experts else 0.0
+
+    def routed_step_params(self, tokens: int) -> float:
+        """Expected routed-expert parameters one decode step reads for ``tokens`` tokens routed together."""
+        return self.moe_layers * self.active_experts(tokens) * self.expert_params
+
     def step_params(self, tokens: int) -> float:
         """Expected parameters one decode step reads for ``tokens`` tokens routed together: the dense part once, plus
         in every MoE layer the distinct experts those tokens activate (uniform routing)."""
-        if not self.experts:
-            return self.read_params
-        active = expected_active_experts(self.experts, self.experts_per_token, tokens)
-        return self.dense_params + self.moe_layers * active * self.expert_params
+        return self.always_read_params + self.routed_step_params(tokens)
 
     @property
     def read_params(self) -> float:
@@ -183,7 +194,7 @@ PRESETS = {
     # DeepSeek-V3/R1 (config.json of deepseek-ai/DeepSeek-R1; arXiv 2412.19437): 256 routed experts of
     # 3 x 7168 x 2048 parameters, 8 per token, 1 shared, the first 3 of 61 layers dense, one MTP block.
     "deepseek_r1_671b": ModelGeometry("deepseek_r1_671b", layers=61, heads=128, attention="mla", kv_lora_rank=512,
-                                      qk_rope_head_dim=64, params=671e9, active_params=37e9, experts=256,
+                                      qk_rope_head_dim=64, params=671e9, experts=256,
                                       experts_per_token=8, shared_experts=1, dense_layers=3,
                                       expert_params=3 * 7168 * 2048, mtp_layers=1),
 }

@@ -32,7 +32,6 @@ from .geometry import (
     ModelGeometry,
     check_tp,
     dtype_bytes,
-    expected_active_experts,
     resolve_model,
 )
 
@@ -224,13 +223,10 @@ def price(deployment: Deployment, capacity: int | None = None) -> Verdict:
     # One step: the dense part once (a dense model's read_params: all of it, or its active share), the experts the
     # batch activates (the model runs 1 + mtp_tokens tokens per sequence; the MTP block runs once per draft on the
     # batch), each tier in proportion to what it holds; and the batch's KV from HBM.
-    if model.experts:
-        active = expected_active_experts(model.experts, model.experts_per_token, d.batch * (1 + d.mtp_tokens))
-        drafted = expected_active_experts(model.experts, model.experts_per_token, d.batch) if mtp else 0.0
-        dense_read = (model.dense_params + d.mtp_tokens * mtp_dense) * unit
-        routed_read = (model.moe_layers * active + d.mtp_tokens * mtp * drafted) * model.expert_params * unit
-    else:
-        active, dense_read, routed_read = 0.0, model.read_params * unit, 0.0
+    routed_tokens = d.batch * (1 + d.mtp_tokens)
+    drafted = d.mtp_tokens * mtp * model.active_experts(d.batch) * model.expert_params
+    dense_read = (model.always_read_params + d.mtp_tokens * mtp_dense) * unit
+    routed_read = (model.routed_step_params(routed_tokens) + drafted) * unit
     share = lambda part, whole: part / whole if whole else 1.0  # noqa: E731
     read_hbm = dense_read * share(dense_hbm, dense) + routed_read * share(routed_hbm, routed) + kv
     read_ddr = dense_read + routed_read + kv - read_hbm
@@ -244,7 +240,7 @@ def price(deployment: Deployment, capacity: int | None = None) -> Verdict:
         fits_sram=working_set <= sram_budget or not hw.sram_holds_kv,
         fits_hbm=kv <= hbm_free, fits_ddr=weights_ddr <= hw.ddr, max_batch=max_batch,
         onchip_ratio=d.context / tokens, decode_tokens_per_s=d.batch * d.tokens_per_step / step, step_seconds=step,
-        active_experts=active, read_hbm=read_hbm, read_ddr=max(0.0, read_ddr),
+        active_experts=model.active_experts(routed_tokens), read_hbm=read_hbm, read_ddr=max(0.0, read_ddr),
     )
 
 

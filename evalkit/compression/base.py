@@ -168,6 +168,20 @@ def attention_probabilities(queries: torch.Tensor, keys: torch.Tensor, visible: 
     return torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
 
 
+def causal_visible(key_valid: torch.Tensor, begin: int, end: int) -> torch.Tensor:
+    """``[B, 1, end - begin, n]`` bool: the prompt's queries ``begin..end-1`` see the keys at or before them, padding
+    (``key_valid`` ``[B, n]`` False) excluded."""
+    key_index = torch.arange(key_valid.shape[1], device=key_valid.device)
+    causal = key_index[None, :] <= torch.arange(begin, end, device=key_valid.device)[:, None]  # [q, n]
+    return (causal[None] & key_valid[:, None, :])[:, None]
+
+
+def slots_visible(valid: torch.Tensor, positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
+    """``[B, Hkv, q, S]`` bool: which cache slots (``valid`` and text ``positions``, ``[B, Hkv, S]``) each query at
+    ``query_positions`` (``[B, q]``) may attend to, head by head: held tokens at or before it."""
+    return valid[:, :, None, :] & (positions[:, :, None, :] <= query_positions[:, None, :, None])
+
+
 def pool_scores(scores: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
     """SnapKV's smoothing along the last axis: stride 1, padding kernel_size // 2, max or average (zeros padded)."""
     flat = scores.reshape(-1, 1, scores.shape[-1])
@@ -198,9 +212,7 @@ def snapkv_scores(
     query heads of each KV group. Returns ``[B, Hkv, n - w]``.
     """
     window, n = window_queries.shape[2], keys.shape[2]
-    query_pos = torch.arange(n - window, n, device=keys.device)
-    visible = torch.arange(n, device=keys.device)[None, :] <= query_pos[:, None]  # [w, n] causal
-    visible = (visible[None, :, :] & key_valid[:, None, :])[:, None]  # [B, 1, w, n]
+    visible = causal_visible(key_valid, n - window, n)
     attention = attention_probabilities(window_queries, keys, visible, scaling, sinks).sum(dim=-2)[..., : n - window]
     return reduce_groups(pool_scores(attention, kernel_size, pooling), gqa_reduce)
 
@@ -273,13 +285,11 @@ def causal_attention_sums(view: PrefillView, last: int | None = None, budget: in
     batch, q_heads, n, _ = view.query.shape
     chunk = max(1, min(n, budget // (batch * q_heads * n)))
     start = 0 if last is None else n - last
-    key_index = torch.arange(n, device=view.keys.device)
     sinks = attention_sinks(view.module)
     total = None
     for begin in range(start, n, chunk):
         end = min(begin + chunk, n)
-        causal = key_index[None, :] <= torch.arange(begin, end, device=key_index.device)[:, None]  # [q, n]
-        visible = (causal[None] & view.key_valid[:, None, :])[:, None]  # [B, 1, q, n]
+        visible = causal_visible(view.key_valid, begin, end)
         probabilities = attention_probabilities(view.query[:, :, begin:end], view.keys, visible, view.scaling, sinks)
         real_queries = view.key_valid[:, begin:end][:, None, None, :, None]  # a padding query adds nothing
         part = torch.nan_to_num(probabilities, nan=0.0).mul(real_queries).sum(dim=-2)

@@ -42,9 +42,11 @@ from .base import (
     attention_probabilities,
     attention_sinks,
     reduce_groups,
+    slots_visible,
 )
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
+_ACTIVE: contextvars.ContextVar[CompressedCache | None] = contextvars.ContextVar("evalkit_cache", default=None)
 
 
 def on_device(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -70,7 +72,6 @@ def layer_devices(model) -> list[torch.device]:
         raise ValueError(f"layers {offloaded} are offloaded (their weights are on 'meta'); evalkit needs every layer "
                          "on a device: give device_map only GPUs and cpu, or more GPU memory (max_memory)")
     return [devices.get(i, model.device) for i in range(model.config.num_hidden_layers)]
-_ACTIVE: contextvars.ContextVar[CompressedCache | None] = contextvars.ContextVar("evalkit_cache", default=None)
 
 
 @dataclasses.dataclass
@@ -207,12 +208,6 @@ class CompressedLayer(DynamicLayer):
         self.keys = self.keys.gather(2, index[..., None].expand(-1, -1, -1, self.keys.shape[-1]))
         self.values = self.values.gather(2, index[..., None].expand(-1, -1, -1, self.values.shape[-1]))
 
-    def visible(self, query_positions: torch.Tensor) -> torch.Tensor:
-        """``[B, Hkv, q, slots]`` bool: which slots each of this step's queries (at ``query_positions`` ``[B, q]``)
-        may attend to, head by head."""
-        heads = self.heads
-        return heads.valid[:, :, None, :] & (heads.positions[:, :, None, :] <= query_positions[:, None, :, None])
-
 
 class CompressedCache(Cache):
     """The cache a policy controls. Built by :class:`CompressionSession`; not meant to be passed to ``model.generate``."""
@@ -310,7 +305,8 @@ class CompressedCache(Cache):
     def head_mask(self, layer_idx: int, q_heads: int, dtype: torch.dtype | None) -> torch.Tensor:
         """This layer's attention mask for the step, ``[B, Hq, q, slots]`` (bool, or additive in ``dtype``)."""
         layer = self.layers[layer_idx]
-        visible = layer.visible(on_device(self.pending_positions, layer.keys))
+        heads = layer.heads
+        visible = slots_visible(heads.valid, heads.positions, on_device(self.pending_positions, layer.keys))
         mask = visible.repeat_interleave(q_heads // visible.shape[1], dim=1)
         return mask if dtype is None else additive_mask(mask, dtype)
 
@@ -436,7 +432,7 @@ def check_hookable(model) -> None:
         )
     if "sliding_attention" in layer_types and not getattr(config, "sliding_window", None):
         raise ValueError(f"{type(model).__name__} has sliding-window layers but no sliding_window in its config")
-    if implementation != "eager" and any(getattr(m, "sinks", None) is not None for m in attention_modules):
+    if implementation != "eager" and any(attention_sinks(m) is not None for m in attention_modules):
         raise ValueError(
             f"{type(model).__name__} has learned attention sinks, which sdpa does not compute; load it with "
             "attn_implementation='eager'"

@@ -15,6 +15,7 @@ from .base import (
     pool_scores,
     reduce_groups,
     require_int,
+    slots_visible,
 )
 
 
@@ -68,7 +69,7 @@ class DecodingSnapKV(SnapKVScoring):
         valid, positions, window = view.valid, view.positions, self.window
         target = self.capacity - self.interval
         query_positions = view.position[:, None] - window + 1 + torch.arange(window, device=valid.device)  # [B, w]
-        visible = valid[:, :, None, :] & (positions[:, :, None, :] <= query_positions[:, None, :, None])
+        visible = slots_visible(valid, positions, query_positions)
         attention = attention_probabilities(view.query_buffer, view.keys, visible, view.scaling, view.sinks).sum(dim=-2)
         # Group the query heads by the cache's heads (all of them for a latent cache): [B, Hkv, G, S].
         attention = attention.reshape(valid.shape[0], valid.shape[1], -1, attention.shape[-1])

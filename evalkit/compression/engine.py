@@ -32,7 +32,7 @@ from transformers.masking_utils import (
     AttentionMaskInterface,
 )
 
-from .base import Policy
+from .base import Policy, attention_sinks
 from .cache import (
     additive_mask,
     attention_implementation,
@@ -164,7 +164,8 @@ def _decode_attention(module, query, key, value, attention_mask, dropout: float 
         attention_mask = layer.valid[:, :, None, :]  # [B, Hkv, 1, T]: broadcast over the packed group queries
     groups = query.shape[1] // key.shape[1]
     batch, _, _, dim = query.shape
-    if getattr(module, "sinks", None) is not None:  # learned sinks (gpt-oss): the family's own eager attention
+    sinks = attention_sinks(module)
+    if sinks is not None:  # learned sinks (gpt-oss): the family's own eager attention
         mask = attention_mask.repeat_interleave(query.shape[1] // attention_mask.shape[1], dim=1)
         output, _ = family_eager(module, None)(module, query, key, value, additive_mask(mask, query.dtype),
                                                dropout=dropout, scaling=scaling, **kwargs)
@@ -174,7 +175,7 @@ def _decode_attention(module, query, key, value, attention_mask, dropout: float 
                                                                   scale=scaling)
         output = output.reshape(batch, -1, 1, value.shape[-1]).transpose(1, 2).contiguous()
     if layer is not None and layer.valid is not None:
-        layer.after_attention(query, key, scaling, getattr(module, "sinks", None))
+        layer.after_attention(query, key, scaling, sinks)
     return output, None
 
 
@@ -362,9 +363,10 @@ class Engine:
         self.slot_tokens = size
         if self.compile:
             state = [t for keys, values, heads in layers for t in (keys, values, *(heads or {}).values())]
-            for tensor in [*state, *self.cache.state_tensors(), self.active, self.valid, self.seq_len, self.written, self.fixed,
-                           self.ring, self.write_slot, self.next_token, self.generated, self.max_new, self.finished,
-                           self.seeds, self.do_sample, self.temperature, self.top_p]:
+            # state_tensors(): the step's write_slot, seq_len, generated and active, and their mirrors.
+            for tensor in [*state, *self.cache.state_tensors(), self.valid, self.written, self.fixed, self.ring,
+                           self.next_token, self.max_new, self.finished, self.seeds, self.do_sample, self.temperature,
+                           self.top_p]:
                 torch._dynamo.mark_static_address(tensor)
 
     def _head_state(self, kv_heads: int, size: int, config, policy: Policy, device: torch.device) -> dict:
@@ -487,8 +489,9 @@ class Engine:
         self.top_p[slot] = request.top_p or 1.0
         self.max_new[slot] = request.max_new_tokens
         self.generated[slot] = 0
-        first = choose_tokens(logits.float().to(self.finished.device), not request.do_sample, self.seeds[slot : slot + 1], self.generated[slot : slot + 1],
-                              self.do_sample[slot : slot + 1], self.temperature[slot : slot + 1], self.top_p[slot : slot + 1],
+        row = slice(slot, slot + 1)
+        first = choose_tokens(logits.float().to(self.finished.device), not request.do_sample, self.seeds[row],
+                              self.generated[row], self.do_sample[row], self.temperature[row], self.top_p[row],
                               request.top_p is not None)
         self.out[slot, 0] = first[0]
         self.next_token[slot] = first[0]

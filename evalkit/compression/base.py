@@ -182,6 +182,14 @@ def slots_visible(valid: torch.Tensor, positions: torch.Tensor, query_positions:
     return valid[:, :, None, :] & (positions[:, :, None, :] <= query_positions[:, None, :, None])
 
 
+def free_lowest(rank: torch.Tensor, eligible: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """Slots a one-per-step eviction frees, ``[..., S]`` bool: where ``full`` (``[...]``), the ``eligible`` slot of
+    lowest ``rank`` (ties: the first slot); nothing elsewhere."""
+    highest = float("inf") if rank.is_floating_point() else torch.iinfo(rank.dtype).max
+    victim = rank.masked_fill(~eligible, highest).argmin(dim=-1)
+    return torch.nn.functional.one_hot(victim, rank.shape[-1]).bool() & full[..., None]
+
+
 def pool_scores(scores: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
     """SnapKV's smoothing along the last axis: stride 1, padding kernel_size // 2, max or average (zeros padded)."""
     flat = scores.reshape(-1, 1, scores.shape[-1])

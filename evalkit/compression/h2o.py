@@ -13,6 +13,7 @@ from .base import (
     Policy,
     PrefillView,
     causal_attention_sums,
+    free_lowest,
     reduce_groups,
     require_choice,
     require_int,
@@ -67,5 +68,4 @@ class H2O(Policy):
         view.scores += reduce_groups(grouped, self.gqa_reduce)
         full = view.valid.sum(dim=-1) >= self.capacity  # [B, Hkv]
         heavy = view.valid & (view.positions <= (view.position - self.recent)[:, None, None])
-        victim = view.scores.masked_fill(~heavy, float("inf")).argmin(dim=-1)  # [B, Hkv]
-        return torch.nn.functional.one_hot(victim, slots).bool() & full[..., None]
+        return free_lowest(view.scores, heavy, full)

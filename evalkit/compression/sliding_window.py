@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import DecodeView, Policy, require_int
+from .base import DecodeView, Policy, free_lowest, require_int
 
 
 @dataclasses.dataclass
@@ -39,8 +39,7 @@ class SlidingWindow(Policy):
 
     def decode_evict(self, view: DecodeView) -> torch.Tensor | None:
         full = view.valid.sum(dim=-1) >= self.window  # [B, Hkv]
-        oldest = view.positions.masked_fill(~view.valid, torch.iinfo(view.positions.dtype).max).argmin(dim=-1)
-        return torch.nn.functional.one_hot(oldest, view.valid.shape[-1]).bool() & full[..., None]
+        return free_lowest(view.positions, view.valid, full)  # the oldest token
 
 
 def layer_policies(model, policy: Policy) -> list[Policy]:

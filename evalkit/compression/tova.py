@@ -8,7 +8,14 @@ from typing import ClassVar
 
 import torch
 
-from .base import DecodeView, Policy, PrefillView, causal_attention_sums, require_int
+from .base import (
+    DecodeView,
+    Policy,
+    PrefillView,
+    causal_attention_sums,
+    free_lowest,
+    require_int,
+)
 
 
 @dataclasses.dataclass
@@ -46,6 +53,5 @@ class TOVA(Policy):
     def decode_evict(self, view: DecodeView) -> torch.Tensor | None:
         mean = view.probabilities.mean(dim=1)  # [B, S]: every KV head holds the same tokens in the same slots
         full = view.valid[:, 0].sum(dim=-1) >= self.capacity  # [B]
-        victim = mean.masked_fill(~view.valid[:, 0], float("inf")).argmin(dim=-1)
-        freed = torch.nn.functional.one_hot(victim, view.valid.shape[-1]).bool() & full[:, None]
+        freed = free_lowest(mean, view.valid[:, 0], full)  # [B, S]
         return freed[:, None, :].expand_as(view.valid).clone()

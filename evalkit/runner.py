@@ -261,16 +261,10 @@ DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 def _device_map(value):
     """``model.device_map``: null (the whole model on ``device``), one of accelerate's strategies, or a mapping of
     module names to devices."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        if value not in DEVICE_MAPS:
-            raise ConfigError(f"model.device_map must be null, one of {list(DEVICE_MAPS)} or a mapping of module "
-                              f"names to devices, got {value!r}")
+    if value is None or value in DEVICE_MAPS:
         return value
     if isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
-        devices = {str(v) for v in value.values()}
-        if devices & {"meta", "disk"}:
+        if {str(v) for v in value.values()} & {"meta", "disk"}:
             raise ConfigError("model.device_map offloads layers to meta/disk; evalkit keeps each layer's cache on "
                               "that layer's device, so every layer needs a GPU or cpu")
         return {k: (v if isinstance(v, int) else str(v)) for k, v in value.items()}

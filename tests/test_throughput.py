@@ -13,6 +13,7 @@ import pytest
 from evalkit import memory
 from evalkit.memory.geometry import expected_active_experts
 from evalkit.memory.simulator import best_throughput, throughput_table
+from evalkit.paths import conf_dir
 
 PUBLISHED_TOKENS_PER_S = 1832  # SnapStream (arXiv 2511.03092): DeepSeek-R1, 16 SN40L sockets, 128k context
 
@@ -139,3 +140,18 @@ def test_evalkit_mem_prints_the_throughput_grid_and_plots_it(tmp_path):
     assert set(frame["budget"]) == {"full", "4x"} and (~frame["fits"]).any()
     plots = list((tmp_path / "plots" / "throughput").glob("*.png"))
     assert len(plots) == 1 and plots[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (conf_dir() / "deployment").glob("*.yaml")))
+def test_every_deployment_takes_the_throughput_settings_as_overrides(name):
+    """`evalkit-mem deployment=X deployment.kernel_looping=false ...` composes for every deployment (Hydra refuses a
+    key a config lacks)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    overrides = [f"deployment={name}", "deployment.kernel_looping=false", "deployment.kv_sharding=sequence",
+                 "deployment.mtp_tokens=0"]
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = OmegaConf.to_container(compose("memory", overrides=overrides), resolve=True)
+    deployment = memory.load_deployment(cfg["deployment"])
+    assert not deployment.kernel_looping and deployment.kv_sharding == "sequence"

@@ -13,6 +13,7 @@ over whole documents) has no compressed meaning here and is refused.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -82,6 +83,20 @@ def load_model(pretrained: str, dtype: str = "float32", device: str = "auto", at
     return model.eval(), tokenizer
 
 
+def stop_token_ids_of(pretrained: str, revision: str | None = None) -> list[int]:
+    """:func:`evalkit.compression.stop_token_ids` of a checkpoint from its files (generation config, else the model
+    config, and tokenizer), without loading its weights."""
+    from transformers import GenerationConfig
+
+    path = resolve_pretrained(pretrained)
+    try:
+        generation = GenerationConfig.from_pretrained(path, revision=revision)
+    except OSError:  # no generation_config.json: transformers derives one from the model config
+        generation = GenerationConfig.from_model_config(AutoConfig.from_pretrained(path, revision=revision))
+    model = type("Checkpoint", (), {"generation_config": generation})
+    return ec.stop_token_ids(model, AutoTokenizer.from_pretrained(path, revision=revision))
+
+
 def truncate_middle(tokenizer, text: str, max_len: int) -> tuple[str, bool]:
     """LongBench's truncation (pred.py), on the raw prompt before any chat template: ``ids = tokenizer.encode(prompt)``
     (special tokens included, as there); if longer than ``max_len``, keep ``ids[:max_len//2] + ids[-max_len//2:]`` and
@@ -98,12 +113,28 @@ def truncate_middle(tokenizer, text: str, max_len: int) -> tuple[str, bool]:
     return cut, True
 
 
+def stats_keys(requests) -> list[tuple]:
+    """``(task, doc_id, repeat)`` of each request: the key its statistics are stored under, so that a sample's row
+    gets its own request's numbers whatever order the requests finish in. lm-eval hands a prompt sampled n times as
+    the same request n times, in the order it stores their responses; ``repeat`` counts a document's requests in that
+    order (for log-likelihood, its choices). A request without lm-eval's metadata is its own document, named by its
+    place in the call."""
+    seen: Counter = Counter()
+    keys = []
+    for position, request in enumerate(requests):
+        doc_id = getattr(request, "doc_id", None)
+        owner = (getattr(request, "task_name", None), position if doc_id is None else doc_id)
+        keys.append((*owner, seen[owner]))
+        seen[owner] += 1
+    return keys
+
+
 @register_model("evalkit")
 class EvalkitLM(LM):
     """A transformers model plus a compression policy, as an lm-eval ``LM``.
 
-    Per-request statistics of the realized compression are kept in ``request_stats`` (a list per prompt string, in
-    request order) for the result tables.
+    Per-request statistics of the realized compression are kept in ``request_stats``, keyed by request
+    (:func:`stats_keys`), for the result tables.
     """
 
     def __init__(
@@ -145,6 +176,8 @@ class EvalkitLM(LM):
         if tokenizer is None:
             raise ValueError("a loaded model needs its tokenizer")
         self.model, self.tokenizer = model, tokenizer
+        self.stop_token_ids = ec.stop_token_ids(model, tokenizer)  # every EOS of the generation config and tokenizer
+        self._stop_token_texts = set(tokenizer.convert_ids_to_tokens(self.stop_token_ids))
         self.max_context = int(max_context or getattr(model.config, "max_position_embeddings", 0) or 0)
         if self.max_context < 1:
             raise ValueError("max_context is needed when the model config has no max_position_embeddings")
@@ -156,7 +189,7 @@ class EvalkitLM(LM):
         self.seed = int(seed)
         self.use_chat_template = bool(apply_chat_template)
         self.chats: dict[str, list[dict]] = {}  # templated prompt -> its messages (to truncate before the template)
-        self.request_stats: dict[str, list[dict]] = {}
+        self.request_stats: dict[tuple, dict] = {}  # (task, doc_id, repeat) -> that request's statistics
         self.progress = progress  # an evalkit.progress.Progress: finished generations survive a crash
         # > 0: also compare this many greedy tokens with a full-cache run (agreement, KL); no labels needed.
         self.fidelity_tokens = int(fidelity_tokens)
@@ -273,12 +306,13 @@ class EvalkitLM(LM):
         if not requests:
             return []
         keys = request_keys([(r.args[0], r.args[1]) for r in requests])
+        owners = stats_keys(requests)
         outputs: list[str | None] = [None] * len(requests)
         for index, key in enumerate(keys):
             record = self.progress.get(key) if self.progress is not None else None
             if record is not None:  # generated before an interruption
                 outputs[index] = record["text"]
-                self.request_stats.setdefault(requests[index].args[0], []).append(record["stats"])
+                self.request_stats[owners[index]] = record["stats"]
         todo = [i for i in range(len(requests)) if outputs[i] is None]
         prepared = [self._prepare(requests[i].args[0], dict(requests[i].args[1]), keys[i]) for i in todo]
         started, tokens = time.perf_counter(), 0
@@ -289,7 +323,7 @@ class EvalkitLM(LM):
                 index = todo[completion.index]
                 text, stats = self._finish(prepared[completion.index], completion)
                 outputs[index] = text
-                self.request_stats.setdefault(requests[index].args[0], []).append(stats)
+                self.request_stats[owners[index]] = stats  # by request: requests finish in any order
                 if self.progress is not None:
                     self.progress.add([{"key": keys[index], "text": text, "stats": stats}])
                 tokens += stats["generated_tokens"]
@@ -303,7 +337,7 @@ class EvalkitLM(LM):
     def engine(self) -> ec.Engine:
         """The continuous-batching engine: ``batch_size`` slots, kept between calls (a compiled step stays compiled)."""
         if self._engine is None:
-            self._engine = ec.Engine(self.model, self.policy, slots=self.batch_size, eos_token_id=self.tokenizer.eos_token_id,
+            self._engine = ec.Engine(self.model, self.policy, slots=self.batch_size, eos_token_id=self.stop_token_ids,
                                      tokenizer=self.tokenizer, compile=self.compile is not None,
                                      compile_backend=self.compile if self.compile != "inductor" else None,
                                      sync_every=self.sync_every)
@@ -337,7 +371,7 @@ class EvalkitLM(LM):
         else:
             input_ids, _, (truncated,), (start,) = self._encode([text], max_new_tokens, truncation)
             compress_prefix = start if self.compression_scope == "context" else None
-        stop_strings = [s for s in until if s and s != self.tokenizer.eos_token]
+        stop_strings = [s for s in until if s and s not in self._stop_token_texts]  # those end it as tokens
         # The sampling stream comes from the request itself: reproducible whatever ran before or beside it.
         request = ec.Request(input_ids[0].cpu(), max_new_tokens=max_new_tokens, do_sample=do_sample,
                              temperature=temperature, top_p=top_p, stop_strings=stop_strings,
@@ -354,7 +388,7 @@ class EvalkitLM(LM):
         if self.fidelity_tokens:
             ids = prepared["request"].input_ids[None].to(self.device)
             stats |= ec.fidelity(self.model, ids, self.policy, max_new_tokens=self.fidelity_tokens,
-                                 eos_token_id=self.tokenizer.eos_token_id)[0]
+                                 eos_token_id=self.stop_token_ids)[0]
         spec = prepared["spec"]
         if spec:
             stats |= {"prompt_tokens": spec["prompt_tokens"], "spec_kept_tokens": spec["kept_tokens"],
@@ -364,13 +398,14 @@ class EvalkitLM(LM):
     # -- log-likelihood --------------------------------------------------------------------------------------------
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         results = []
-        for request in tqdm(requests, desc="loglikelihood", disable=disable_tqdm):
+        for request, owner in zip(tqdm(requests, desc="loglikelihood", disable=disable_tqdm), stats_keys(requests)):
             context, continuation = request.args
-            results.append(self._score(context, continuation))
+            value, greedy, self.request_stats[owner] = self._score(context, continuation)
+            results.append((value, greedy))
         return results
 
     @torch.no_grad()
-    def _score(self, context: str, continuation: str) -> tuple[float, bool]:
+    def _score(self, context: str, continuation: str) -> tuple[float, bool, dict]:
         text = context.replace(CONTEXT_END, "")
         special = self._special_tokens(context)
         whole = self.tokenizer(text + continuation, add_special_tokens=special)["input_ids"]
@@ -388,10 +423,7 @@ class EvalkitLM(LM):
         target = ids[0, split:]
         logprob = float(logits.gather(1, target[:, None]).sum())
         greedy = bool((logits.argmax(dim=-1) == target).all())
-        self.request_stats.setdefault(context, []).append(
-            {"prompt_tokens": split, **session.realized(0)}
-        )
-        return logprob, greedy
+        return logprob, greedy, {"prompt_tokens": split, **session.realized(0)}
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
         raise NotImplementedError(

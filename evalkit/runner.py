@@ -416,8 +416,11 @@ def identify(spec: RunSpec) -> dict:
 
         generated = needle.source()
     draft = (spec.spec_prefill or {}).get("draft_model")
+    model_source = source("model.pretrained", _resolved(resolve_pretrained, spec.pretrained), revision=spec.revision)
     spec.identity = {
-        "model_source": source("model.pretrained", _resolved(resolve_pretrained, spec.pretrained), revision=spec.revision),
+        "model_source": model_source,
+        # The ids generation stops on (the generation config's and the tokenizer's EOS), as a JSON list.
+        "stop_token_ids": json.dumps(_stop_ids(spec)),
         "draft_source": source("method.draft_model", _resolved(resolve_pretrained, draft)) if draft else None,
         "dataset_source": (source("task.dataset.path", data_source, "dataset", dataset.get("revision")) if data_source
                            else generated if spec.task == "needle" else None),
@@ -425,6 +428,15 @@ def identify(spec: RunSpec) -> dict:
         "device_class": resolve_device(spec.device).split(":")[0],
     }
     return spec.identity
+
+
+def _stop_ids(spec: RunSpec) -> list[int]:
+    from evalkit.lm import stop_token_ids_of
+
+    try:
+        return stop_token_ids_of(spec.pretrained, spec.revision)
+    except OSError as error:
+        raise RunError(_model_unavailable(spec.pretrained, error)) from None
 
 
 def _resolved(resolve, name: str) -> str:
@@ -460,34 +472,22 @@ def completed_runs(results_dir: Path, spec: RunSpec) -> list[Path]:
     return sorted((Path(results_dir) / "metrics").glob(f"*-{config_digest(spec)}-*.parquet"))
 
 
-def _sample_context(sample: dict) -> str | None:
-    arguments = sample.get("arguments")
-    if isinstance(arguments, dict):
-        first = next(iter(arguments.values()), {})
-        return first.get("arg_0") if isinstance(first, dict) else None
-    if isinstance(arguments, (list, tuple)) and arguments:
-        return arguments[0][0]
-    return None
-
-
 def tidy_rows(
-    results: dict, task: str, stats: dict[str, list[dict]], reasoning: dict[str, str] | None = None
+    results: dict, task: str, stats: dict[tuple, dict], reasoning: dict[str, str] | None = None
 ) -> tuple[list[dict], list[dict]]:
-    """Metrics and sample rows from lm-eval's results dict (with ``log_samples``) and the adapter's stats
-    (``reasoning``: the first call's text per document, for two-call protocols)."""
+    """Metrics and sample rows from lm-eval's results dict (with ``log_samples``) and the adapter's stats, keyed by
+    request: ``(task, doc_id, repeat)`` (see :func:`evalkit.lm.stats_keys`); ``reasoning``: the first call's text per
+    document, for two-call protocols."""
     task_config = results.get("configs", {}).get(task, {})
     subset_fields = (task_config.get("metadata") or {}).get("subset_field") or []
     subset_fields = [subset_fields] if isinstance(subset_fields, str) else list(subset_fields)
     metric_names = [entry["metric"] for entry in task_config.get("metric_list", [])]
-    stats = {context: list(rows) for context, rows in stats.items()}
     samples = []
     for sample in results["samples"][task]:
-        context = _sample_context(sample)
-        realized = stats.get(context, [])
         predictions = all_responses(sample.get("filtered_resps") or sample.get("resps") or [])
         metric = metric_names[0] if metric_names else None
         for repeat, prediction in enumerate(predictions):
-            row_stats = realized.pop(0) if realized else {}
+            row_stats = stats.get((task, sample.get("doc_id"), repeat), {})
             kept = row_stats.get("kept_prompt_tokens")
             samples.append(
                 {
@@ -709,17 +709,18 @@ def _reasoning_pass(evaluate, task_config: dict, request_stats: dict, progress_p
     """Two-call chain of thought (LongBench-v2's CoT protocol): first the reasoning over the whole prompt, then the
     answer call, which gets the reasoning and the question but not the document.
 
-    Returns the answer pass's task config, the reasoning pass's per-document statistics (the compression that
+    Returns the answer pass's task config, the reasoning pass's statistics per document (the compression that
     matters happened on the document), and the reasoning per document.
     """
     first = copy.deepcopy(task_config)
     first["generation_kwargs"]["max_gen_toks"] = int(first["dataset_kwargs"].get("reasoning_max_gen_toks", 1024))
+    task = task_config["task"]
     results = evaluate(first)
     reasoning, stats = {}, {}
-    for sample in results["samples"][task_config["task"]]:
+    for sample in results["samples"][task]:
         key = _doc_key(sample["doc"])
         reasoning[key] = all_responses(sample.get("resps") or [])[0]
-        stats[key] = list(request_stats.get(_sample_context(sample), []))
+        stats[key] = request_stats.get((task, sample["doc_id"], 0), {})
     path = progress_path.with_name(f"{progress_path.stem}-reasoning.jsonl")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({"id": k, "reasoning": v}) + "\n" for k, v in reasoning.items()))
@@ -729,8 +730,8 @@ def _reasoning_pass(evaluate, task_config: dict, request_stats: dict, progress_p
 
 
 def _stats_of_reasoning_pass(results: dict, task: str, stats_by_doc: dict) -> dict:
-    """The answer pass's prompts mapped to the reasoning pass's statistics of the same document."""
-    return {_sample_context(sample): stats_by_doc.get(_doc_key(sample["doc"]), []) for sample in results["samples"][task]}
+    """The answer pass's requests mapped to the reasoning pass's statistics of the same document."""
+    return {(task, sample["doc_id"], 0): stats_by_doc.get(_doc_key(sample["doc"]), {}) for sample in results["samples"][task]}
 
 
 def summary(result: RunResult, spec: RunSpec) -> str:

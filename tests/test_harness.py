@@ -194,13 +194,13 @@ def test_generate_until_uses_the_policy_and_records_realized_compression(adapter
     compressed = EvalkitLM(model=model, tokenizer=tokenizer, method="snapkv", budget="4x", max_context=256, window=8, kernel_size=3)
     outputs = compressed.generate_until(requests, disable_tqdm=True)
     assert len(outputs) == 3 and all(isinstance(o, str) for o in outputs)
-    for prompt in prompts:
-        (stats,) = compressed.request_stats[prompt]
+    assert sorted(compressed.request_stats) == [(None, position, 0) for position in range(3)]
+    for stats in compressed.request_stats.values():
         assert stats["kept_prompt_tokens"] == [64] * model.config.num_hidden_layers
         assert stats["prompt_tokens"] > 64
     full = EvalkitLM(model=model, tokenizer=tokenizer, method="full", max_context=256)
     full.generate_until(requests, disable_tqdm=True)
-    assert all(full.request_stats[p][0]["realized_ratio"] == 1.0 for p in prompts)
+    assert [s["realized_ratio"] for s in full.request_stats.values()] == [1.0] * 3
 
 
 def test_loglikelihood_is_compress_then_score(adapter_parts):
@@ -221,7 +221,7 @@ def test_loglikelihood_is_compress_then_score(adapter_parts):
     compressed = EvalkitLM(model=model, tokenizer=tokenizer, method="streaming_llm", budget="8x", max_context=256)
     (squeezed, _), = compressed.loglikelihood([Request(context, continuation)], disable_tqdm=True)
     assert squeezed != pytest.approx(expected, abs=1e-3)
-    assert compressed.request_stats[context][0]["peak_cache_tokens"] == 32
+    assert compressed.request_stats[(None, 0, 0)]["peak_cache_tokens"] == 32
 
 
 def test_stop_strings_work_with_a_word_level_tokenizer(adapter_parts):
@@ -291,3 +291,80 @@ def test_a_hub_model_missing_offline_fails_with_one_line_saying_where_to_put_it(
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("evalkit:")]
     assert "huggingface-cli download Qwen/Qwen3-8B" in line and "model.pretrained=/path/to/that/folder" in line
     assert not (tmp_path / "results" / "metrics").exists()
+
+
+# -- per-sample statistics and stopping -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def many_eos_model_dir(random_model_dir, tmp_path_factory):
+    """The random model with 150 EOS ids in its generation config: sampled generations end at many lengths."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    path = tmp_path_factory.mktemp("many_eos")
+    shutil.copytree(random_model_dir, path, dirs_exist_ok=True)
+    GenerationConfig(eos_token_id=list(range(200, 350)), pad_token_id=0).save_pretrained(path)
+    return path
+
+
+def test_each_sample_row_carries_its_own_requests_statistics(many_eos_model_dir, tmp_path):
+    """Repeats of a prompt finish in another order than they were issued (the short ones first); each row's
+    generated_tokens must still be the length of its own prediction."""
+    from transformers import AutoTokenizer
+
+    from evalkit.runner import run
+
+    import json
+
+    data = tmp_path / "aime.jsonl"
+    data.write_text("".join(json.dumps({"id": str(n), "problem": f"k{n} v2 u3 ?", "answer": str(n)}) + "\n"
+                            for n in range(3)))
+    spec = spec_for("task=aime24", f"task.dataset.path={data}", f"model.pretrained={many_eos_model_dir}",
+                    f"results_dir={tmp_path}", "batch_size=12", "task.repeats=4", "device=cpu",
+                    "model.max_context=256", "task.generation.max_gen_toks=16")
+    samples = run(spec).samples
+    tokenizer = AutoTokenizer.from_pretrained(many_eos_model_dir)
+    lengths = samples["prediction"].map(lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    assert len(samples) == 12 and samples.groupby("doc_id")["repeat"].nunique().eq(4).all()
+    # The test can fail: within a prompt, the samples' lengths differ, so finishing order is not issue order.
+    assert samples.groupby("doc_id")["generated_tokens"].nunique().gt(1).all()
+    assert lengths.tolist() == samples["generated_tokens"].tolist()
+
+
+def test_generation_stops_on_every_eos_of_the_generation_config(adapter_parts, tmp_path):
+    """Two EOS ids in the generation config, neither the tokenizer's: a request ends at whichever comes first, in the
+    engine, ec.generate and the fidelity pass; the run identity records the list."""
+    from lm_eval.api.instance import Instance
+
+    from evalkit.lm import EvalkitLM, stop_token_ids_of
+
+    model, tokenizer = adapter_parts
+    prompt = "k1 v2 u3 k4 v5 ? k1"
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    saved = model.generation_config.eos_token_id
+    try:
+        model.generation_config.eos_token_id = []
+        free = ec.generate(model, ids, ec.Full(), max_new_tokens=24).sequences[0, ids.shape[1]:].tolist()
+        # Two tokens the model emits, each at the step it first appears, neither the tokenizer's EOS.
+        new = [step for step, token in enumerate(free) if token not in free[:step] and token != tokenizer.eos_token_id]
+        end_second, end_first = new[:2]
+        first, second = free[end_first], free[end_second]
+        model.generation_config.eos_token_id = [first, second]
+        assert ec.stop_token_ids(model, tokenizer) == sorted({first, second, tokenizer.eos_token_id})
+        assert ec.generate(model, ids, ec.Full(), max_new_tokens=24, tokenizer=tokenizer).stats[0]["generated_tokens"] == end_second + 1
+        lm = EvalkitLM(model=model, tokenizer=tokenizer, method="full", max_context=256, fidelity_tokens=24)
+        request = Instance("generate_until", {}, (prompt, {"until": [], "max_gen_toks": 24}), 0)
+        lm.generate_until([request], disable_tqdm=True)
+        stats = lm.request_stats[(None, 0, 0)]
+        assert stats["generated_tokens"] == end_second + 1 and stats["token_agreement"] == 1.0
+        assert stats["compared_tokens"] == end_second + 1  # the fidelity pass stopped there too
+        model.generation_config.eos_token_id = [first]
+        lm = EvalkitLM(model=model, tokenizer=tokenizer, method="full", max_context=256)
+        lm.generate_until([request], disable_tqdm=True)
+        assert lm.request_stats[(None, 0, 0)]["generated_tokens"] == end_first + 1
+        model.generation_config.eos_token_id = [first, second]
+        model.save_pretrained(tmp_path)
+        tokenizer.save_pretrained(tmp_path)
+        assert stop_token_ids_of(str(tmp_path)) == sorted({first, second, tokenizer.eos_token_id})
+    finally:
+        model.generation_config.eos_token_id = saved

@@ -18,7 +18,7 @@ from .engine import Completion, Engine, Request, compile_backend
 from .expected_attention import ExpectedAttention
 from .fidelity import fidelity
 from .full import Full
-from .generate import GenerationOutput, generate
+from .generate import GenerationOutput, generate, stop_token_ids
 from .h2o import H2O
 from .knorm import KNorm
 from .observed_attention import ObservedAttention
@@ -64,4 +64,5 @@ __all__ = [
     "map_by_characters",
     "policy_from_budget",
     "snapkv_scores",
+    "stop_token_ids",
 ]

@@ -41,7 +41,7 @@ from .cache import (
     family_eager,
     layer_devices,
 )
-from .generate import _eos_ids, _stop_criteria, prefill
+from .generate import _eos_ids, _stop_criteria, prefill, stop_token_ids
 from .sliding_window import layer_policies
 
 _MASK32 = 0xFFFFFFFF
@@ -287,6 +287,7 @@ class Engine:
     of the stream, which must then be a list). ``grow=True``: start small and grow (not with ``compile``).
     ``compile``: compile the decode step with ``torch.compile`` (``compile_backend`` picks the backend; on CUDA the
     default mode uses CUDA graphs). ``sync_every``: decode steps between two looks of the host at the slots.
+    ``eos_token_id``: the ids that end a request (default :func:`stop_token_ids` of the model and ``tokenizer``).
     """
 
     def __init__(self, model, policy: Policy, slots: int = 8, *, eos_token_id=None, tokenizer=None,
@@ -311,7 +312,7 @@ class Engine:
                              "instead of grow")
         self.model, self.policy, self.slots = model, policy, slots
         self.tokenizer, self.grow, self.sync_every = tokenizer, grow, sync_every
-        self.eos = _eos_ids(eos_token_id if eos_token_id is not None else model.generation_config.eos_token_id)
+        self.eos = _eos_ids(stop_token_ids(model, tokenizer) if eos_token_id is None else eos_token_id)
         self.eos_device = self.eos.to(model.device) if self.eos is not None else None
         self.requested_slot_tokens = slot_tokens
         self.eager = model.config._attn_implementation == "eager"

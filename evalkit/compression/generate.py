@@ -24,11 +24,20 @@ class GenerationOutput:
     stats: list[dict]  # per sample, see `generate`
 
 
+def stop_token_ids(model, tokenizer=None) -> list[int]:
+    """The token ids that end a generation, as transformers' ``generate`` and vLLM stop: every id of the model's
+    ``generation_config.eos_token_id`` (a list for Llama-3.1: 128001/128008/128009, Qwen3: 151645/151643; Gemma-3's
+    turn end ``<end_of_turn>`` is not its tokenizer's EOS) and the tokenizer's ``eos_token_id``."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    return sorted({int(i) for i in [*ids, getattr(tokenizer, "eos_token_id", None)] if i is not None})
+
+
 def _eos_ids(eos_token_id) -> torch.Tensor | None:
     if eos_token_id is None:
         return None
     ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    return torch.tensor(ids, dtype=torch.long)
+    return torch.tensor(ids, dtype=torch.long) if ids else None
 
 
 class _DecodedStop:
@@ -116,7 +125,7 @@ def generate(
     """Generate up to ``max_new_tokens`` tokens per row with the cache under ``policy``.
 
     Prompts in a batch are left-padded (``attention_mask`` 0 on padding). A row stops at an EOS id or once its text
-    ends with a stop string; finished rows are filled with ``pad_token_id`` (default: the first EOS id, else 0).
+    ends with a stop string; ``eos_token_id=None`` stops on :func:`stop_token_ids` (``[]``: on none); finished rows are filled with ``pad_token_id`` (default: the first EOS id, else 0).
     ``stats`` per row: ``prompt_tokens``, ``generated_tokens``, ``kept_prompt_tokens`` (per layer, after prefill;
     the mean over KV heads), ``kept_prompt_tokens_per_head`` (per layer and KV head), ``peak_cache_tokens`` (most
     tokens the cache held for the row; for per-layer or per-head budgets, the mean over layers and heads),
@@ -134,7 +143,7 @@ def generate(
     their original positions); generated tokens continue from the largest + 1.
     """
     _validate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_p, stop_strings, tokenizer)
-    eos = _eos_ids(eos_token_id)
+    eos = _eos_ids(stop_token_ids(model, tokenizer) if eos_token_id is None else eos_token_id)
     if pad_token_id is None:
         pad_token_id = int(eos[0]) if eos is not None else 0
     warpers = LogitsProcessorList()

@@ -30,6 +30,8 @@ import time
 
 import torch
 
+from .generate import stop_token_ids
+
 
 @dataclasses.dataclass
 class SpecPrefill:
@@ -62,7 +64,7 @@ class SpecPrefill:
         model = self.draft
         ids = draft_ids[None].to(model.device)
         n = ids.shape[1]
-        eos = _eos_ids(model, self.draft_tokenizer)
+        eos = stop_token_ids(model, self.draft_tokenizer)
         original = model.config._attn_implementation
         model.config._attn_implementation = "eager"  # attention probabilities are needed
         try:
@@ -147,12 +149,6 @@ def _prompt_attention(attentions, n: int) -> torch.Tensor:
     the softmax over those keys alone (the reference's look-ahead queries attend to the context only)."""
     rows = torch.stack([a[0, :, -1, :n] for a in attentions]).float()
     return rows / rows.sum(dim=-1, keepdim=True)
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    ids = getattr(model.generation_config, "eos_token_id", None)
-    ids = ids if isinstance(ids, (list, tuple)) else [ids]
-    return {int(i) for i in [*ids, getattr(tokenizer, "eos_token_id", None)] if i is not None}
 
 
 def _same_tokenizer(a, b) -> bool:

@@ -26,6 +26,7 @@ CONFIG_COLUMNS: dict[str, pa.DataType] = {
     "model": pa.string(),
     "model_pretrained": pa.string(),
     "model_source": pa.string(),  # hub:<id>@<commit> or local:sha256:<fingerprint of weights, config, tokenizer>
+    "stop_token_ids": pa.string(),  # JSON list: the generation config's and the tokenizer's EOS ids
     "apply_chat_template": pa.bool_(),
     "chat_template_sha": pa.string(),
     "method": pa.string(),

@@ -260,6 +260,25 @@ class EvalkitLM(LM):
         return self.apply_chat_template(messages + ([{"role": "assistant", "content": prefix}] if prefix else []),
                                         add_generation_prompt=not prefix), True
 
+    def _tokenize(self, text: str) -> tuple[list[int], int | None]:
+        """The ids of ``text`` without its :data:`CONTEXT_END` mark, tokenized whole (as the official scripts send
+        the prompt: a byte-level tokenizer merges across the mark, ``</text>\n\nWhat``), and the number of tokens
+        before the mark: the tokens that start before it, found by character offsets (a token that straddles the
+        mark belongs to the document). A tokenizer without offsets (a slow one) gives no boundary, or, where
+        ``compression_scope=context`` needs one, is split in two pieces at the mark."""
+        head, marker, tail = text.partition(CONTEXT_END)
+        special = self._special_tokens(text)
+        if not marker or not (self.tokenizer.is_fast or self.compression_scope == "context"):
+            return self.tokenizer(head + tail, add_special_tokens=special)["input_ids"], None
+        if not self.tokenizer.is_fast:
+            ids = self.tokenizer(head, add_special_tokens=special)["input_ids"]
+            return ids + self.tokenizer(tail, add_special_tokens=False)["input_ids"], len(ids)
+        encoded = self.tokenizer(head + tail, add_special_tokens=special, return_offsets_mapping=True)
+        ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+        text_tokens = [index for index, (start, end) in enumerate(offsets) if end > start]
+        after = [index for index in text_tokens if offsets[index][0] >= len(head)]
+        return ids, after[0] if after else (text_tokens[-1] + 1 if text_tokens else len(ids))
+
     # -- generation ------------------------------------------------------------------------------------------------
     def _encode(
         self, texts: list[str], reserve: int, truncation: str = "left"
@@ -276,11 +295,7 @@ class EvalkitLM(LM):
             raise ValueError(f"truncation must be one of {TRUNCATIONS}, got {truncation!r}")
         encoded, prefixes = [], []
         for text in texts:
-            head, marker, tail = text.partition(CONTEXT_END)
-            ids = self.tokenizer(head, add_special_tokens=self._special_tokens(text))["input_ids"]
-            prefix = len(ids) if marker else None
-            if marker:
-                ids += self.tokenizer(tail, add_special_tokens=False)["input_ids"]
+            ids, prefix = self._tokenize(text)
             encoded.append(ids)
             prefixes.append(prefix)
         truncated = [len(ids) > limit for ids in encoded]

@@ -529,7 +529,9 @@ def tidy_rows(
         parts = frame["subset"].str.split("/", expand=True)
         for position, _field in enumerate(subset_fields):
             for subset, group in frame.groupby(parts[position]):
-                per_doc = group.groupby("doc_id")["score"].mean()
+                per_doc = group.groupby("doc_id")["score"].mean().dropna()  # unscored: out of the denominator
+                if per_doc.empty:
+                    continue
                 stderr = float(per_doc.std(ddof=1) / len(per_doc) ** 0.5) if len(per_doc) > 1 else None
                 metrics.append({"subset": subset, "metric": metric_names[0], "value": float(per_doc.mean()),
                                 "stderr": stderr, "n": len(per_doc)})

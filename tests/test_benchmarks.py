@@ -100,9 +100,10 @@ def test_longbench_answer_extraction(response, expected):
 
 def test_longbench_scores_right_wrong_and_malformed():
     doc = longbench_rows()[0]
-    assert longbench.score(doc, "The correct answer is (B)") == {"accuracy": 1.0, "extraction_failed": 0.0}
-    assert longbench.score(doc, "The correct answer is (A)") == {"accuracy": 0.0, "extraction_failed": 0.0}
-    assert longbench.score(doc, "blue, obviously") == {"accuracy": 0.0, "extraction_failed": 1.0}
+    scored = {"empty_outputs": 0.0}
+    assert longbench.score(doc, "The correct answer is (B)") == {"accuracy": 1.0, "extraction_failed": 0.0, **scored}
+    assert longbench.score(doc, "The correct answer is (A)") == {"accuracy": 0.0, "extraction_failed": 0.0, **scored}
+    assert longbench.score(doc, "blue, obviously") == {"accuracy": 0.0, "extraction_failed": 1.0, **scored}
 
 
 def test_longbench_bad_row_is_refused():

@@ -31,15 +31,15 @@ REQUIRED = ("_id", "question", "choice_A", "choice_B", "choice_C", "choice_D", "
 
 
 def fill(template: str, doc: dict, reasoning: str = "") -> str:
-    """The official substitution: every field stripped; the document is followed by the context-end mark."""
-    text = template.replace("$Q$", doc["question"].strip()).replace("$COT$", reasoning.strip())
+    """The official substitution (pred.py): plain ``str.replace`` in its order, ``$DOC$`` first, then ``$Q$``, the
+    choices and ``$COT$`` last, every field stripped; so a document that contains ``$Q$`` gets the question there, as
+    in the official prompt. The document is followed by the context-end mark, which sits in the template (after
+    ``</text>\n\n``) before any substitution, so no field can move it."""
+    text = template.replace("</text>\n\n", "</text>\n\n" + CONTEXT_END, 1) if "$DOC$" in template else template
+    text = text.replace("$DOC$", doc["context"].strip()).replace("$Q$", doc["question"].strip())
     for letter in "ABCD":
         text = text.replace(f"$C_{letter}$", doc[f"choice_{letter}"].strip())
-    if "$DOC$" in text:
-        head, tail = text.split("$DOC$")
-        tail_head, _, rest = tail.partition("</text>\n\n")
-        text = head + doc["context"].strip() + tail_head + "</text>\n\n" + CONTEXT_END + rest
-    return text
+    return text.replace("$COT$", reasoning.strip())
 
 
 def extract_answer(response: str) -> str | None:
@@ -60,6 +60,19 @@ def check_row(row: dict) -> dict:
     return row
 
 
-def score(doc: dict, response: str) -> dict:
+EMPTY_OUTPUT = ("skip", "zero")
+
+
+def score(doc: dict, response: str, empty_output: str = "skip") -> dict:
+    """Accuracy and extraction failure of one response. An empty output (of the answer call, or of the reasoning
+    call under CoT) is what pred.py drops (``if output == '': continue``), so result.py leaves it out of every
+    denominator: with ``empty_output="skip"`` (official) it counts only in ``empty_outputs``; ``"zero"`` scores it
+    wrong."""
+    if empty_output not in EMPTY_OUTPUT:
+        raise ValueError(f"empty_output must be one of {EMPTY_OUTPUT}, got {empty_output!r}")
+    empty = response == "" or (doc.get("prompt_mode") == "answer" and doc.get("reasoning") == "")
+    if empty and empty_output == "skip":
+        return {"empty_outputs": 1.0}
     predicted = extract_answer(response)
-    return {"accuracy": float(predicted == doc["answer"]), "extraction_failed": float(predicted is None)}
+    return {"accuracy": float(predicted == doc["answer"]), "extraction_failed": float(predicted is None),
+            "empty_outputs": float(empty)}

@@ -1,0 +1,82 @@
+"""Conformance with the official code, as golden cases: each expected value below is what the official script itself
+produced on the same input (THUDM/LongBench pred.py/result.py; lcb_runner testing_util.py; open-r1 rewards.py and
+lighteval's aime24 at open-r1's pin). A change that drifts from the official behaviour fails here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evalkit.lm import CONTEXT_END
+from evalkit.scoring import longbench
+
+# -- LongBench-v2 (pred.py, result.py) ------------------------------------------------------------------------------
+TRICKY = {"context": "  A paper: let $Q$ be the set and $C_B$ a constant; $DOC$ here. ", "question": " Is $DOC$ in $C_A$? ",
+          "choice_A": " yes $C_B$ ", "choice_B": "no", "choice_C": "$Q$", "choice_D": "maybe"}
+
+
+def test_longbench_fills_the_template_in_pred_py_order():
+    """pred.py: ``template.replace('$DOC$', ...).replace('$Q$', ...).replace('$C_A$', ...)...`` then ``$COT$``: a
+    document holding ``$Q$`` gets the question, a question holding ``$DOC$`` keeps it, reasoning is not filled."""
+    prompt = longbench.fill(longbench.ZERO_SHOT, TRICKY)
+    assert prompt.replace(CONTEXT_END, "") == (
+        "Please read the following text and answer the question below.\n\n<text>\nA paper: let Is $DOC$ in yes no? be "
+        "the set and no a constant; $DOC$ here.\n</text>\n\nWhat is the correct answer to this question: Is $DOC$ in "
+        "yes no?\nChoices:\n(A) yes no\n(B) no\n(C) $Q$\n(D) maybe\n\nFormat your response as follows: \"The correct "
+        "answer is (insert answer here)\".")
+    assert prompt.index(CONTEXT_END) == prompt.index("</text>\n\n") + len("</text>\n\n")
+    answer = longbench.fill(longbench.COT_ANSWER, TRICKY, "Because $C_A$ and $Q$ hold, (A).")
+    assert answer == (
+        "Please read the following text and answer the questions below.\n\nThe text is too long and omitted here.\n\n"
+        "What is the correct answer to this question: Is $DOC$ in yes no?\nChoices:\n(A) yes no\n(B) no\n(C) $Q$\n"
+        "(D) maybe\n\nLet\u2019s think step by step: Because $C_A$ and $Q$ hold, (A).\n\nBased on the above, what is "
+        "the single, most likely answer choice? Format your response as follows: \"The correct answer is (insert "
+        "answer here)\".")
+
+
+@pytest.fixture(scope="module")
+def byte_level_lm(random_model_dir):
+    """The adapter with a GPT-2-style byte-level tokenizer (as SmolLM2's): ``\\n\\n`` at the end of a piece is one
+    token, inside ``\\n\\nWhat`` two."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from evalkit.lm import EvalkitLM, load_model
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer, core.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|endoftext|>"], show_progress=False)
+    core.train_from_iterator(["doc end.\n</text>\n\n", "What is the answer?"] * 20, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    model, _ = load_model(str(random_model_dir), device="cpu")
+    return EvalkitLM(model=model, tokenizer=tokenizer, max_context=256)
+
+
+@pytest.mark.parametrize("scope", ["prompt", "context"])
+def test_longbench_prompt_is_tokenized_whole_with_the_document_end_found_by_offsets(byte_level_lm, scope):
+    lm, document = byte_level_lm, "doc end.\n</text>\n\n"
+    lm.compression_scope = scope
+    text = document + CONTEXT_END + "What is the answer?"
+    ids, _, _, (start,) = lm._encode([text], reserve=4)
+    whole = lm.tokenizer(document + "What is the answer?")["input_ids"]
+    pieces = lm.tokenizer(document)["input_ids"] + lm.tokenizer("What is the answer?")["input_ids"]
+    assert whole != pieces  # the tokenizer merges across the mark: tokenizing in two pieces would differ
+    assert ids[0].tolist() == whole
+    assert lm.tokenizer.convert_ids_to_tokens(whole[start:start + 1]) == ["What"]  # the question starts there
+
+
+def test_longbench_drops_empty_outputs_from_the_denominator_as_result_py_does():
+    """pred.py skips an item whose output is '' (either call under CoT); result.py divides by the items written."""
+    doc = {"answer": "B", "prompt_mode": "zero_shot", "reasoning": ""}
+    outputs = ["The correct answer is (B)", "", "The correct answer is (A)", " "]
+    official_overall = sum(longbench.extract_answer(o) == "B" for o in outputs if o != "") / sum(o != "" for o in outputs)
+    scored = [longbench.score(doc, output) for output in outputs]
+    accuracy = [s["accuracy"] for s in scored if "accuracy" in s]
+    assert sum(accuracy) / len(accuracy) == official_overall == 1 / 3
+    assert sum(s["empty_outputs"] for s in scored) == 1
+    assert longbench.score(doc, "", "zero") == {"accuracy": 0.0, "extraction_failed": 1.0, "empty_outputs": 1.0}
+    cot_answer = {**doc, "prompt_mode": "answer", "reasoning": ""}  # the reasoning call came back empty
+    assert longbench.score(cot_answer, "The correct answer is (B)") == {"empty_outputs": 1.0}
+    with pytest.raises(ValueError, match="empty_output"):
+        longbench.score(doc, "", "drop")

@@ -80,3 +80,49 @@ def test_longbench_drops_empty_outputs_from_the_denominator_as_result_py_does():
     assert longbench.score(cot_answer, "The correct answer is (B)") == {"empty_outputs": 1.0}
     with pytest.raises(ValueError, match="empty_output"):
         longbench.score(doc, "", "drop")
+
+
+# -- AIME (open-r1 rewards.py accuracy_reward; lighteval aime24 math_pass@1 at open-r1's pin) -----------------------
+# (gold, completion, open-r1's reward, lighteval's math_pass@1, the last box after </think>): the first two columns
+# of verdicts are what the official functions returned on these completions.
+AIME_CASES = [
+    ("204", "<think>so it is \\boxed{204} I think</think> The answer is 204.", 1, 1, 0),
+    ("204", "<think>compute... \\boxed{204}</think>", 1, 1, 0),
+    ("204", "The final answer is $204$.", 1, 1, 0),
+    ("204", "<think>maybe \\boxed{17}</think> Final: \\boxed{204}", 1, 1, 1),
+    ("204", "Therefore, the final answer is: $\\boxed{204}$. I hope it is correct", 1, 1, 1),
+    ("204", "The answer is 204.", 0, 1, 0),
+    ("204", "I get 204", 0, 1, 0),
+    ("204", "\\boxed{ 204 }", 1, 1, 1),
+    ("204", "\\boxed{204.}", 0, 0, 0),
+    ("204", "\\boxed{\\text{204}}", 1, 1, 1),
+    ("204", "\\boxed{203} wait, no: \\boxed{204}", 0, 0, 1),
+    ("204", "", 0, 0, 0),
+    ("33", "so $m+n = 33$", 0, 1, 0),
+    ("33", "**Final Answer**\n\\[\n\\boxed{33}\n\\]", 1, 1, 1),
+    ("25", "x = \\frac{50}{2}, so the answer is $\\frac{50}{2}$", 1, 1, 0),
+    ("025", "\\boxed{25}", 1, 1, 1),
+    ("204", "The answer: 204", 0, 1, 0),
+    ("204", "</think>\n\n204", 0, 1, 0),
+]
+
+
+@pytest.mark.parametrize("column, profile", [(2, "open_r1"), (3, "lighteval"), (4, "r1_final_box")])
+def test_aime_extraction_profiles_agree_with_the_official_rewards(column, profile):
+    from evalkit.scoring import aime
+
+    got = [aime.score({"answer": case[0]}, [case[1]], profile)["pass@1"] for case in AIME_CASES]
+    assert got == [float(case[column]) for case in AIME_CASES]
+
+
+def test_aime_lighteval_prompt_is_aime_prompt_fn():
+    from evalkit.scoring import aime
+
+    problem = "Find $x$ if {x} = 2."
+    assert aime.prompt({"problem": problem, "prompt_style": "lighteval"}) == (
+        "Solve the following math problem efficiently and clearly.  The last line of your response should be of the "
+        "following format: 'Therefore, the final answer is: $\\boxed{ANSWER}$. I hope it is correct' (without "
+        "quotes) where ANSWER is just the final number or expression that solves the problem. Think step by step "
+        "before answering.\n\nFind $x$ if {x} = 2.")
+    assert aime.prompt({"problem": problem, "prompt_style": "r1"}) == (
+        problem + "\nPlease reason step by step, and put your final answer within \\boxed{}.")

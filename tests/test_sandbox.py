@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import threading
 
@@ -138,3 +139,64 @@ def test_run_many_keeps_order_on_a_bounded_pool():
 def test_bad_arguments_are_rejected():
     with pytest.raises(ValueError, match="timeout_s"):
         sandbox.run("print(1)", timeout_s=0)
+
+
+# A non-root user (the tests run as root, which the process limit exempts) grades with more sandboxes at once than
+# the per-sandbox process limit, while the grading process itself holds many threads.
+_AS_NOBODY = r"""
+import json, sys, threading
+from evalkit import sandbox
+sandbox.MAX_PROCESSES = 8
+hold = threading.Event()
+for _ in range(16):  # many threads in the harness: they count as the user's processes too
+    threading.Thread(target=hold.wait, daemon=True).start()
+jobs = [{"code": f"import subprocess; print(subprocess.run(['true']).returncode + {i})", "timeout_s": 20.0}
+        for i in range(36)]
+results = sandbox.run_many(jobs, workers=12)
+greedy = sandbox.run("import subprocess\nchildren = [subprocess.Popen(['sleep', '5']) for _ in range(12)]", timeout_s=20)
+hold.set()
+print(json.dumps({"isolation": sandbox.isolation(), "statuses": [r.status for r in results],
+                  "greedy": [greedy.status, "BlockingIOError" in greedy.stderr],
+                  "stdout": [r.stdout for r in results], "stderr": [r.stderr[-300:] for r in results if r.status != "ok"]}))
+"""
+
+
+# Where the interpreter sits under root's home (pyenv), the test runs in a private mount namespace in which that
+# home is an empty world-searchable tmpfs that shows only the interpreter's folder: nobody can then run it.
+_EXPOSE_INTERPRETER = r"""
+set -e
+home=$(dirname "$1"); keep=$(mktemp -d)
+mount --bind "$1" "$keep"
+mount -t tmpfs -o mode=755 tmpfs "$home"
+mkdir -p "$1" && mount --bind "$keep" "$1"
+shift
+exec "$@"
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not all(map(shutil.which, ("setpriv", "unshare"))),
+                    reason="dropping privileges needs root, setpriv and unshare")
+def test_a_non_root_user_grades_with_more_sandboxes_than_the_process_limit():
+    """As user nobody (root is exempt from the process limit), with many threads in the grading process and more
+    sandboxes at once than the limit: every trivial program runs, in the namespaces wherever root gets them."""
+    import json
+    import subprocess
+    import sys
+
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/tmp", "TMPDIR": "/tmp",
+           "PYTHONPATH": os.pathsep.join(sys.path)}
+    command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", _AS_NOBODY]
+    interpreter = os.path.realpath(sys.base_prefix)
+    hidden = next((p for p in (interpreter, *map(str, __import__("pathlib").Path(interpreter).parents))
+                   if os.path.dirname(p) and not os.stat(p).st_mode & 0o001), None)
+    if hidden is not None:  # a folder on the way that others cannot search, e.g. /root
+        exposed = os.path.join(hidden, os.path.relpath(interpreter, hidden).split(os.sep)[0])
+        command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", _EXPOSE_INTERPRETER, "expose",
+                   exposed, *command]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd="/tmp", timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["statuses"] == ["ok"] * 36, report["stderr"][:3]
+    assert report["stdout"] == [f"{i}\n" for i in range(36)]
+    assert report["isolation"]["namespaces"] == ISOLATED  # the threads did not make the probe fall back
+    assert report["greedy"] == ["error", True]  # and the limit still holds: one sandbox cannot start 12 children

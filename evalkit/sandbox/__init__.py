@@ -8,15 +8,22 @@ What every run gets, always:
   * its own process group (the whole group is SIGKILLed on the wall-clock timeout) and a fresh temporary directory,
     removed afterwards;
   * a scrubbed environment (no variable of the parent is passed on) and Python's isolated mode (``-I``);
-  * rlimits: CPU time, address space (``memory_mb``), processes, file size (caps every file it writes, stdout and
-    stderr included), open files, no core dumps.
+  * rlimits: CPU time, address space (``memory_mb``; by default a safety cap of the machine's physical memory),
+    processes, file size (caps every file it writes, stdout and stderr included), open files, no core dumps.
+
+The process limit counts per user, threads included, so set on the program it would count every process of the user
+who grades (the harness's threads and every other sandbox) and make ordinary programs fail to start on a machine
+with many cores. With namespaces it is set inside the sandbox's own user namespace, where the kernel counts only that
+sandbox's processes; without them, it is the user's current count plus :data:`MAX_PROCESSES` for every sandbox that
+may run beside it (:func:`run_many`'s pool).
 
 Where Linux namespaces are available (:func:`isolation` says), the program also runs in new user, PID, mount and
 network namespaces: no network but an unconfigured loopback, no view of any process outside (it cannot signal the
 harness), the whole filesystem remounted read-only with a private size-capped tmpfs as its working directory (and
 on /dev/shm), and an inner user namespace without capabilities so that it cannot undo any of this. Where they are not,
 the rlimits, process group, scrubbed environment and timeouts still hold, but network, other processes and files the
-user can write are reachable; :func:`isolation` reports which case applies and every LiveCodeBench result records it.
+user can write are reachable; :func:`isolation` reports which case applies, says so once on stderr when it is the
+weaker one, and every LiveCodeBench result records it.
 """
 
 from __future__ import annotations
@@ -42,15 +49,16 @@ MAX_PROCESSES = 64
 MAX_OPEN_FILES = 64
 
 # Runs inside the namespaces, before the untrusted code: $1 = code file, $2 = python, $3 = working directory (made
-# a private size-capped tmpfs, the only writable place), $4 = its size. Everything else is remounted read-only; the
-# python may live anywhere (a virtual environment under /tmp included), it stays readable.
+# a private size-capped tmpfs, the only writable place), $4 = its size, $5 = the process limit, set here so that
+# the kernel counts it in the sandbox's own user namespace. Everything else is remounted read-only; the python may
+# live anywhere (a virtual environment under /tmp included), it stays readable.
 _LAUNCHER = r"""
 exec 3<"$1" || exit 125
 for mountpoint in $(cut -d' ' -f5 /proc/self/mountinfo); do mount -o remount,ro,bind "$mountpoint" 2>/dev/null; done
 mount -t tmpfs -o "size=$4,mode=0700" tmpfs "$3" || exit 125
 if [ -d /dev/shm ]; then mount -t tmpfs -o size=1m tmpfs /dev/shm || exit 125; fi
 cd "$3" || exit 125
-exec unshare --user --mount "$2" -I /dev/fd/3
+exec prlimit --nproc="$5:$5" -- unshare --user --mount "$2" -I /dev/fd/3
 """
 _NAMESPACES = ["unshare", "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child", "--mount-proc"]
 
@@ -69,19 +77,37 @@ class SandboxResult:
 
 @functools.lru_cache(maxsize=1)
 def isolation() -> dict:
-    """Which protections this machine enforces: always rlimits/process group/env; namespaces when they work here."""
-    namespaces = False
-    if shutil.which("unshare") and shutil.which("sh") and sys.platform.startswith("linux"):
+    """Which protections this machine enforces: always rlimits/process group/env; namespaces when they work here.
+    Probed once; the weaker case is said once, on stderr, and :func:`isolation_level` names it for the results."""
+    namespaces, why = False, "unshare, prlimit or sh missing, or not Linux"
+    if all(map(shutil.which, ("unshare", "prlimit", "sh"))) and sys.platform.startswith("linux"):
         probe = _run("import sys; sys.stdout.write('ok')", "", 10.0, 256, use_namespaces=True)
         namespaces = probe.status == "ok" and probe.stdout == "ok"
-        if not namespaces:
-            log.warning("sandbox: Linux namespaces unavailable (%s); running with rlimits only", probe.stderr.strip()[-200:])
+        why = probe.stderr.strip()[-200:] or f"probe status {probe.status}"
+    if not namespaces:
+        message = (f"sandbox: Linux namespaces unavailable ({why}); generated code runs with rlimits, a process group "
+                   "and a scrubbed environment only: it can reach the network, other processes and the user's files")
+        log.warning(message)
+        print(f"evalkit: WARNING: {message}", file=sys.stderr, flush=True)
     return {"rlimits": True, "process_group": True, "scrubbed_env": True, "namespaces": namespaces,
             "network_blocked": namespaces, "read_only_filesystem": namespaces, "pid_isolation": namespaces}
 
 
-def run(code: str, stdin: str = "", timeout_s: float = 6.0, memory_mb: int = 2048) -> SandboxResult:
-    """Run ``code`` as a Python program with ``stdin``; never raises for anything the program does."""
+def isolation_level() -> str:
+    """``namespaces`` (the full sandbox) or ``rlimits`` (the weaker fallback)."""
+    return "namespaces" if isolation()["namespaces"] else "rlimits"
+
+
+def safety_memory_mb() -> int:
+    """The address-space cap when none is asked for: the machine's physical memory, which no program that passes a
+    test needs to exceed, but which keeps a runaway program from taking the host down with it."""
+    return (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) >> 20
+
+
+def run(code: str, stdin: str = "", timeout_s: float = 6.0, memory_mb: int | None = None) -> SandboxResult:
+    """Run ``code`` as a Python program with ``stdin``; never raises for anything the program does. ``memory_mb``:
+    the address-space cap (None: :func:`safety_memory_mb`)."""
+    memory_mb = safety_memory_mb() if memory_mb is None else memory_mb
     if timeout_s <= 0 or memory_mb <= 0:
         raise ValueError(f"timeout_s and memory_mb must be positive, got {timeout_s}, {memory_mb}")
     return _run(code, stdin, timeout_s, memory_mb, use_namespaces=isolation()["namespaces"])
@@ -92,18 +118,43 @@ def default_workers() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
+_concurrent = [1]  # sandboxes that may run at once (run_many's pool): the fallback's process limit allows for each
+
+
 def run_many(jobs: list[dict], workers: int | None = None) -> list[SandboxResult]:
     """Run many programs (each a dict of :func:`run`'s arguments) on a bounded pool; results in the jobs' order."""
     workers = max(1, min(len(jobs), workers or default_workers()))
     isolation()  # probe once, before the threads start
-    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(lambda job: run(**job), jobs))
+    _concurrent.append(workers)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+            return list(pool.map(lambda job: run(**job), jobs))
+    finally:
+        _concurrent.remove(workers)
 
 
-def _limits(timeout_s: float, memory_mb: int) -> dict[str, tuple[int, int]]:
+def _limits(timeout_s: float, memory_mb: int, processes: int | None) -> dict[str, tuple[int, int]]:
+    """The rlimits of a run; ``processes`` None leaves the process limit to the launcher inside the namespaces."""
     cpu = int(timeout_s) + 1
-    return {"CPU": (cpu, cpu + 1), "AS": (memory_mb << 20,) * 2, "NPROC": (MAX_PROCESSES,) * 2,
-            "FSIZE": (OUTPUT_LIMIT_MB << 20,) * 2, "NOFILE": (MAX_OPEN_FILES,) * 2, "CORE": (0, 0)}
+    limits = {"CPU": (cpu, cpu + 1), "AS": (memory_mb << 20,) * 2, "FSIZE": (OUTPUT_LIMIT_MB << 20,) * 2,
+              "NOFILE": (MAX_OPEN_FILES,) * 2, "CORE": (0, 0)}
+    return limits | ({"NPROC": (processes,) * 2} if processes is not None else {})
+
+
+def _user_tasks() -> int:
+    """Processes and threads of this real user now: what the kernel holds the process limit against."""
+    uid, count = os.getuid(), 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(os.path.join(entry.path, "status"), encoding="ascii", errors="replace") as handle:
+                fields = dict(line.split(":", 1) for line in handle if ":" in line)
+            if int(fields["Uid"].split()[0]) == uid:
+                count += int(fields["Threads"])
+        except (OSError, KeyError, ValueError):
+            continue  # ended meanwhile
+    return count
 
 
 def _limited(command: list[str], limits: dict[str, tuple[int, int]]):
@@ -131,13 +182,15 @@ def _run(code: str, stdin: str, timeout_s: float, memory_mb: int, use_namespaces
         os.mkdir(work)
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8", "HOME": work, "TMPDIR": work}
         if use_namespaces:
-            command = [*_NAMESPACES, "sh", "-c", _LAUNCHER, "launcher", paths["main.py"], sys.executable, work, "64m"]
-            cwd = "/"
+            command = [*_NAMESPACES, "sh", "-c", _LAUNCHER, "launcher", paths["main.py"], sys.executable, work, "64m",
+                       str(MAX_PROCESSES)]
+            cwd, processes = "/", None
         else:
             command, cwd = [sys.executable, "-I", paths["main.py"]], work
+            processes = MAX_PROCESSES * sum(_concurrent) + (_user_tasks() if os.getuid() != 0 else 0)
         with open(paths["stdin"], "rb") as fin, open(paths["stdout"], "wb") as fout, open(paths["stderr"], "wb") as ferr:
             start = time.monotonic()
-            command, preexec = _limited(command, _limits(timeout_s, memory_mb))
+            command, preexec = _limited(command, _limits(timeout_s, memory_mb, processes))
             process = subprocess.Popen(
                 command, stdin=fin, stdout=fout, stderr=ferr, cwd=cwd, env=env, preexec_fn=preexec,  # noqa: PLW1509
                 start_new_session=True, close_fds=True,

@@ -186,7 +186,6 @@ def test_lcb_scores_right_wrong_and_malformed():
         "import json, sys\nclass Solution:\n    def double(self, nums):\n        sys.stdout.write('@@evalkit-result-0@@[2, 4]')\n        sys.exit(0)",
         pytest.param("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", marks=pytest.mark.skipif(
             not __import__("evalkit.sandbox").sandbox.isolation()["namespaces"], reason="needs PID namespaces")),
-        "class Solution:\n    def double(self, nums):\n        class Fake(list):\n            def __eq__(self, other):\n                return True\n        return Fake()",
     ],
 )
 def test_lcb_hostile_programs_cannot_fake_a_pass(code):

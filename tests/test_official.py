@@ -126,3 +126,54 @@ def test_aime_lighteval_prompt_is_aime_prompt_fn():
         "before answering.\n\nFind $x$ if {x} = 2.")
     assert aime.prompt({"problem": problem, "prompt_style": "r1"}) == (
         problem + "\nPlease reason step by step, and put your final answer within \\boxed{}.")
+
+
+# -- LiveCodeBench (lcb_runner evaluation/testing_util.py run_test, as compute_code_generation_metrics counts it) ----
+CALL = [{"input": "[1, 2]", "output": "3", "testtype": "functional"}]
+CALL_DICT = [{"input": "[1, 2]", "output": "{\"1\": 1, \"2\": 1}", "testtype": "functional"}]
+STDIN = [{"input": "1 2\n", "output": "3\n", "testtype": "stdin"}]
+SOLUTION = "class Solution:\n    def solve(self, nums):\n"
+# (tests, program, whether lcb_runner passes it): each verdict is what the official run_test returned.
+LCB_CASES = {
+    "numpy int": (CALL, "import numpy as np\n" + SOLUTION + "        return np.int64(sum(nums))", True),
+    "numpy float": (CALL, "import numpy as np\n" + SOLUTION + "        return np.float64(sum(nums))", True),
+    "Decimal": (CALL, "from decimal import Decimal\n" + SOLUTION + "        return Decimal(3)", True),
+    "Counter": (CALL_DICT, SOLUTION + "        return Counter(map(str, nums))", True),
+    "defaultdict": (CALL_DICT, SOLUTION + "        d = defaultdict(int)\n        for n in nums: d[str(n)] += 1\n"
+                    "        return d", True),
+    "tuple": ([{"input": "[1, 2]", "output": "[2, 1]", "testtype": "functional"}], SOLUTION + "        return (2, 1)",
+              True),
+    "__eq__ always true": (CALL, SOLUTION + "        class F:\n            def __eq__(self, o): return True\n"
+                           "        return F()", True),
+    "quit()": (STDIN, "a, b = map(int, input().split())\nprint(a + b)\nquit()", False),
+    "os.getcwd()": (STDIN, "import os\nos.getcwd()\na, b = map(int, input().split())\nprint(a + b)", False),
+    "exit()": (STDIN, "a, b = map(int, input().split())\nprint(a + b)\nexit()", True),
+    "subprocess.Popen": (STDIN, "import subprocess\nsubprocess.Popen(['true'])\nprint(3)", False),
+    "plain": (STDIN, "a, b = map(int, input().split())\nprint(a + b)", True),
+    "3 GiB mapped": (STDIN, "import mmap\nm = mmap.mmap(-1, 3 << 30)\na, b = map(int, input().split())\nprint(a + b)",
+                     True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LCB_CASES))
+def test_lcb_verdicts_match_lcb_runner(name):
+    """Call-based results compare live with ``==`` in the sandbox; reliability_guard nulls quit, os.getcwd,
+    subprocess.Popen...; no address-space cap by default."""
+    import json
+
+    from evalkit.scoring import livecodebench as lcb
+
+    tests, program, official = LCB_CASES[name]
+    doc = {"tests": json.dumps(tests), "func_name": "solve" if tests[0]["testtype"] == "functional" else ""}
+    assert lcb.run_tests(program, doc, timeout_s=6)["passed"] is official
+
+
+def test_lcb_memory_cap_is_an_option_off_by_default():
+    import json
+
+    from evalkit.scoring import livecodebench as lcb
+
+    tests, program, _ = LCB_CASES["3 GiB mapped"]
+    doc = {"tests": json.dumps(tests), "func_name": ""}
+    assert not lcb.run_tests(program, doc, timeout_s=6, memory_mb=2048)["passed"]
+    assert lcb.score(doc | {"func_name": ""}, [f"```python\n{program}\n```"])["sandbox_namespaces"] in (0.0, 1.0)

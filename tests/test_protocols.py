@@ -132,7 +132,7 @@ def test_lcb_prompt_styles():
     assert "\n\nQuestion: Read two integers and print their sum.\n\n" + lcb.WITHOUT_STARTER in text
     assert text.endswith("```python\n# YOUR CODE HERE\n```\n\n<｜Assistant｜>")
     assert lcb.PROMPT_STYLES["generic"] == lcb.PromptStyle(lcb.SYSTEM_MESSAGE_GENERIC, True, ("###",))
-    assert lcb.PROMPT_STYLES["deepseek_r1"] == lcb.PromptStyle(None, False, ())
+    assert lcb.PROMPT_STYLES["deepseek_r1"] == lcb.PromptStyle(None, False, ("###",))  # vllm_runner: every style
 
 
 def test_lcb_prompt_style_sets_system_turn_template_and_stops():
@@ -143,7 +143,7 @@ def test_lcb_prompt_style_sets_system_turn_template_and_stops():
     assert generic.task_options["generation"]["until"] == ["###"]
     r1 = spec_for("task=livecodebench", "model=llama31_8b_instruct", "task.dataset.prompt_style=deepseek_r1")
     assert not r1.apply_chat_template and "system_instruction" not in r1.task_options
-    assert r1.task_options["generation"]["until"] == []
+    assert r1.task_options["generation"]["until"] == ["###"]
     assert "deepseek_r1" in r1.flat_config()["task_options"]
 
 
@@ -204,12 +204,13 @@ def test_aime_extraction_is_open_r1s_math_verify_configuration():
     (config,) = aime.open_r1_extraction()
     assert (config.boxed_match_priority, config.try_extract_without_anchor) == (0, False)
     assert config.normalization_config == NormalizationConfig(nits=False, malformed_operators=False, basic_latex=True,
-                                                              boxed="all", units=True)
+                                                              equations=True, boxed="all", units=True)
     gold = aime.parse_gold("204")
     assert aime.equivalent(gold, aime.parse_answer("so the answer is \\boxed{204}."))
     assert aime.equivalent(gold, aime.parse_answer("<think>\\boxed{3}</think> final: \\boxed{ 204 }"))
     assert not aime.parse_answer("the answer is 204")  # no anchor, no extraction
-    assert not aime.parse_answer("<think>\\boxed{204}</think> I am not sure")  # the answer after the reasoning
+    assert aime.parse_answer("<think>\\boxed{204}</think> I am not sure")  # the whole completion is read
+    assert not aime.parse_answer("<think>\\boxed{204}</think> I am not sure", "r1_final_box")  # only after </think>
 
 
 def test_aime_cons_at_n_votes_over_equivalent_answers():

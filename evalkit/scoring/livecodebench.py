@@ -1,14 +1,17 @@
 """LiveCodeBench code generation: official prompts and extraction, tests run in :mod:`evalkit.sandbox`.
 
 Every program runs in the sandbox, one process per program over all of a problem's tests, with lcb_runner's
-prelude, rewriting and comparisons (see :data:`PRELUDE` and the driver). Verdicts are decided here, in the harness,
-from what the program produced: a program cannot fake a pass by exiting early, patching builtins or printing a marker,
-because the expected outputs never enter its process.
+prelude, ``reliability_guard``, rewriting and comparisons (see :data:`PRELUDE` and the driver). Standard-input tests
+are judged here, in the harness, from the text the program printed (their expected outputs never enter its process).
+Call-based tests compare the live return value with ``==``, as lcb_runner does (``numpy.int64(3) == 3``,
+``Counter`` or ``Decimal`` results pass as they do there), so that comparison runs inside the sandbox, which sends
+back only the verdict; nothing the program returns is ever evaluated by the harness. Like the official grader's, a
+call-based verdict can be forged by a program that inspects its own interpreter (an object whose ``__eq__`` always
+holds passes there too): the sandbox protects the host, not the score, from such a program.
 """
 
 from __future__ import annotations
 
-import ast
 import base64
 import contextlib
 import dataclasses
@@ -137,9 +140,9 @@ class PromptStyle:
     until: tuple[str, ...]  # stop strings of the official runner for this style
 
 
-PROMPT_STYLES = {
+PROMPT_STYLES = {  # lcb_runner's vLLM runner stops every style at "###" (runner/vllm_runner.py, SamplingParams)
     "generic": PromptStyle(SYSTEM_MESSAGE_GENERIC, True, ("###",)),
-    "deepseek_r1": PromptStyle(None, False, ()),
+    "deepseek_r1": PromptStyle(None, False, ("###",)),
 }
 
 
@@ -184,17 +187,72 @@ PRELUDE = (
 INT_MAX_STR_DIGITS = 50000  # compute_code_generation_metrics.py: sys.set_int_max_str_digits(50000)
 
 # Runs inside the sandbox, one process per program and problem, as lcb_runner's grade_stdio / grade_call_based run a
-# program over all of a problem's tests in one process: the same rewriting of stdin programs (clean_if_name,
-# make_function), the same mocked stdin and captured stdout, the same module namespace ("tmp_sol", a `Solution()`
-# instance when the code says `class Solution`), a per-test alarm. What a test produced goes back to the harness as
-# one line per test after a random marker; expected outputs never enter this process.
+# program over all of a problem's tests in one process: its reliability_guard first, the same rewriting of stdin
+# programs (clean_if_name, make_function), the same mocked stdin and captured stdout, the same module namespace
+# ("tmp_sol", a `Solution()` instance when the code says `class Solution`), a per-test alarm, the live `==` of
+# call-based results. What a test produced (stdin: the printed text; call-based: the verdict) goes back to the
+# harness as one line per test after a random marker.
 _DRIVER = r"""
-import ast, json, signal, sys, types
+# testing_util.py's own imports, before the guard: a program's later `import numpy` finds it loaded (numpy's first
+# import calls os.putenv, which the guard nulls).
+import ast, datetime, decimal, enum, faulthandler, json, platform, signal, sys, time, types
 from io import StringIO
 from unittest.mock import mock_open, patch
+try:
+    import numpy
+except ImportError:
+    pass
 sys.set_int_max_str_digits(__DIGITS__)
 _MARKER, _KIND, _NAME, _TIMEOUT, _PRELUDE, _SOURCE = __SETTINGS__
 _TESTS = json.loads(sys.stdin.read())
+
+
+def reliability_guard():
+    # lcb_runner/evaluation/testing_util.py reliability_guard(maximum_memory_bytes=None), line for line.
+    faulthandler.disable()
+    import builtins
+    builtins.quit = None
+    import os
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.kill = None
+    os.system = None
+    os.putenv = None
+    os.remove = None
+    os.removedirs = None
+    os.rmdir = None
+    os.fchdir = None
+    os.setuid = None
+    os.fork = None
+    os.forkpty = None
+    os.killpg = None
+    os.rename = None
+    os.renames = None
+    os.truncate = None
+    os.replace = None
+    os.unlink = None
+    os.fchmod = None
+    os.fchown = None
+    os.chmod = None
+    os.chown = None
+    os.chroot = None
+    os.fchdir = None
+    os.lchflags = None
+    os.lchmod = None
+    os.lchown = None
+    os.getcwd = None
+    os.chdir = None
+    import shutil
+    shutil.rmtree = None
+    shutil.move = None
+    shutil.chown = None
+    import subprocess
+    subprocess.Popen = None
+    builtins.help = None
+    sys.modules["ipdb"] = None
+    sys.modules["joblib"] = None
+    sys.modules["resource"] = None
+    sys.modules["psutil"] = None
+    sys.modules["tkinter"] = None
 
 
 def clean_if_name(code):
@@ -289,6 +347,7 @@ def _report(index, status, value=None):
 
 
 code = _PRELUDE + "\n\n" + _SOURCE if _KIND == "functional" else make_function(clean_if_name(_SOURCE))
+reliability_guard()
 signal.alarm(int(_TIMEOUT))
 try:
     module = types.ModuleType("tmp_sol", "")
@@ -300,15 +359,19 @@ method = getattr(holder, _NAME if _KIND == "functional" else "wrapped_function",
 if method is None:
     _report(0, "no_function")
     sys.exit(0)
-for index, test_input in enumerate(_TESTS):
+for index, test in enumerate(_TESTS):
+    test_input = test["input"]
     signal.alarm(int(_TIMEOUT))
     try:
         if _KIND == "functional":
             prediction = method(*[json.loads(line) for line in test_input.split("\n")])
+            signal.alarm(0)
             if isinstance(prediction, tuple):
                 prediction = list(prediction)
-            signal.alarm(0)
-            _report(index, "ok", repr(prediction))
+            if not prediction == json.loads(test["output"]):
+                _report(index, "wrong")
+                break
+            _report(index, "passed")
         else:
             captured = StringIO()
             captured.close = lambda *args: 1
@@ -363,16 +426,6 @@ def _stdout_matches(output: str, expected: str) -> bool:
     return True
 
 
-def _call_matches(prediction_repr: str, expected: str) -> bool:
-    """lcb_runner's grade_call_based: the returned value (a top-level tuple made a list) ``==`` the JSON-decoded
-    expected output. The value comes back as its ``repr``, read with ``ast.literal_eval`` (never executed)."""
-    try:
-        prediction = ast.literal_eval(prediction_repr)
-        return prediction == json.loads(expected)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return False
-
-
 @contextlib.contextmanager
 def _int_digits(limit: int):
     """Big integers in test outputs convert as in the official harness (the default limit is 4300 digits)."""
@@ -400,10 +453,8 @@ def _verdicts(result: sandbox.SandboxResult, tests: list[dict], marker: str) -> 
             record = reports.get(index)
             if record is None:
                 verdicts.append(result.status if result.status != "ok" else "no_result")
-            elif record["status"] != "ok" or not isinstance(record.get("value"), str):
-                verdicts.append(str(record["status"]))
-            elif test["testtype"] == "functional":
-                verdicts.append("passed" if _call_matches(record["value"], test["output"]) else "wrong")
+            elif test["testtype"] == "functional" or record["status"] != "ok" or not isinstance(record.get("value"), str):
+                verdicts.append(str(record["status"]))  # a call-based verdict is decided in the sandbox
             else:
                 verdicts.append("passed" if _stdout_matches(record["value"], test["output"]) else "wrong")
             if verdicts[-1] != "passed":
@@ -411,24 +462,26 @@ def _verdicts(result: sandbox.SandboxResult, tests: list[dict], marker: str) -> 
     return verdicts
 
 
-def _job(code: str, doc: dict, timeout_s: float, memory_mb: int) -> tuple[dict, str]:
+def _job(code: str, doc: dict, timeout_s: float, memory_mb: int | None) -> tuple[dict, str]:
     tests = json.loads(doc["tests"])
     kind = "functional" if doc["func_name"] else "stdin"
     marker = f"@@evalkit-{secrets.token_hex(16)}@@"
     # lcb_runner's global timeout for one program over all tests: (timeout + 1) * tests + 5 seconds.
     total = (timeout_s + 1) * len(tests) + 5
     program = driver(code, kind, doc["func_name"], timeout_s, marker)
-    return {"code": program, "stdin": json.dumps([t["input"] for t in tests]), "timeout_s": total,
-            "memory_mb": memory_mb}, marker
+    # A call-based test's expected output goes in, for the live `==`; a stdin test's never does.
+    given = [{"input": t["input"], "output": t["output"] if kind == "functional" else None} for t in tests]
+    return {"code": program, "stdin": json.dumps(given), "timeout_s": total, "memory_mb": memory_mb}, marker
 
 
-def run_tests(code: str, doc: dict, timeout_s: float = 6.0, memory_mb: int = 2048) -> dict:
-    """Run every test of ``doc`` on ``code`` in one sandboxed process (as the official grader does)."""
+def run_tests(code: str, doc: dict, timeout_s: float = 6.0, memory_mb: int | None = None) -> dict:
+    """Run every test of ``doc`` on ``code`` in one sandboxed process (as the official grader does). ``memory_mb``:
+    an address-space cap (None, official: none but the sandbox's safety cap)."""
     (result,) = run_programs([code], doc, timeout_s, memory_mb)
     return result
 
 
-def run_programs(codes: list[str], doc: dict, timeout_s: float = 6.0, memory_mb: int = 2048,
+def run_programs(codes: list[str], doc: dict, timeout_s: float = 6.0, memory_mb: int | None = None,
                  workers: int | None = None) -> list[dict]:
     """:func:`run_tests` for several programs of one problem, on a pool of sandboxes."""
     tests = json.loads(doc["tests"])
@@ -448,12 +501,16 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
-def score(doc: dict, responses: list[str], timeout_s: float = 6.0, ks: tuple[int, ...] = (1, 5, 10)) -> dict:
+def score(doc: dict, responses: list[str], timeout_s: float = 6.0, ks: tuple[int, ...] = (1, 5, 10),
+          memory_mb: int | None = None) -> dict:
+    """pass@k, the extraction failure rate and ``sandbox_namespaces`` (1: programs ran in the full sandbox, 0: with
+    rlimits only)."""
     codes = [extract_code(response) for response in responses]
     runnable = [code for code in codes if code is not None]
-    verdicts = iter(run_programs(runnable, doc, timeout_s))
+    verdicts = iter(run_programs(runnable, doc, timeout_s, memory_mb))
     passed = [code is not None and next(verdicts)["passed"] for code in codes]
     n, c = len(responses), sum(passed)
     metrics = {f"pass@{k}": pass_at_k(n, c, k) if k <= n else math.nan for k in ks}  # undefined with fewer samples
     metrics["extraction_failed"] = sum(code is None for code in codes) / n
+    metrics["sandbox_namespaces"] = float(sandbox.isolation_level() == "namespaces")
     return metrics

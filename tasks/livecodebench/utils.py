@@ -8,7 +8,9 @@ from evalkit.scoring.data import DataError, checked_rows, load_rows
 
 
 def load(release="release_v6", path=None, start_date=None, end_date=None, timeout_s=6, prompt_style="generic",
-         bad_rows="error", **_options):
+         memory_mb=None, bad_rows="error", **_options):
+    if memory_mb is not None and (isinstance(memory_mb, bool) or not isinstance(memory_mb, int) or memory_mb < 1):
+        raise DataError(f"task.dataset.memory_mb must be a positive integer or null, got {memory_mb!r}")
     if prompt_style not in lcb.PROMPT_STYLES:
         raise DataError(f"unknown prompt_style {prompt_style!r}; choose one of {sorted(lcb.PROMPT_STYLES)}")
     for name, bound in (("start_date", start_date), ("end_date", end_date)):
@@ -21,6 +23,7 @@ def load(release="release_v6", path=None, start_date=None, end_date=None, timeou
         raise DataError(f"no LiveCodeBench problems between {start_date} and {end_date}")
     for row in rows:
         row["id"], row["timeout_s"], row["prompt_style"] = row["question_id"], float(timeout_s), prompt_style
+        row["memory_mb"] = memory_mb
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
 
 
@@ -29,4 +32,4 @@ def doc_to_text(doc):
 
 
 def process_results(doc, results):
-    return lcb.score(doc, all_responses(results), timeout_s=doc["timeout_s"])
+    return lcb.score(doc, all_responses(results), timeout_s=doc["timeout_s"], memory_mb=doc["memory_mb"])

@@ -90,6 +90,7 @@ class RunSpec:
     bad_rows: str = "error"  # error | skip: what a malformed data row does
     threads: int | None = None  # torch CPU threads of this job (None: torch's default, one per core)
     compile: str | None = None  # torch.compile backend of the engine's decode step (None: not compiled)
+    own_deployment: str | None = None  # the deployment the model config chose for its model (model.deployment)
     identity: dict | None = None  # filled by identify(): resolved sources, fingerprints
 
     def flat_config(self) -> dict:
@@ -236,6 +237,7 @@ def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
         bad_rows=bad_rows,
         threads=threads,
         compile=compile_with,
+        own_deployment=model.get("deployment"),
     )
 
 
@@ -323,11 +325,14 @@ def deployed_capacity(policy: ec.Policy, budget: str | None, deployment: memory.
 
 
 def _price_deployment(cfg: dict, budget: str | None, policy: ec.Policy) -> memory.Verdict | None:
-    """Price the run's budget on the configured deployment; with memory.enforce, refuse what does not fit."""
-    if not cfg.get("deployment"):
+    """Price the run's budget on the deployment named by the run (``deployment=NAME``) or, if none, on the one its
+    model config chose for it (``model.deployment``); no deployment, no memory rows. With memory.enforce, refuse what
+    does not fit."""
+    chosen = cfg.get("deployment") or (cfg.get("model") or {}).get("deployment")
+    if not chosen:
         return None
     try:
-        deployment = memory.load_deployment(cfg["deployment"], hardware=cfg.get("hardware"))
+        deployment = memory.load_deployment(chosen, hardware=cfg.get("hardware"))
         verdict = memory.price(deployment, deployed_capacity(policy, budget, deployment))
     except ValueError as error:
         raise ConfigError(f"deployment: {error}") from None
@@ -745,6 +750,9 @@ def summary(result: RunResult, spec: RunSpec) -> str:
                                                                                              float_format="%.4f")
     if spec.memory is not None:
         v, d = spec.memory, spec.memory.deployment
+        if d.name != spec.own_deployment:  # priced for the deployment's model, which need not be this one
+            table += (f"\nnote: the memory rows price {d.model.name} on {d.name}, the deployment named for this run, "
+                      f"not necessarily {spec.model_name} itself")
         best = result.metrics[is_memory].set_index("metric")["value"]["best_tokens_per_s_estimate"]
         table += (f"\nmemory on {d.name} ({d.hardware.name}, tp={d.tp}, batch={d.batch}, context={d.context}): "
                   f"{'fits' if v.fits else 'DOES NOT FIT'}; KV {v.kv / 2**30:.2f} GiB/socket, on-chip ratio "

@@ -97,9 +97,10 @@ def test_hydra_composition_errors_are_one_line(tmp_path, override, message):
 def test_cli_run_writes_tidy_tables(tmp_path, random_model_dir):
     results = tmp_path / "results"
     result = evalkit("+budget=4x", "task=kv_retrieval", f"model.pretrained={random_model_dir}", "limit=6",
-                     f"results_dir={results}", cwd=tmp_path)
+                     f"results_dir={results}", "deployment=deepseek_r1_tp16_128k", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "exact_match" in result.stdout
+    assert "note: the memory rows price deepseek_r1_671b on deepseek_r1_tp16_128k" in result.stdout  # not this model
     metrics, samples = read_table(results, "metrics"), read_table(results, "samples")
     best = metrics[(metrics["subset"] == "memory") & (metrics["metric"] == "best_tokens_per_s_estimate")]["value"]
     assert f"~{best.iloc[0]:.0f} tok/s at best" in result.stdout  # the summary line reads the run's memory rows

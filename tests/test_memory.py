@@ -119,18 +119,29 @@ def _composed(*overrides):
         return OmegaConf.to_container(compose("config", overrides=list(overrides)), resolve=True)
 
 
-def test_every_run_prices_its_budget_on_the_deployment():
-    spec = validate(_composed("+budget=4x"), method_explicit=False)
+R1 = "deployment=deepseek_r1_tp16_128k"
+
+
+def test_a_run_prices_its_budget_on_the_deployment_it_names():
+    spec = validate(_composed("+budget=4x", R1), method_explicit=False)
     assert spec.memory.cached_tokens == 32_768 and spec.memory.fits
     assert spec.flat_config()["deployment"] == "deepseek_r1_tp16_128k" and spec.flat_config()["hardware"] == "sn40l"
-    baseline = validate(_composed(), method_explicit=False)
+    baseline = validate(_composed(R1), method_explicit=False)
     assert baseline.memory.cached_tokens == 131_072
+
+
+def test_a_run_prices_its_own_models_deployment_or_none():
+    """No deployment is priced for a model that has none (never DeepSeek-R1 for whatever runs); Llama-3.1-8B's config
+    names its own."""
+    assert validate(_composed("+budget=4x"), method_explicit=False).memory is None
+    llama = validate(_composed("+budget=4x", "model=llama31_8b_instruct"), method_explicit=False)
+    assert llama.memory.deployment.model.name == "llama31_8b" and llama.flat_config()["deployment"] == "llama31_8b_tp1_128k"
 
 
 def test_memory_enforce_refuses_a_budget_that_does_not_fit_before_loading():
     with pytest.raises(ConfigError, match="does not fit .* largest batch that fits: 115"):
-        validate(_composed("+budget=4x", "memory.enforce=true", "deployment.batch=116"), method_explicit=False)
-    validate(_composed("+budget=4x", "memory.enforce=true", "deployment.batch=115"), method_explicit=False)
+        validate(_composed("+budget=4x", R1, "memory.enforce=true", "deployment.batch=116"), method_explicit=False)
+    validate(_composed("+budget=4x", R1, "memory.enforce=true", "deployment.batch=115"), method_explicit=False)
 
 
 def test_evalkit_mem_prints_and_writes_the_table(tmp_path):

@@ -97,7 +97,7 @@ def test_eager_attention_gives_the_tokens_sdpa_gives(name):
 
 def test_pyramidkv_budgets_decrease_with_depth_and_keep_the_total():
     model = tiny_model("llama", num_hidden_layers=4)
-    policy = ec.PyramidKV(capacity=20, window=6, kernel_size=5)
+    policy = ec.PyramidKV(capacity=20, window=6, kernel_size=5, pooling="max")
     prompt = random_prompt(50, seed=11)
     out = ec.generate(model, prompt, policy, max_new_tokens=5)
     # KVCache-Factory arithmetic for n=50, C=20, w=6, beta=20, L=4: min = 14 // 20 = 0, max = 2 * 14 - 0 = 28,
@@ -244,7 +244,7 @@ def test_cli_rows_carry_each_method_and_its_realized_budget(tmp_path, random_mod
     from helpers import evalkit
 
     results = tmp_path / "results"
-    for args in (["method=adakv"], ["method=h2o"], ["method=decoding_snapkv", "method.interval=16", "method.window=8"]):
+    for args in (["method=adakv", "method.window=32"], ["method=h2o"], ["method=decoding_snapkv", "method.interval=16", "method.window=8"]):
         result = evalkit(*args, "+budget=4x", "task=kv_retrieval", f"model.pretrained={random_model_dir}", "limit=3",
                          f"results_dir={results}", cwd=tmp_path)
         assert result.returncode == 0, result.stderr[-2000:]
@@ -307,5 +307,5 @@ def test_bad_method_settings_name_the_field(build, message):
 
 
 def test_snapkv_family_capacity_errors_name_the_method_used():
-    with pytest.raises(ValueError, match=r"^AdaKV.capacity must be > window \(32\), got 20$"):
+    with pytest.raises(ValueError, match=r"^AdaKV.capacity must be > window \(64\), got 20$"):
         ec.AdaKV(capacity=20)

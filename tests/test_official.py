@@ -177,3 +177,36 @@ def test_lcb_memory_cap_is_an_option_off_by_default():
     doc = {"tests": json.dumps(tests), "func_name": ""}
     assert not lcb.run_tests(program, doc, timeout_s=6, memory_mb=2048)["passed"]
     assert lcb.score(doc | {"func_name": ""}, [f"```python\n{program}\n```"])["sandbox_namespaces"] in (0.0, 1.0)
+
+
+# -- methods' reference defaults and the budget grammar ---------------------------------------------------------------
+def test_adakv_and_pyramidkv_default_to_their_references_settings():
+    """kvpress' SnapKVPress (under AdaKVPress) and KVCache-Factory's PyramidKVCluster: window 64, kernel 5, average
+    pooling; the config files say the same."""
+    import evalkit.compression as ec
+    from evalkit.paths import conf_dir
+    from yaml import safe_load
+
+    for cls, name in ((ec.AdaKV, "adakv"), (ec.PyramidKV, "pyramidkv")):
+        policy = cls(capacity=128)
+        assert (policy.window, policy.kernel_size, policy.pooling) == (64, 5, "avg")
+        conf = safe_load((conf_dir() / "method" / f"{name}.yaml").read_text())
+        assert (conf["window"], conf["kernel_size"], conf["pooling"]) == (64, 5, "avg")
+
+
+@pytest.mark.parametrize("budget, capacity", [("2.5x", 52428), ("4x", 32768), ("tokens_4096", 4096), (None, None)])
+def test_one_budget_grammar_for_policies_memory_pricing_and_reports(budget, capacity):
+    import evalkit.compression as ec
+    from evalkit import memory
+    from evalkit.results.report import compression_factor
+
+    assert memory.capacity_for_budget(budget, 131072) == capacity
+    if budget is not None:
+        assert ec.budget_capacity(budget, 131072) == capacity
+        factor = compression_factor(budget)
+        assert factor == float(budget[:-1]) if budget.endswith("x") else factor != factor  # absolute budget: NaN
+    for bad in ("0.5x", "x4", "tokens_", "4"):
+        with pytest.raises(ValueError, match="budget"):
+            memory.capacity_for_budget(bad, 131072)
+        with pytest.raises(ValueError, match="budget"):
+            ec.budget_capacity(bad, 131072)

@@ -116,7 +116,7 @@ def test_every_run_reports_the_throughput_its_budget_allows():
 
     from evalkit.runner import memory_rows
 
-    spec = spec_for("+budget=4x")  # the default deployment: DeepSeek-R1 TP16 128k on SN40L
+    spec = spec_for("+budget=4x", "deployment=deepseek_r1_tp16_128k")  # DeepSeek-R1 TP16 128k on SN40L
     rows = {row["metric"]: row["value"] for row in memory_rows(spec.memory)}
     batch, rate = best_throughput(spec.memory.deployment, 32_768)
     assert rows["best_batch"] == batch == 115 and rows["best_tokens_per_s_estimate"] == pytest.approx(rate)

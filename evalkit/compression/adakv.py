@@ -24,6 +24,10 @@ class AdaKV(SnapKV):
 
     name: ClassVar[str] = "adakv"
     per_head: ClassVar[bool] = True
+    # kvpress' SnapKVPress under AdaKVPress: window 64, kernel 5, average pooling (not our SnapKV's 32/7/max).
+    window: int = 64
+    kernel_size: int = 5
+    pooling: str = "avg"
     alpha_safeguard: float = 0.2
 
     def __post_init__(self) -> None:

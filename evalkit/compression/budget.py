@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import re
+
+from evalkit import budget as budget_grammar
 
 from .adakv import AdaKV
 from .base import Policy
@@ -25,24 +26,11 @@ POLICIES: dict[str, type[Policy]] = {
     for cls in (Full, StreamingLLM, SnapKV, SnapStream, KNorm, Random, ObservedAttention, ExpectedAttention, TOVA,
                 PyramidKV, AdaKV, H2O, DecodingSnapKV)
 }
-_BUDGET = re.compile(r"^(?:(?P<ratio>\d+(?:\.\d+)?)x|tokens_(?P<tokens>\d+))$")
-
-
 def budget_capacity(budget: str, max_context: int) -> int:
-    """Cache capacity in tokens: ``"4x"`` is ``max_context // 4``; ``"tokens_4096"`` is 4096."""
-    match = _BUDGET.match(str(budget))
-    if match is None:
-        raise ValueError(f"budget must look like '4x' or 'tokens_4096', got {budget!r}")
-    if match["tokens"] is not None:
-        capacity = int(match["tokens"])
-    else:
-        ratio = float(match["ratio"])
-        if ratio < 1:
-            raise ValueError(f"budget ratio must be >= 1, got {budget!r}")
-        if not isinstance(max_context, int) or max_context < 1:
-            raise ValueError(f"max_context must be a positive integer, got {max_context!r}")
-        capacity = int(max_context // ratio)
-    if capacity < 1:
+    """Cache capacity in tokens: ``"4x"`` is ``max_context // 4``; ``"tokens_4096"`` is 4096 (:mod:`evalkit.budget`'s
+    grammar)."""
+    capacity = budget_grammar.capacity(str(budget), max_context)
+    if capacity is None or capacity < 1:
         raise ValueError(f"budget {budget!r} at max_context {max_context} leaves no cache")
     return capacity
 

@@ -22,10 +22,18 @@ class PyramidKV(SnapKV):
     ``min = 2 (C - w) - max``), ``steps = (max - min) // (L - 1)``, and layer l keeps ``max - l * steps`` prompt
     tokens by score plus the w window tokens. ``beta`` (reference default 20) sets the slope. Because ``steps`` is
     floored, the deepest layers keep slightly more than the exact pyramid: the realized mean is in the statistics.
+
+    kvpress' ``PyramidKVPress`` allocates differently (another budget formula, and uniform budgets when
+    n(1 - R)/beta < window); evalkit follows KVCache-Factory, whose per-layer budgets give the same kept sets as
+    kvpress when kvpress is handed these budgets.
     """
 
     name: ClassVar[str] = "pyramidkv"
     per_head: ClassVar[bool] = True
+    # KVCache-Factory's PyramidKVCluster: window 64, kernel 5, average pooling (not our SnapKV's 32/7/max).
+    window: int = 64
+    kernel_size: int = 5
+    pooling: str = "avg"
     beta: int = 20
 
     def __post_init__(self) -> None:

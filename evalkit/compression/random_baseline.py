@@ -16,7 +16,9 @@ class Random(PromptScoring):
 
     As kvpress' ``RandomPress``, every layer draws ``torch.rand`` from a generator seeded with ``selection_seed`` (so layers
     draw alike); unlike it, the draw is made per prompt (``[kv_heads, prompt length]``), so a prompt keeps the same
-    tokens alone or in any batch. For one prompt the draws are kvpress' own.
+    tokens alone or in any batch. The draws are made in float32 on the CPU; kvpress draws in the keys' dtype on
+    their device, so the kept tokens are kvpress' own only for a float32 model on the CPU (elsewhere they are other,
+    equally uniform draws).
     """
 
     name: ClassVar[str] = "random"

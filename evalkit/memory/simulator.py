@@ -28,6 +28,8 @@ import re
 
 import pandas as pd
 
+from evalkit import budget as budget_grammar
+
 from .geometry import (
     ModelGeometry,
     check_tp,
@@ -154,15 +156,8 @@ class Deployment:
 
 
 def capacity_for_budget(budget: str | None, context: int) -> int | None:
-    """The cache capacity a budget means at this context: ``Nx`` -> context // N, ``tokens_N`` -> N; None = full."""
-    if budget in (None, "full"):
-        return None
-    text = str(budget)
-    if re.fullmatch(r"[0-9]+x", text) and int(text[:-1]) >= 1:
-        return context // int(text[:-1])
-    if re.fullmatch(r"tokens_[0-9]+", text) and int(text[7:]) >= 1:
-        return int(text[7:])
-    raise ValueError(f"budget must look like 4x or tokens_4096, got {budget!r}")
+    """The cache capacity a budget means at this context (:mod:`evalkit.budget`'s grammar); None = full."""
+    return budget_grammar.capacity(budget, context)
 
 
 @dataclasses.dataclass(frozen=True)

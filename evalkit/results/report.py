@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from evalkit import budget as budget_grammar
+
 from .tables import read_table
 
 PRIMARY = {"kv_retrieval": "exact_match", "longbench_v2": "accuracy", "aime24": "pass@1", "livecodebench": "pass@1"}
@@ -118,9 +120,9 @@ def summarize(metrics: pd.DataFrame, samples: pd.DataFrame, iterations: int = 20
 
 def compression_factor(budget: str) -> float:
     """``4x`` -> 4, ``full`` -> 1; absolute budgets have no factor (NaN)."""
-    if budget in (None, "full") or (isinstance(budget, float) and math.isnan(budget)):
+    if isinstance(budget, float) and math.isnan(budget):
         return 1.0
-    return float(budget[:-1]) if str(budget).endswith("x") else math.nan
+    return budget_grammar.factor(budget)
 
 
 def _budget_order(column: pd.Series) -> pd.Series:

@@ -5,7 +5,6 @@ lighteval's aime24 at open-r1's pin). A change that drifts from the official beh
 from __future__ import annotations
 
 import pytest
-import torch
 
 from evalkit.lm import CONTEXT_END
 from evalkit.scoring import longbench

@@ -421,9 +421,8 @@ def identify(spec: RunSpec) -> dict:
 
         generated = needle.source()
     draft = (spec.spec_prefill or {}).get("draft_model")
-    model_source = source("model.pretrained", _resolved(resolve_pretrained, spec.pretrained), revision=spec.revision)
     spec.identity = {
-        "model_source": model_source,
+        "model_source": source("model.pretrained", _resolved(resolve_pretrained, spec.pretrained), revision=spec.revision),
         # The ids generation stops on (the generation config's and the tokenizer's EOS), as a JSON list.
         "stop_token_ids": json.dumps(_stop_ids(spec)),
         "draft_source": source("method.draft_model", _resolved(resolve_pretrained, draft)) if draft else None,

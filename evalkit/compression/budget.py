@@ -26,6 +26,8 @@ POLICIES: dict[str, type[Policy]] = {
     for cls in (Full, StreamingLLM, SnapKV, SnapStream, KNorm, Random, ObservedAttention, ExpectedAttention, TOVA,
                 PyramidKV, AdaKV, H2O, DecodingSnapKV)
 }
+
+
 def budget_capacity(budget: str, max_context: int) -> int:
     """Cache capacity in tokens: ``"4x"`` is ``max_context // 4``; ``"tokens_4096"`` is 4096 (:mod:`evalkit.budget`'s
     grammar)."""

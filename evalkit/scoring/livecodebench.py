@@ -13,14 +13,12 @@ holds passes there too): the sandbox protects the host, not the score, from such
 from __future__ import annotations
 
 import base64
-import contextlib
 import dataclasses
 import datetime as dt
 import json
 import math
 import pickle
 import secrets
-import sys
 import zlib
 from decimal import Decimal, InvalidOperation
 
@@ -426,17 +424,6 @@ def _stdout_matches(output: str, expected: str) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def _int_digits(limit: int):
-    """Big integers in test outputs convert as in the official harness (the default limit is 4300 digits)."""
-    previous = sys.get_int_max_str_digits()
-    sys.set_int_max_str_digits(limit)
-    try:
-        yield
-    finally:
-        sys.set_int_max_str_digits(previous)
-
-
 def _verdicts(result: sandbox.SandboxResult, tests: list[dict], marker: str) -> list[str]:
     """One verdict per test, in order, up to the first that did not pass (as the official grader stops there)."""
     reports: dict[int, dict] = {}
@@ -448,17 +435,16 @@ def _verdicts(result: sandbox.SandboxResult, tests: list[dict], marker: str) -> 
             except (ValueError, KeyError, TypeError):
                 continue
     verdicts = []
-    with _int_digits(INT_MAX_STR_DIGITS):
-        for index, test in enumerate(tests):
-            record = reports.get(index)
-            if record is None:
-                verdicts.append(result.status if result.status != "ok" else "no_result")
-            elif test["testtype"] == "functional" or record["status"] != "ok" or not isinstance(record.get("value"), str):
-                verdicts.append(str(record["status"]))  # a call-based verdict is decided in the sandbox
-            else:
-                verdicts.append("passed" if _stdout_matches(record["value"], test["output"]) else "wrong")
-            if verdicts[-1] != "passed":
-                break
+    for index, test in enumerate(tests):
+        record = reports.get(index)
+        if record is None:
+            verdicts.append(result.status if result.status != "ok" else "no_result")
+        elif test["testtype"] == "functional" or record["status"] != "ok" or not isinstance(record.get("value"), str):
+            verdicts.append(str(record["status"]))  # a call-based verdict is decided in the sandbox
+        else:
+            verdicts.append("passed" if _stdout_matches(record["value"], test["output"]) else "wrong")
+        if verdicts[-1] != "passed":
+            break
     return verdicts
 
 

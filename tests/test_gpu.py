@@ -1,0 +1,218 @@
+"""On a CUDA GPU, in bf16: Full is transformers' own greedy decoding, every method gives a batch what each prompt
+gets alone, the engine's compiled step (CUDA graphs) gives the eager tokens without recompiling, MLA and hybrid models
+run, and attention scores are accumulated in fp32. Skipped without CUDA (``-m gpu`` selects this tier)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+import evalkit.compression as ec
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+VOCAB = 1024
+SHAPE = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=2, max_position_embeddings=4096)
+FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+
+POLICIES = {
+    "full": lambda: ec.Full(),
+    "snapstream": lambda: ec.SnapStream(capacity=64, window=8, sink=4, recent=16, kernel_size=5),
+    "snapkv": lambda: ec.SnapKV(capacity=48, window=8, kernel_size=5),
+    "streaming_llm": lambda: ec.StreamingLLM(sink=4, window=40),
+    "pyramidkv": lambda: ec.PyramidKV(capacity=48, window=8),
+    "adakv": lambda: ec.AdaKV(capacity=48, window=4, alpha_safeguard=0.5),
+    "h2o": lambda: ec.H2O(capacity=40, recent=10),
+    "tova": lambda: ec.TOVA(capacity=40),
+    "observed_attention": lambda: ec.ObservedAttention(capacity=40),
+    "expected_attention": lambda: ec.ExpectedAttention(capacity=40, n_future_positions=16),
+    "knorm": lambda: ec.KNorm(capacity=40),
+    "random": lambda: ec.Random(capacity=40, selection_seed=3),
+    "decoding_snapkv": lambda: ec.DecodingSnapKV(capacity=64, window=4, kernel_size=3, interval=8),
+}
+SCORED = ["snapstream", "snapkv", "pyramidkv", "adakv", "h2o", "tova", "observed_attention", "expected_attention",
+          "decoding_snapkv"]
+
+
+def small(family: str = "llama", dtype=torch.bfloat16):
+    config_cls, model_cls = FAMILIES[family]
+    torch.manual_seed(0)
+    config = config_cls(**SHAPE)
+    config._attn_implementation = "sdpa"
+    with torch.device("cuda"):
+        model = model_cls(config).to(dtype).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def prompt(length: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (length,), generator=g)
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for index, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return index
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def assert_same_tokens(got: list[int], reference: list[int], logits: torch.Tensor | None, what: str) -> None:
+    """``got`` equals ``reference``; in bf16 (``logits`` given: the reference's own per-step logits) a sequence may
+    part from the reference only where the reference's top two logits are a near tie (within bf16 rounding of the
+    step's logit range), the usual result of another kernel's summation order; before that point it must agree."""
+    index = first_difference(got, reference)
+    if index is None:
+        return
+    assert logits is not None and index < len(got), f"{what}: first differs at new token {index} of {len(reference)}"
+    step = logits[index].float()
+    gap = (step.max() - step[got[index]]).item()
+    scale = (step.max() - step.min()).item()
+    assert gap <= 0.02 * scale, (f"{what}: first differs at new token {index} of {len(reference)}, where the "
+                                 f"reference's logit for it is {gap:.4f} below the top ({scale:.3f} range): not a tie")
+
+
+_MODELS: dict = {}
+
+
+def cached(family: str, dtype) -> torch.nn.Module:
+    if (family, dtype) not in _MODELS:
+        _MODELS[family, dtype] = small(family, dtype)
+    return _MODELS[family, dtype]
+
+
+def assert_full_is_generate(model, ids: torch.Tensor, new_tokens: int, what: str) -> None:
+    ours = ec.generate(model, ids, ec.Full(), max_new_tokens=new_tokens, return_logits=False).sequences
+    theirs = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, output_logits=True,
+                            return_dict_in_generate=True)
+    logits = torch.stack(theirs.logits, dim=1)
+    for row in range(len(ids)):
+        assert_same_tokens(ours[row, ids.shape[1]:].tolist(), theirs.sequences[row, ids.shape[1]:].tolist(),
+                           logits[row], f"{what} row {row}")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_full_is_model_generate_token_for_token_in_bf16(family):
+    ids = torch.stack([prompt(200, seed=s) for s in range(2)]).cuda()
+    assert_full_is_generate(cached(family, torch.bfloat16), ids, 64, family)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_method_batched_equals_alone(family, name, dtype):
+    """A left-padded batch (ec.generate) and a 2-slot engine against each prompt alone: the same kept counts, the same
+    tokens (fp32: exactly; bf16: up to a near tie of the reference's logits), on the GPU."""
+    model = cached(family, dtype)
+    policy = POLICIES[name]()
+    prompts = [prompt(n, seed=n) for n in (150, 37, 96)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):], mask[row, width - len(p):] = p, 1
+    batched = ec.generate(model, ids.cuda(), policy, attention_mask=mask.cuda(), max_new_tokens=32, return_logits=False)
+    engine = ec.Engine(model, policy, slots=2).run([ec.Request(p, max_new_tokens=32) for p in prompts])
+    for row, p in enumerate(prompts):
+        alone = ec.generate(model, p[None].cuda(), policy, max_new_tokens=32)
+        reference = alone.sequences[0, len(p):].tolist()
+        logits = alone.logits[0] if dtype == torch.bfloat16 else None
+        assert_same_tokens(batched.sequences[row, width:].tolist(), reference, logits, f"batch row {row}")
+        assert_same_tokens(engine[row].tokens, reference, logits, f"engine row {row}")
+        assert batched.stats[row]["kept_prompt_tokens"] == alone.stats[0]["kept_prompt_tokens"]
+        assert engine[row].stats["kept_prompt_tokens"] == alone.stats[0]["kept_prompt_tokens"]
+        if policy.cache_capacity() is not None:
+            assert engine[row].stats["peak_cache_tokens"] <= policy.cache_capacity()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["snapstream", "h2o", "full"])
+def test_compiled_engine_uses_cuda_graphs_matches_eager_and_never_recompiles(name, dtype):
+    """One graph for every step and request, run as CUDA graphs (no cudagraph skips); fp32: the eager tokens exactly;
+    bf16 (inductor fuses and so rounds differently): each request's tokens as alone, up to a near tie."""
+    from torch._dynamo.utils import counters
+
+    model = cached("llama", dtype)
+    policy = POLICIES[name]()
+    g = torch.Generator().manual_seed(5)
+    requests = [ec.Request(prompt(int(n), seed=i), max_new_tokens=int(m)) for i, (n, m) in
+                enumerate(zip(torch.randint(20, 180, (10,), generator=g), torch.randint(4, 60, (10,), generator=g)))]
+    eager = ec.Engine(model, policy, slots=4, slot_tokens=256).run(requests)
+    torch._dynamo.reset()
+    counters.clear()
+    engine = ec.Engine(model, policy, slots=4, slot_tokens=256, compile=True)
+    compiled = engine.run(requests)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == 1, f"{graphs} graphs compiled"
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    for index, (request, a, b) in enumerate(zip(requests, compiled, eager)):
+        if dtype == torch.float32:
+            assert a.tokens == b.tokens, f"request {index}: first differs at new token {first_difference(a.tokens, b.tokens)}"
+        else:
+            alone = ec.generate(model, request.input_ids[None].cuda(), policy, max_new_tokens=request.max_new_tokens)
+            reference = alone.sequences[0, request.input_ids.numel():].tolist()
+            assert_same_tokens(a.tokens, reference, alone.logits[0], f"compiled, request {index}")
+            assert_same_tokens(b.tokens, reference, alone.logits[0], f"eager, request {index}")
+    more = [ec.Request(prompt(70 + 9 * i, seed=100 + i), max_new_tokens=5 + 7 * i) for i in range(6)]
+    engine.run(more)  # new prompts, new lengths: the same graph
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def assert_full_and_snapstream_run(model, ids: torch.Tensor, policy, what: str) -> dict:
+    """Full is ``model.generate``; ``policy`` through a 2-slot engine gives what it gives alone; returns its stats."""
+    assert_full_is_generate(model, ids, 24, what)
+    alone = ec.generate(model, ids, policy, max_new_tokens=24)
+    engine = ec.Engine(model, policy, slots=2).run([ec.Request(ids[0].cpu(), max_new_tokens=24)])
+    assert_same_tokens(engine[0].tokens, alone.sequences[0, ids.shape[1]:].tolist(), alone.logits[0], f"{what} engine")
+    return alone.stats[0]
+
+
+def test_mla_deepseek_v3_runs_and_full_is_model_generate():
+    from test_mla import tiny_deepseek
+
+    model = tiny_deepseek(3).to("cuda", torch.bfloat16)
+    ids = prompt(120, seed=3)[None].remainder(97).cuda()
+    stats = assert_full_and_snapstream_run(model, ids, ec.SnapStream(capacity=40, sink=3, window=6, kernel_size=5,
+                                                                      recent=8), "deepseek_v3")
+    assert stats["peak_cache_tokens"] <= 40
+
+
+def test_hybrid_gemma3_runs_and_full_is_model_generate():
+    from test_hybrid import tiny_gemma3
+
+    model = tiny_gemma3().to("cuda", torch.bfloat16)
+    ids = prompt(120, seed=4)[None].remainder(97).cuda()
+    stats = assert_full_and_snapstream_run(model, ids, ec.SnapStream(capacity=20, sink=2, window=4, kernel_size=3,
+                                                                      recent=6), "gemma3")
+    assert max(stats["kept_prompt_tokens"]) <= 20  # full-attention layers at capacity, sliding at the window
+
+
+@pytest.mark.parametrize("name", SCORED)
+def test_scores_are_accumulated_in_fp32_on_a_bf16_model(name):
+    """Each layer's prefill scores, computed on the bf16 model's own queries and keys, are fp32 and agree with the
+    same computation in fp64 to within 1e-4 (fp32 lands near 1e-6; bf16 or TF32 accumulation near 1e-3)."""
+    model = cached("llama", torch.bfloat16)
+    base = POLICIES[name]()
+    seen = []
+
+    class Recording(type(base)):
+        def score(self, view):
+            scores = super().score(view)
+            wide = dataclasses.replace(view, query=view.query.double(), keys=view.keys.double(),
+                                       values=view.values.double())
+            reference = super().score(wide)
+            seen.append((scores.dtype, ((scores.double() - reference).norm() / reference.norm()).item()))
+            return scores
+
+    Recording.__name__ = type(base).__name__
+    policy = Recording(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init})
+    ec.generate(model, prompt(300, seed=9)[None].cuda(), policy, max_new_tokens=4, return_logits=False)
+    assert seen, "the policy scored nothing"
+    for dtype, error in seen:
+        assert dtype == torch.float32
+        assert error < 1e-4, error

@@ -219,6 +219,20 @@ def test_compiled_step_compiles_once_and_matches_eager(model):
     assert engine.counters["decode_steps"] > steps and counter.frame_count == 1
 
 
+def test_a_later_stream_of_longer_requests_reuses_the_compiled_step(model):
+    """The generated-token buffer is a ring of fixed width: a request longer than any before needs no new graph."""
+    policy = ec.SnapStream(capacity=64, window=8, sink=4, recent=16)
+    counter = CompileCounter()
+    engine = ec.Engine(model, policy, slots=2, compile=True, compile_backend=counter)
+    engine.run(stream(count=3))
+    longer = [ec.Request(torch.arange(30) % VOCAB, max_new_tokens=600), *stream(count=2, seed=4)]
+    completions = engine.run(longer)
+    assert counter.frame_count == 1
+    assert [c.tokens for c in completions] == [c.tokens for c in ec.Engine(model, policy, slots=2).run(longer)]
+    alone = ec.generate(model, longer[0].input_ids[None], policy, max_new_tokens=600, return_logits=False)
+    assert completions[0].tokens == alone.sequences[0, 30:].tolist() and len(completions[0].tokens) == 600
+
+
 @pytest.mark.parametrize("policy", [ec.H2O(capacity=40, recent=10), ec.AdaKV(capacity=48, window=4),
                                     ec.DecodingSnapKV(capacity=64, window=4, kernel_size=3, interval=8)],
                          ids=lambda p: p.name)

@@ -179,6 +179,7 @@ def _decode_attention(module, query, key, value, attention_mask, dropout: float 
     return output, None
 
 
+OUT_RING = 256  # columns of the engine's generated-token ring (at least 2 x (sync_every + 1))
 _ACTIVE_SLOTS: list = [None]  # the slot cache of the step running now (a plain list: compiled steps read it too)
 _DECODE_ATTENTION = "evalkit_decode"
 AttentionInterface.register(_DECODE_ATTENTION, _decode_attention)
@@ -320,7 +321,10 @@ class Engine:
         self._step_fn = None
         self._stops: dict[tuple[str, ...], object] = {}
         self.slot_tokens = 0
-        self.out: torch.Tensor | None = None  # [slots, longest + 1] generated tokens, on the device
+        # [slots, width] the newest generated tokens, on the device: token i of a slot at column i % width (the host
+        # collects every sync_every steps, so fewer than width are ever uncollected); its shape never depends on a
+        # request, so one compiled step serves every stream.
+        self.out: torch.Tensor | None = None
         self.counters = {"decode_steps": 0, "busy_slot_steps": 0}
 
     # -- allocation -----------------------------------------------------------------------------------------------
@@ -414,8 +418,8 @@ class Engine:
         step = active.long()
         self.written.add_(step)
         self.seq_len.add_(step)
-        # A finished row writes past its last token (the buffer has a spare column): nothing it produced is lost.
-        self.out.scatter_(1, self.generated[:, None], chosen[:, None])
+        # A finished row writes past its last token, over a column collected long ago: nothing it produced is lost.
+        self.out.scatter_(1, (self.generated % self.out.shape[1])[:, None], chosen[:, None])
         self.generated.add_(step)
         done = self.generated >= self.max_new
         if self.eos is not None:
@@ -561,12 +565,11 @@ class Engine:
                 size = min(size, 64)
         windows = [p.cache_capacity() for p in self.layer_policies if p is not self.policy]
         size = max([size, *windows])  # a hybrid model's sliding-window layers hold their window
-        longest = max((r.max_new_tokens for r in stream), default=1)
         if self.slot_tokens != size:
             self._allocate(size)
-        if self.out is None or self.out.shape[1] <= longest:  # one spare column (see _step)
-            width = 256 * math.ceil((longest + 1) / 256)  # rounded up: a slightly longer request needs no new graph
-            self.out = torch.zeros(self.slots, width, dtype=torch.long, device=self.model.device)
+        if self.out is None:
+            self.out = torch.zeros(self.slots, max(OUT_RING, 2 * (self.sync_every + 1)), dtype=torch.long,
+                                   device=self.model.device)
             if self.compile:
                 torch._dynamo.mark_static_address(self.out)
         self.finished.fill_(True)
@@ -584,7 +587,7 @@ class Engine:
         width = self.sync_every + 1
         starts = torch.tensor([len(residents[s].tokens) if s in residents else 0 for s in range(self.slots)],
                               device=self.out.device)
-        columns = (starts[:, None] + torch.arange(width, device=self.out.device)).clamp(max=self.out.shape[1] - 1)
+        columns = (starts[:, None] + torch.arange(width, device=self.out.device)) % self.out.shape[1]
         # One transfer: per slot, its token count, whether it is finished, and its tokens since the last look.
         view = torch.cat([self.generated[:, None], self.finished[:, None].long(), self.out.gather(1, columns)], dim=1)
         rows = view.tolist()

@@ -73,14 +73,45 @@ def load_model(pretrained: str, dtype: str = "float32", device: str = "auto", at
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(AutoConfig.from_pretrained(path, revision=revision)), None)
     if attn_implementation == "sdpa" and not getattr(model_class, "_supports_sdpa", True):
         attn_implementation = "eager"  # e.g. gpt-oss, whose learned attention sinks sdpa does not compute
+    check_weight_files(path)
     placement = {"device_map": device_map} if device_map is not None else {}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attn_implementation,
-                                                 revision=revision, **placement)
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attn_implementation,
+                                                       revision=revision, output_loading_info=True, **placement)
+    check_loaded_weights(pretrained, info)
     if device_map is None:
         model = model.to(resolve_device(device))
     else:
         ec.cache.layer_devices(model)  # refuses layers offloaded to meta/disk
     return model.eval(), tokenizer
+
+
+def check_weight_files(path: str) -> None:
+    """Every safetensors file of a local checkpoint has a readable header (a truncated or overwritten file is named,
+    before any weight loads)."""
+    from safetensors import SafetensorError, safe_open
+
+    folder = Path(path)
+    if not folder.is_dir():
+        return
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                handle.keys()
+        except (SafetensorError, OSError) as error:
+            raise ValueError(f"{file}: not a readable safetensors file ({error})") from None
+
+
+def check_loaded_weights(pretrained: str, info: dict) -> None:
+    """A checkpoint whose weights do not match its config (layers it lacks would run with random weights) is an
+    error before anything runs, naming what is missing or unexpected."""
+    problems = []
+    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        keys = sorted(str(k) for k in info.get(kind) or ())
+        if keys:
+            shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+            problems.append(f"{len(keys)} {kind.replace('_keys', '')} weight(s) ({shown})")
+    if problems:
+        raise ValueError(f"the weights of {pretrained} do not match its config: {'; '.join(problems)}")
 
 
 def stop_token_ids_of(pretrained: str, revision: str | None = None) -> list[int]:

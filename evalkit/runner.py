@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import difflib
 import datetime as dt
 import functools
 import hashlib
@@ -132,6 +133,28 @@ class RunSpec:
         }
 
 
+RUN_KEYS = ("model", "method", "task", "hardware", "deployment", "budget", "results_dir", "seed", "limit", "batch_size",
+            "compile", "fidelity_tokens", "resume", "threads", "device", "bad_rows", "compression_scope", "memory")
+MODEL_KEYS = ("name", "pretrained", "max_context", "dtype", "apply_chat_template", "revision", "device_map",
+              "deployment")
+
+
+def check_known(section: dict, known, where: str = "") -> None:
+    """Every key of ``section`` is one of ``known``; else one line naming the key and its nearest known spelling
+    (``where``: the section's prefix, e.g. ``model.``)."""
+    for key in section:
+        if key not in known:
+            near = difflib.get_close_matches(str(key), [str(k) for k in known], n=1, cutoff=0.6)
+            hint = f"did you mean {where}{near[0]}?" if near else f"known: {', '.join(sorted(map(str, known)))}"
+            raise ConfigError(f"unknown setting {where}{key}: {hint}")
+
+
+def _require_bool(value, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
 def _require(section: dict, key: str, where: str):
     if section.get(key) is None:
         raise ConfigError(f"{where}.{key} is required")
@@ -140,7 +163,14 @@ def _require(section: dict, key: str, where: str):
 
 def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
     """Check a composed config (plain dict) and build the policy; raise ConfigError with one clear line."""
+    check_known(cfg, RUN_KEYS)
     model, method_cfg, task = cfg.get("model") or {}, dict(cfg.get("method") or {}), cfg.get("task") or {}
+    check_known(model, MODEL_KEYS, "model.")
+    if isinstance(cfg.get("memory"), dict):
+        check_known(cfg["memory"], ("enforce",), "memory.")
+        _require_bool(cfg["memory"].get("enforce", False), "memory.enforce")
+    if isinstance(cfg.get("budget"), dict):
+        check_known(cfg["budget"], ("spec",), "budget.")
     budget_cfg = cfg.get("budget")
     budget = budget_cfg.get("spec") if isinstance(budget_cfg, dict) else budget_cfg
     budget = None if budget in (None, "none") else str(budget)
@@ -158,9 +188,7 @@ def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
         method, method_cfg = "full", {}  # `evalkit task=X` with no budget is the full-cache baseline
     if budget is not None and method == "full":
         raise InvalidCombination("method=full takes no budget; drop +budget or pick a compressing method")
-    unknown = set(method_cfg) - set(METHOD_PARAMS[method])
-    if unknown:
-        raise ConfigError(f"method {method} has no parameter(s) {sorted(unknown)}")
+    check_known(method_cfg, METHOD_PARAMS[method], "method.")
     max_context = _require(model, "max_context", "model")
     if not isinstance(max_context, int) or max_context < 1:
         raise ConfigError(f"model.max_context must be a positive integer, got {max_context!r}")
@@ -180,15 +208,20 @@ def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
         available = sorted(p.name for p in tasks_dir().iterdir() if p.is_dir() and not p.name.startswith(("_", ".")))
         raise ConfigError(f"unknown task {task_name!r}; available: {available}")
     options = {key: task.get(key) for key in TASK_OPTION_KEYS if task.get(key) is not None}
-    unknown = set(task) - {"name", *TASK_OPTION_KEYS}
-    if unknown:
-        raise ConfigError(f"task {task_name} has no setting(s) {sorted(unknown)}; known: name, {', '.join(TASK_OPTION_KEYS)}")
+    check_known(task, ("name", *TASK_OPTION_KEYS), "task.")
     for key in ("dataset", "generation"):
         if not isinstance(options.get(key, {}), dict):
             raise ConfigError(f"task.{key} must be a mapping, got {options[key]!r}")
+    path = options.get("dataset", {}).get("path")
+    if path is not None and not isinstance(path, str):
+        raise ConfigError(f"task.dataset.path must be a path or a hub id (text), got {path!r}")
+    for key in ("max_gen_toks", "max_new_tokens"):
+        value = options.get("generation", {}).get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"task.generation.{key} must be a positive integer, got {value!r}")
     if "repeats" in options and (not isinstance(options["repeats"], int) or options["repeats"] < 1):
         raise ConfigError(f"task.repeats must be a positive integer, got {options['repeats']!r}")
-    apply_chat_template = bool(model.get("apply_chat_template", False))
+    apply_chat_template = _require_bool(model.get("apply_chat_template", False), "model.apply_chat_template")
     if task_name == "livecodebench":
         apply_chat_template = _livecodebench_style(options, apply_chat_template)
     scope = cfg.get("compression_scope", "prompt")
@@ -230,7 +263,7 @@ def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
         task_options=options,
         compression_scope=scope,
         memory=verdict,
-        resume=bool(cfg.get("resume", True)),
+        resume=_require_bool(cfg.get("resume", True), "resume"),
         fidelity_tokens=fidelity_tokens,
         revision=model.get("revision"),
         device_map=_device_map(model.get("device_map")),
@@ -384,7 +417,8 @@ def _versions() -> dict:
 
     try:
         revision = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5,
+            stdin=subprocess.DEVNULL
         ).stdout.strip() or None
     except (OSError, subprocess.TimeoutExpired):
         revision = None
@@ -599,6 +633,12 @@ def run(spec: RunSpec, model=None, tokenizer=None) -> RunResult | None:
     except ValueError as error:
         raise RunError(f"model {spec.pretrained}: {_one_line(error)}") from None
 
+    # lm-eval asks git for a commit hash with the child's stderr on ours ("fatal: not a git repository" outside a
+    # checkout); the same question, asked quietly (the run's own identity records evalkit's revision).
+    import lm_eval.evaluator
+
+    lm_eval.evaluator.get_git_commit_hash = _quiet_git_hash
+
     def evaluate(config) -> dict:  # a task config, or the task already built from one
         return lm_eval.simple_evaluate(
             model=lm,
@@ -639,6 +679,16 @@ def run(spec: RunSpec, model=None, tokenizer=None) -> RunResult | None:
     progress.remove()
     progress_path.with_name(f"{progress_path.stem}-reasoning.jsonl").unlink(missing_ok=True)
     return RunResult(run_id, pd.DataFrame(metrics), pd.DataFrame(samples), paths)
+
+
+def _quiet_git_hash() -> str | None:
+    """``git describe --always`` of the working folder, or None, with git's complaints kept off the terminal."""
+    try:
+        done = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, timeout=5,
+                              stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() or None
 
 
 def _model_unavailable(pretrained: str, error: OSError) -> str:

@@ -345,3 +345,33 @@ def test_policy_from_budget():
         ec.policy_from_budget("snapkv", "four", 1024)
     with pytest.raises(ValueError, match="unknown method"):
         ec.policy_from_budget("h3o", "4x", 1024)
+
+
+@pytest.mark.parametrize("name", ["full", "snapstream", "h2o"])
+def test_a_finished_requests_cache_is_freed_without_the_cycle_collector(llama, monkeypatch, name):
+    """No reference cycle holds a finished request's cache: its KV tensors go when the request ends, not when Python's
+    cycle collector next runs (which never sees GPU memory as pressure)."""
+    import gc
+    import weakref
+
+    from evalkit.compression.cache import CompressedCache
+
+    caches = []
+    original = CompressedCache.__init__
+
+    def recording(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        caches.append(weakref.ref(self))
+
+    monkeypatch.setattr(CompressedCache, "__init__", recording)
+    policy = {"full": ec.Full(), "snapstream": ec.SnapStream(capacity=28, sink=3, window=6, recent=8),
+              "h2o": ec.H2O(capacity=21, recent=6)}[name]
+    gc.collect()
+    gc.disable()
+    try:
+        out = ec.generate(llama, random_prompt(60), policy, max_new_tokens=6)
+        assert out.sequences.shape[1] == 66 and caches
+        ec.Engine(llama, policy, slots=2).run([ec.Request(random_prompt(40)[0], max_new_tokens=4)])
+        assert all(ref() is None for ref in caches), f"{sum(ref() is not None for ref in caches)} caches still alive"
+    finally:
+        gc.enable()

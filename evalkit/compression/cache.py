@@ -25,6 +25,7 @@ import contextlib
 import contextvars
 import dataclasses
 import sys
+import weakref
 
 import torch
 from transformers import AttentionInterface
@@ -148,8 +149,14 @@ class CompressedLayer(DynamicLayer):
 
     def __init__(self, cache: CompressedCache, index: int):
         super().__init__()
-        self.cache, self.index = cache, index
+        # A weak reference back: the cache holds its layers, and a cycle would keep a finished request's KV tensors
+        # alive until Python's cycle collector runs (which never sees GPU memory as pressure).
+        self._cache, self.index = weakref.ref(cache), index
         self.heads: HeadState | None = None
+
+    @property
+    def cache(self) -> CompressedCache:
+        return self._cache()
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:  # prefill: keep everything until the hook has scored this layer

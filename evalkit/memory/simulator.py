@@ -71,6 +71,9 @@ class Hardware:
 
     @classmethod
     def from_config(cls, cfg: dict) -> Hardware:
+        unknown = set(cfg) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"hardware {cfg.get('name', '?')} has unknown setting(s) {sorted(unknown)}")
         try:
             return cls(
                 name=str(cfg["name"]), sram=parse_bytes(cfg["sram"]), hbm=parse_bytes(cfg["hbm"]),

@@ -95,6 +95,9 @@ def _json_rows(path: Path) -> list[dict]:
             rows.append(row)
         return rows
     if isinstance(whole, dict) and whole and all(isinstance(v, list) for v in whole.values()):  # columns
+        lengths = {key: len(values) for key, values in whole.items()}
+        if len(set(lengths.values())) > 1:
+            raise DataError(f"{path}: columns of unequal length ({', '.join(f'{k}: {n}' for k, n in lengths.items())})")
         return [dict(zip(whole, values)) for values in zip(*whole.values())]
     whole = [whole] if isinstance(whole, dict) else whole
     if not isinstance(whole, list) or any(not isinstance(row, dict) for row in whole):
@@ -114,10 +117,16 @@ def checked_rows(rows, source: str | list[str], check: Callable[[dict], dict], b
                  id_field: str = "id") -> list[dict]:
     """``check(row)`` for every row (it returns the row to keep, or raises :class:`RowError`)."""
     name = source if isinstance(source, str) else ", ".join(source)
-    kept = []
+    kept, seen = [], {}
     for position, row in enumerate(rows, 1):
         try:
-            kept.append(check(row))
+            checked = check(row)
+            key = None if checked.get(id_field) is None else str(checked.get(id_field))
+            if key is not None:  # one document per id: results, reasoning passes and resumes are keyed by it
+                if key in seen:
+                    raise RowError(id_field, f"duplicate id {key[:60]!r} (first at row {seen[key]})")
+                seen[key] = position
+            kept.append(checked)
         except RowError as error:
             message = f"{name}: row {position} ({id_field}={row.get(id_field, '?')}): {error}"
             if bad_rows != "skip":

@@ -97,6 +97,8 @@ def prepare(row: dict) -> dict:
     contest = contest_datetime(row["contest_date"])
     public = _field_tests(row, "public_test_cases")
     tests = public + _field_tests(row, "private_test_cases")
+    if not tests:
+        raise RowError("private_test_cases", "no tests at all (public or private): every program would pass")
     try:
         metadata = json.loads(row["metadata"] or "{}")
     except json.JSONDecodeError:

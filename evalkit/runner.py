@@ -8,12 +8,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import difflib
 import datetime as dt
+import difflib
+import fcntl
 import functools
 import hashlib
 import json
 import math
+import os
+import socket
 import subprocess
 import uuid
 from importlib import metadata
@@ -596,16 +599,53 @@ def run(spec: RunSpec, model=None, tokenizer=None) -> RunResult | None:
 
     With ``spec.resume`` (the default) a config whose tables exist is skipped (None is returned) and an interrupted
     one continues from its progress file. Everything that can be checked before the model loads is checked first:
-    the model and data sources, the results directory, the data rows. Ctrl-C raises :class:`Interrupted`.
+    the model and data sources, the results directory, the data rows. Ctrl-C raises :class:`Interrupted`. One
+    process at a time runs a config in a results directory: a second one started beside it is refused (a lock on
+    the config's progress file), and tables an interrupted attempt left without its metrics table go first.
     """
+    if spec.resume and completed_runs(spec.results_dir, spec):
+        return None
+    _check_writable(spec.results_dir)
+    digest = config_digest(spec)
+    progress_dir = spec.results_dir / ".progress"
+    progress_dir.mkdir(parents=True, exist_ok=True)
+    with open(progress_dir / f"{digest}.lock", "a+", encoding="utf-8") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            raise RunError(f"this config is already running in {spec.results_dir} ({holder}); wait for it to finish "
+                           "(its tables then make this run a skip) or use another results_dir") from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        lock.flush()
+        if spec.resume and completed_runs(spec.results_dir, spec):  # finished while this one waited to start
+            return None
+        remove_unfinished_tables(spec.results_dir, digest)
+        return _run(spec, digest, model, tokenizer)
+
+
+def remove_unfinished_tables(results_dir: Path, digest: str) -> list[Path]:
+    """Tables of config ``digest`` whose run never wrote its metrics table (written last: the mark of a complete
+    run), and temporary files of an interrupted write: an attempt cut short while writing. They go before a rerun
+    writes its own tables, so that no sample is counted twice."""
+    complete = {p.stem for p in (results_dir / "metrics").glob(f"*-{digest}-*.parquet")}
+    removed = []
+    for folder in ("samples", "metrics", "csv/samples", "csv/metrics"):
+        for path in (results_dir / folder).glob(f"*-{digest}-*"):
+            if path.name.startswith(".") or path.stem not in complete:
+                path.unlink(missing_ok=True)
+                removed.append(path)
+    return removed
+
+
+def _run(spec: RunSpec, digest: str, model=None, tokenizer=None) -> RunResult:
     import lm_eval
 
     from evalkit.lm import EvalkitLM
 
-    digest = config_digest(spec)
-    if spec.resume and completed_runs(spec.results_dir, spec):
-        return None
-    _check_writable(spec.results_dir)
     progress_path = spec.results_dir / ".progress" / f"{digest}.jsonl"
     if not spec.resume:
         progress_path.unlink(missing_ok=True)
@@ -673,7 +713,7 @@ def run(spec: RunSpec, model=None, tokenizer=None) -> RunResult | None:
     config = {"run_id": run_id, **spec.flat_config(), **identify(spec), "config_digest": digest,
               "chat_template_sha": _chat_template_sha(lm.tokenizer) if spec.apply_chat_template else None,
               **_versions(), "started_at": started.isoformat()}
-    # Samples first, metrics last: a metrics file means the run is complete.
+    # Samples first, metrics last (its parquet file after its CSV): a metrics parquet file means the run is complete.
     samples_path = write_table(samples_table(samples, config), spec.results_dir, "samples", run_id)
     paths = [write_table(metrics_table(metrics, config), spec.results_dir, "metrics", run_id), samples_path]
     progress.remove()

@@ -87,3 +87,72 @@ def test_sweep_skips_method_budget_pairs_that_do_not_exist(tmp_path, random_mode
     assert result.stdout.count("skipped in this sweep") == 2
     runs = read_table(results, "metrics").drop_duplicates("run_id").fillna({"budget": "none"})
     assert set(zip(runs["method"], runs["budget"])) == {("full", "none"), ("snapkv", "4x")}
+
+
+def test_an_interrupted_table_write_is_redone_without_duplicate_rows(tmp_path, random_model_dir, monkeypatch):
+    """Killed after the samples table and before the metrics table (the mark of a complete run): the rerun removes
+    the unfinished tables and writes exactly what an uninterrupted run writes."""
+    import evalkit.runner as runner
+    from test_harness import composed
+
+    def spec(results):
+        return runner.validate(composed(f"model.pretrained={random_model_dir}", "limit=6",
+                                        "+task.generation.max_gen_toks=8", f"results_dir={results}"),
+                               method_explicit=False)
+
+    reference = runner.run(spec(tmp_path / "reference"))
+    real_write = runner.write_table
+
+    def crash_before_metrics(table, results_dir, name, run_id):
+        if name == "metrics":
+            (results_dir / "metrics" / f".{run_id}.parquet.123.tmp").parent.mkdir(parents=True, exist_ok=True)
+            (results_dir / "metrics" / f".{run_id}.parquet.123.tmp").write_bytes(b"half a file")
+            raise KeyboardInterrupt
+        return real_write(table, results_dir, name, run_id)
+
+    results = tmp_path / "results"
+    monkeypatch.setattr(runner, "write_table", crash_before_metrics)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run(spec(results))
+    assert len(list((results / "samples").glob("*.parquet"))) == 1 and not list((results / "metrics").glob("*.parquet"))
+    monkeypatch.setattr(runner, "write_table", real_write)
+    again = runner.run(spec(results))
+    assert again is not None
+    samples, metrics = read_table(results, "samples"), read_table(results, "metrics")
+    assert len(samples) == 6 and samples["doc_id"].is_unique and samples["run_id"].nunique() == 1
+    assert not any(p.name.startswith(".") for p in (results / "metrics").iterdir())
+    assert len(list((results / "csv" / "samples").glob("*.csv"))) == 1
+    assert sorted(samples["prediction"]) == sorted(reference.samples["prediction"])
+    assert metrics.set_index("metric")["value"].to_dict() == reference.metrics.set_index("metric")["value"].to_dict()
+
+
+def test_a_second_process_on_the_same_config_is_refused_while_the_first_runs(tmp_path, random_model_dir):
+    """The config's lock is held by a running process: a second one is one line and exit 2, the first unharmed."""
+    import subprocess
+    import sys
+
+    import evalkit.runner as runner
+    from test_harness import composed
+
+    results = tmp_path / "results"
+    args = [f"model.pretrained={random_model_dir}", "limit=3", "+task.generation.max_gen_toks=4", f"results_dir={results}"]
+    digest = runner.config_digest(runner.validate(composed(*args), method_explicit=False))
+    (results / ".progress").mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time\n"
+                               f"f = open({str(results / '.progress' / (digest + '.lock'))!r}, 'a+')\n"
+                               "fcntl.flock(f, fcntl.LOCK_EX); f.write('pid 4242 on testhost'); f.flush()\n"
+                               "print('locked', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        second = evalkit(*args, cwd=tmp_path)
+        assert second.returncode == 2
+        (line,) = [line for line in second.stderr.splitlines() if line.startswith("evalkit:")]
+        assert "already running" in line and "pid 4242 on testhost" in line, line
+        assert not (results / "samples").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    # the lock goes with its holder: now the config runs
+    third = evalkit(*args, cwd=tmp_path)
+    assert third.returncode == 0, third.stderr[-2000:]
+    assert len(read_table(results, "samples")) == 3

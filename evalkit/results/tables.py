@@ -136,8 +136,8 @@ def write_table(table: pa.Table, results_dir: str | os.PathLike, name: str, run_
     csv = Path(results_dir) / "csv" / name / f"{run_id}.csv"
     for path in (parquet, csv):
         path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic(parquet, lambda tmp: pq.write_table(table, tmp))
     _atomic(csv, lambda tmp: table.to_pandas().to_csv(tmp, index=False))
+    _atomic(parquet, lambda tmp: pq.write_table(table, tmp))  # last: a metrics parquet file marks a complete run
     return parquet
 
 

@@ -608,8 +608,10 @@ def run(spec: RunSpec, model=None, tokenizer=None) -> RunResult | None:
     _check_writable(spec.results_dir)
     digest = config_digest(spec)
     progress_dir = spec.results_dir / ".progress"
+    created = [path for path in (spec.results_dir, progress_dir) if not path.exists()]
     progress_dir.mkdir(parents=True, exist_ok=True)
-    with open(progress_dir / f"{digest}.lock", "a+", encoding="utf-8") as lock:
+    lock_path = progress_dir / f"{digest}.lock"
+    with open(lock_path, "a+", encoding="utf-8") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -621,10 +623,17 @@ def run(spec: RunSpec, model=None, tokenizer=None) -> RunResult | None:
         lock.truncate()
         lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
         lock.flush()
-        if spec.resume and completed_runs(spec.results_dir, spec):  # finished while this one waited to start
-            return None
-        remove_unfinished_tables(spec.results_dir, digest)
-        return _run(spec, digest, model, tokenizer)
+        try:
+            if spec.resume and completed_runs(spec.results_dir, spec):  # finished while this one waited to start
+                return None
+            remove_unfinished_tables(spec.results_dir, digest)
+            return _run(spec, digest, model, tokenizer)
+        finally:  # still holding the lock
+            if not (progress_dir / f"{digest}.jsonl").exists():  # nothing left to resume: no trace of the lock
+                with contextlib.suppress(OSError):
+                    lock_path.unlink(missing_ok=True)
+                    for path in reversed(created):
+                        path.rmdir()  # only what this run made and left empty (a mistake writes nothing)
 
 
 def remove_unfinished_tables(results_dir: Path, digest: str) -> list[Path]:

@@ -32,12 +32,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import SHAPES, build_model, sync  # noqa: E402
+from bench_engine import build_model, model_arguments, model_dtype, sync  # noqa: E402
 
 import evalkit.compression as ec  # noqa: E402
 from evalkit import memory  # noqa: E402
 from evalkit.budget import factor  # noqa: E402
-from evalkit.memory.geometry import from_hf_config  # noqa: E402
+from evalkit.memory.geometry import from_hf_config, kv_bytes_per_token  # noqa: E402
 from evalkit.memory.simulator import Deployment, price  # noqa: E402
 
 
@@ -68,13 +68,6 @@ def weight_bytes_read(model) -> int:
     if head is embed:  # tied: the output projection reads it whole
         total += head.numel() * head.element_size()
     return total
-
-
-def kv_bytes_per_token(model) -> int:
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    element = next(model.parameters()).element_size()
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element
 
 
 def prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[torch.Tensor]:
@@ -150,9 +143,7 @@ def default_hardware(device: str) -> str | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a small run (a smoke run)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="50m")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    model_arguments(parser)
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--budget", default="4x")
     parser.add_argument("--context", type=int, default=4096, help="tokens a full cache holds per sequence")
@@ -164,7 +155,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.slots, args.context, args.prompt, args.steps = 8, 512, 64, 16
-    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+    dtype = model_dtype(args)
+    dtype_name = str(dtype).removeprefix("torch.")
     ratio = factor(args.budget)
     if not float(ratio).is_integer() or args.slots % int(ratio):
         raise SystemExit(f"--budget must be an integer ratio that divides --slots, got {args.budget} and {args.slots}")
@@ -172,7 +164,7 @@ def main() -> None:
     capacity = args.context // ratio
     few = args.slots // ratio
     model = build_model(args.shape, args.device, dtype)
-    weights, per_token = weight_bytes_read(model), kv_bytes_per_token(model)
+    weights, per_token = weight_bytes_read(model), kv_bytes_per_token(model.config, dtype_name)
     hardware_name = args.hardware or default_hardware(args.device)
     hardware = memory.load_hardware(hardware_name) if hardware_name else None
     bandwidth = copy_bandwidth(args.device)
@@ -220,8 +212,7 @@ def main() -> None:
         row["vs_best_hf"] = row["tokens_per_s"] / best_hf if best_hf else math.nan
         if hardware:
             deployment = Deployment(model=geometry, hardware=hardware, tp=1, batch=row["sequences"],
-                                    context=row["cache_tokens"], weight_dtype="bf16" if dtype == torch.bfloat16
-                                    else "fp32", kv_dtype="bf16" if dtype == torch.bfloat16 else "fp32",
+                                    context=row["cache_tokens"], weight_dtype=dtype_name, kv_dtype=dtype_name,
                                     kernel_looping=True)
             verdict = price(deployment)
             ideal = verdict.step_seconds * deployment.efficiency

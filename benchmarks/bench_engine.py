@@ -39,6 +39,18 @@ SHAPES = {
 }
 
 
+def model_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--device``, ``--shape`` and ``--dtype``: the random model a benchmark runs (see :func:`model_dtype`)."""
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="50m")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+
+
+def model_dtype(args: argparse.Namespace) -> torch.dtype:
+    """``--dtype``, by default bf16 on CUDA and fp32 elsewhere."""
+    return getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+
+
 def build_model(shape: str, device: str, dtype: torch.dtype) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(**SHAPES[shape], max_position_embeddings=131072)
@@ -126,9 +138,7 @@ def rss_mib() -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a small workload (a smoke run)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="50m")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    model_arguments(parser)
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--budget", default="4x")
@@ -144,7 +154,7 @@ def main() -> None:
         args.requests, args.prompt_max, args.median_new, args.max_new = 12, 600, 48, 256
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+    dtype = model_dtype(args)
     model = build_model(args.shape, args.device, dtype)
     params = sum(p.numel() for p in model.parameters()) / 1e6
     requests = workload(args.requests, args.prompt_min, args.prompt_max, args.median_new, args.max_new,

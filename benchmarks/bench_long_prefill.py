@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import SHAPES, build_model, sync  # noqa: E402
+from bench_engine import build_model, model_arguments, model_dtype, sync  # noqa: E402
 
 import evalkit.compression as ec  # noqa: E402
 
@@ -36,8 +36,7 @@ def rss_bytes() -> int:
 
 def cell(args) -> dict:
     """One measurement, in this process."""
-    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
-    model = build_model(args.shape, args.device, dtype)
+    model = build_model(args.shape, args.device, model_dtype(args))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, model.config.vocab_size, (1, args.length), generator=g).to(args.device)
     warm_policy = ec.policy_from_budget(args.method, None if args.method == "full" else args.budget, 1024)
@@ -66,9 +65,7 @@ def cell(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="50m")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    model_arguments(parser)
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
     parser.add_argument("--methods", nargs="+", default=["full", "snapkv", "snapstream", "streaming_llm", "pyramidkv",
                                                         "adakv", "knorm", "tova", "h2o", "observed_attention",

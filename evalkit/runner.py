@@ -418,19 +418,12 @@ def _versions() -> dict:
         except metadata.PackageNotFoundError:
             return None
 
-    try:
-        revision = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5,
-            stdin=subprocess.DEVNULL
-        ).stdout.strip() or None
-    except (OSError, subprocess.TimeoutExpired):
-        revision = None
     return {
         "evalkit_version": version("evalkit"),
         "torch_version": version("torch"),
         "transformers_version": version("transformers"),
         "lm_eval_version": version("lm_eval") or version("lm-eval"),
-        "git_revision": revision,
+        "git_revision": _git("rev-parse", "HEAD", cwd=Path(__file__).parent),
     }
 
 
@@ -636,18 +629,15 @@ def run(spec: RunSpec, model=None, tokenizer=None) -> RunResult | None:
                         path.rmdir()  # only what this run made and left empty (a mistake writes nothing)
 
 
-def remove_unfinished_tables(results_dir: Path, digest: str) -> list[Path]:
+def remove_unfinished_tables(results_dir: Path, digest: str) -> None:
     """Tables of config ``digest`` whose run never wrote its metrics table (written last: the mark of a complete
     run), and temporary files of an interrupted write: an attempt cut short while writing. They go before a rerun
     writes its own tables, so that no sample is counted twice."""
     complete = {p.stem for p in (results_dir / "metrics").glob(f"*-{digest}-*.parquet")}
-    removed = []
     for folder in ("samples", "metrics", "csv/samples", "csv/metrics"):
         for path in (results_dir / folder).glob(f"*-{digest}-*"):
             if path.name.startswith(".") or path.stem not in complete:
                 path.unlink(missing_ok=True)
-                removed.append(path)
-    return removed
 
 
 def _run(spec: RunSpec, digest: str, model=None, tokenizer=None) -> RunResult:
@@ -686,7 +676,7 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None) -> RunResult:
     # checkout); the same question, asked quietly (the run's own identity records evalkit's revision).
     import lm_eval.evaluator
 
-    lm_eval.evaluator.get_git_commit_hash = _quiet_git_hash
+    lm_eval.evaluator.get_git_commit_hash = functools.partial(_git, "describe", "--always")
 
     def evaluate(config) -> dict:  # a task config, or the task already built from one
         return lm_eval.simple_evaluate(
@@ -730,10 +720,11 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None) -> RunResult:
     return RunResult(run_id, pd.DataFrame(metrics), pd.DataFrame(samples), paths)
 
 
-def _quiet_git_hash() -> str | None:
-    """``git describe --always`` of the working folder, or None, with git's complaints kept off the terminal."""
+def _git(*args: str, cwd: Path | None = None) -> str | None:
+    """What ``git ARGS`` prints in ``cwd`` (default: the working folder), or None; git's complaints stay off the
+    terminal."""
     try:
-        done = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, timeout=5,
+        done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=5,
                               stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired):
         return None

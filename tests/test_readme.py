@@ -119,6 +119,15 @@ def test_gpu_tier_command_runs_and_skips_without_cuda():
     assert expected in summary and "failed" not in summary and "deselected" in summary, summary
 
 
+def test_hostile_tier_command_runs():
+    """The README's `python -m pytest -q -m hostile`: the hostile-program tier, tests/test_hostile.py alone."""
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "hostile", "-p", "no:cacheprovider"],
+                            cwd=README.parent, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:]
+    summary = result.stdout.strip().splitlines()[-1]
+    assert "passed" in summary and "failed" not in summary and "deselected" in summary, summary
+
+
 @pytest.mark.slow
 def test_training_recipe_runs(tmp_path):
     """The README's `python -m evalkit.train_tiny --out ...` (a few steps here; the recipe takes ~15 minutes)."""

@@ -48,17 +48,34 @@ OUTPUT_LIMIT_MB = 64
 MAX_PROCESSES = 64
 MAX_OPEN_FILES = 64
 
-# Runs inside the namespaces, before the untrusted code: $1 = code file, $2 = python, $3 = working directory (made
-# a private size-capped tmpfs, the only writable place), $4 = its size, $5 = the process limit, set here so that
-# the kernel counts it in the sandbox's own user namespace. Everything else is remounted read-only; the python may
-# live anywhere (a virtual environment under /tmp included), it stays readable.
+# Runs inside the namespaces, before the untrusted code: $1 = code file, $2 = python, $3 = an empty folder that becomes
+# the program's root, $4 = the size of its writable tmpfs folders, $5 = the process limit (set here so that the kernel
+# counts it in the sandbox's own user namespace), then (path, remount options) pairs: the Python runtime and the system
+# libraries, bound read-only. Nothing else of the host is in the program's view: no data file, no home folder, no
+# host /tmp. Its working folder /work and /tmp are private size-capped tmpfs; /dev holds null, zero, random and
+# urandom; /proc is the sandbox's own PID namespace. Any step that fails stops the launch (fail closed).
 _LAUNCHER = r"""
 exec 3<"$1" || exit 125
-for mountpoint in $(cut -d' ' -f5 /proc/self/mountinfo); do mount -o remount,ro,bind "$mountpoint" 2>/dev/null; done
-mount -t tmpfs -o "size=$4,mode=0700" tmpfs "$3" || exit 125
-if [ -d /dev/shm ]; then mount -t tmpfs -o size=1m tmpfs /dev/shm || exit 125; fi
-cd "$3" || exit 125
-exec prlimit --nproc="$5:$5" -- unshare --user --mount "$2" -I /dev/fd/3
+python=$2; root=$3; size=$4; nproc=$5; shift 5
+mount -t tmpfs -o size=1m,mode=0755 tmpfs "$root" || exit 125
+mkdir -p "$root/dev/shm" "$root/proc" "$root/tmp" "$root/work" && ln -s /proc/self/fd "$root/dev/fd" || exit 125
+mount -t tmpfs -o "size=$size,mode=0700" tmpfs "$root/work" || exit 125
+mount -t tmpfs -o "size=$size,mode=1777" tmpfs "$root/tmp" || exit 125
+while [ $# -gt 1 ]; do
+  path=$1; options=$2; shift 2
+  if [ -L "$path" ]; then
+    mkdir -p "$root${path%/*}" && ln -s "$(readlink "$path")" "$root$path" || exit 125
+  else
+    mkdir -p "$root$path" && mount --bind "$path" "$root$path" && mount -o "$options" "$root$path" || exit 125
+  fi
+done
+for device in null zero random urandom; do
+  : > "$root/dev/$device" && mount --bind "/dev/$device" "$root/dev/$device" || exit 125
+done
+mount --rbind /proc "$root/proc" || exit 125
+mount -t tmpfs -o size=1m tmpfs "$root/dev/shm" || exit 125
+mount -o remount,bind,ro,nosuid,nodev "$root" || exit 125
+exec prlimit --nproc="$nproc:$nproc" -- unshare --user --mount --root="$root" --wd=/work "$python" -I /dev/fd/3
 """
 _NAMESPACES = ["unshare", "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child", "--mount-proc"]
 
@@ -80,6 +97,7 @@ def isolation() -> dict:
     """Which protections this machine enforces: always rlimits/process group/env; namespaces when they work here.
     Probed once; the weaker case is said once, on stderr, and :func:`isolation_level` names it for the results."""
     namespaces, why = False, "unshare, prlimit or sh missing, or not Linux"
+    remove_stale_folders()
     if all(map(shutil.which, ("unshare", "prlimit", "sh"))) and sys.platform.startswith("linux"):
         probe = _run("import sys; sys.stdout.write('ok')", "", 10.0, 256, use_namespaces=True)
         namespaces = probe.status == "ok" and probe.stdout == "ok"
@@ -170,8 +188,53 @@ def _limited(command: list[str], limits: dict[str, tuple[int, int]]):
     return command, apply
 
 
+_SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_MOUNT_FLAGS = ((os.ST_NOSUID, "nosuid"), (os.ST_NODEV, "nodev"), (os.ST_NOEXEC, "noexec"), (os.ST_NOATIME, "noatime"),
+                (os.ST_NODIRATIME, "nodiratime"), (os.ST_RELATIME, "relatime"))
+
+
+@functools.lru_cache(maxsize=1)
+def runtime_view() -> tuple[tuple[str, str], ...]:
+    """What of the host a sandboxed program sees, read-only: the system libraries and this Python's installation
+    (its prefix and, in a virtual environment, the base one), as (path, remount options) pairs. The options keep the
+    flags the host mount already has (a user namespace may not drop them) and add ``ro``."""
+    prefixes = {sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix}
+    candidates = sorted({path for path in (*_SYSTEM_PATHS, *prefixes) if os.path.lexists(path) and path != os.sep})
+    view: list[tuple[str, str]] = []
+    for path in candidates:
+        if any(path.startswith(kept.rstrip(os.sep) + os.sep) and not os.path.islink(kept) for kept, _ in view):
+            continue  # inside a folder already in the view
+        flags = 0 if os.path.islink(path) else os.statvfs(path).f_flag
+        view.append((path, ",".join(["remount", "bind", "ro", *(name for bit, name in _MOUNT_FLAGS if flags & bit)])))
+    return tuple(view)
+
+
+_TEMP_PREFIX = "evalkit-sandbox-"
+
+
+def remove_stale_folders() -> list[str]:
+    """Remove the temporary folders of sandboxes whose grading process is gone (killed before it could clean up);
+    each folder's name carries its grader's pid. Returns what was removed. Called once per process, on first use."""
+    removed = []
+    root = tempfile.gettempdir()
+    for entry in os.scandir(root):
+        owner = entry.name[len(_TEMP_PREFIX):].split("-", 1)[0]
+        if not entry.name.startswith(_TEMP_PREFIX) or not owner.isdigit() or int(owner) == os.getpid():
+            continue
+        try:
+            os.kill(int(owner), 0)
+            continue  # its grader still runs
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # another user's live process
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.path)
+    return removed
+
+
 def _run(code: str, stdin: str, timeout_s: float, memory_mb: int, use_namespaces: bool) -> SandboxResult:
-    host_dir = tempfile.mkdtemp(prefix="evalkit-sandbox-")
+    host_dir = tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{os.getpid()}-")
     try:
         paths = {name: os.path.join(host_dir, name) for name in ("main.py", "stdin", "stdout", "stderr")}
         with open(paths["main.py"], "w", encoding="utf-8") as handle:
@@ -182,8 +245,11 @@ def _run(code: str, stdin: str, timeout_s: float, memory_mb: int, use_namespaces
         os.mkdir(work)
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8", "HOME": work, "TMPDIR": work}
         if use_namespaces:
-            command = [*_NAMESPACES, "sh", "-c", _LAUNCHER, "launcher", paths["main.py"], sys.executable, work, "64m",
-                       str(MAX_PROCESSES)]
+            root = os.path.join(host_dir, "root")
+            os.mkdir(root)
+            env["HOME"] = env["TMPDIR"] = "/work"
+            command = [*_NAMESPACES, "sh", "-c", _LAUNCHER, "launcher", paths["main.py"], sys.executable, root, "64m",
+                       str(MAX_PROCESSES), *(item for pair in runtime_view() for item in pair)]
             cwd, processes = "/", None
         else:
             command, cwd = [sys.executable, "-I", paths["main.py"]], work
@@ -191,6 +257,8 @@ def _run(code: str, stdin: str, timeout_s: float, memory_mb: int, use_namespaces
         with open(paths["stdin"], "rb") as fin, open(paths["stdout"], "wb") as fout, open(paths["stderr"], "wb") as ferr:
             start = time.monotonic()
             command, preexec = _limited(command, _limits(timeout_s, memory_mb, processes))
+            if shutil.which("setpriv"):  # the sandbox dies with the thread that runs it, even on a kill -9 of the grader
+                command = ["setpriv", "--pdeathsig", "KILL", "--", *command]
             process = subprocess.Popen(
                 command, stdin=fin, stdout=fout, stderr=ferr, cwd=cwd, env=env, preexec_fn=preexec,  # noqa: PLW1509
                 start_new_session=True, close_fds=True,

@@ -15,7 +15,9 @@ from __future__ import annotations
 import base64
 import dataclasses
 import datetime as dt
+import io
 import json
+import logging
 import math
 import pickle
 import secrets
@@ -24,6 +26,8 @@ from decimal import Decimal, InvalidOperation
 
 from evalkit import sandbox
 from evalkit.scoring.data import RowError, require_text
+
+log = logging.getLogger(__name__)
 
 HUB_REPO = "livecodebench/code_generation_lite"
 RELEASE_FILES = {f"release_v{n}": ["test.jsonl"] + [f"test{i}.jsonl" for i in range(2, n + 1)] for n in range(1, 7)}
@@ -44,17 +48,27 @@ def release_sources(release: str) -> list[str]:
     return [f"hf://datasets/{HUB_REPO}/{name}" for name in RELEASE_FILES[release]]
 
 
+class _DataUnpickler(pickle.Unpickler):
+    """Admits the data types the test field holds (strings, numbers, lists, dicts: none needs a global); refuses any
+    global, which is how a pickle would reach a callable such as ``os.system``."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"test cases may hold only plain data; the pickle names {module}.{name}")
+
+
 def decode_tests(field: str) -> list[dict]:
     """Test cases from their JSON string, or from the compressed form: base64 -> zlib -> pickle -> JSON string.
 
-    The pickle comes from the dataset, as in lcb_runner (data, not model output)."""
+    The pickle comes from the dataset, as in lcb_runner, but unlike there it is decoded by :class:`_DataUnpickler`,
+    which builds only plain data (a pickle that names any class or function, i.e. that would run code, is refused)."""
     if not isinstance(field, str):
         raise RowError("test cases", f"must be a string, got {type(field).__name__}")
     try:
         tests = json.loads(field)
     except json.JSONDecodeError:
         try:
-            tests = json.loads(pickle.loads(zlib.decompress(base64.b64decode(field.encode("utf-8")))))
+            payload = io.BytesIO(zlib.decompress(base64.b64decode(field.encode("utf-8"))))
+            tests = json.loads(_DataUnpickler(payload).load())
         except Exception as error:  # noqa: BLE001 (binascii, zlib, pickle and JSON each raise their own)
             raise RowError("test cases", f"neither JSON nor base64/zlib/pickle-encoded JSON ({type(error).__name__})") from None
     if not isinstance(tests, list) or any(not isinstance(t, dict) or not {"input", "output", "testtype"} <= set(t)
@@ -406,9 +420,11 @@ def _stripped_lines(text: str) -> list[str]:
 
 def _decimals(line: str) -> list[Decimal] | None:
     try:
-        return [Decimal(element) for element in line.split()]
+        numbers = [Decimal(element) for element in line.split()]
     except (InvalidOperation, ValueError):
         return None
+    # A NaN equals nothing (as in lcb_runner); a signalling one (`sNaN`) would raise on comparison, so it is one too.
+    return None if any(number.is_nan() for number in numbers) else numbers
 
 
 def _stdout_matches(output: str, expected: str) -> bool:
@@ -426,23 +442,34 @@ def _stdout_matches(output: str, expected: str) -> bool:
     return True
 
 
+def _reports(stdout: str, marker: str) -> dict[int, dict]:
+    """The driver's per-test reports, read as the hostile input they are (the program shares the driver's process):
+    a report must be an object with an integer ``test`` and a string ``status``; anything else is ignored, so the test
+    it claims has no result and fails."""
+    reports: dict[int, dict] = {}
+    for line in stdout.split("\n"):
+        if not line.startswith(marker):
+            continue
+        try:
+            record = json.loads(line[len(marker):])
+        except ValueError:
+            continue
+        if (isinstance(record, dict) and type(record.get("test")) is int and isinstance(record.get("status"), str)
+                and len(record["status"]) <= 64):
+            reports[record["test"]] = record
+    return reports
+
+
 def _verdicts(result: sandbox.SandboxResult, tests: list[dict], marker: str) -> list[str]:
     """One verdict per test, in order, up to the first that did not pass (as the official grader stops there)."""
-    reports: dict[int, dict] = {}
-    for line in result.stdout.split("\n"):
-        if line.startswith(marker):
-            try:
-                record = json.loads(line[len(marker):])
-                reports[int(record["test"])] = record
-            except (ValueError, KeyError, TypeError):
-                continue
+    reports = _reports(result.stdout, marker)
     verdicts = []
     for index, test in enumerate(tests):
         record = reports.get(index)
         if record is None:
             verdicts.append(result.status if result.status != "ok" else "no_result")
         elif test["testtype"] == "functional" or record["status"] != "ok" or not isinstance(record.get("value"), str):
-            verdicts.append(str(record["status"]))  # a call-based verdict is decided in the sandbox
+            verdicts.append(record["status"])  # a call-based verdict is decided in the sandbox
         else:
             verdicts.append("passed" if _stdout_matches(record["value"], test["output"]) else "wrong")
         if verdicts[-1] != "passed":
@@ -477,7 +504,11 @@ def run_programs(codes: list[str], doc: dict, timeout_s: float = 6.0, memory_mb:
     results = sandbox.run_many([job for job, _ in jobs], workers=workers) if jobs else []
     out = []
     for (_, marker), result in zip(jobs, results):
-        verdicts = _verdicts(result, tests, marker)
+        try:
+            verdicts = _verdicts(result, tests, marker)
+        except Exception as error:  # noqa: BLE001 (whatever a program's output does to grading, it fails; the run goes on)
+            log.warning("grading a program failed (%s: %s); it counts as failing", type(error).__name__, error)
+            verdicts = [f"grader_error:{type(error).__name__}"]
         out.append({"passed": len(verdicts) == len(tests) and all(v == "passed" for v in verdicts), "statuses": verdicts})
     return out
 

@@ -9,21 +9,27 @@ from __future__ import annotations
 
 import sys
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+INTERRUPTED_EARLY = "evalkit: interrupted before the run started; nothing written"
 
-from evalkit.paths import conf_dir
-from evalkit.runner import (
-    ConfigError,
-    Interrupted,
-    RunError,
-    completed_runs,
-    run,
-    summary,
-    validate,
-)
+try:  # Ctrl-C while the libraries load is a line, not a traceback
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import DictConfig, OmegaConf
+
+    from evalkit.paths import conf_dir
+    from evalkit.runner import (
+        ConfigError,
+        Interrupted,
+        RunError,
+        completed_runs,
+        run,
+        summary,
+        validate,
+    )
+except KeyboardInterrupt:
+    print(INTERRUPTED_EARLY, file=sys.stderr, flush=True)
+    sys.exit(130)
 
 
 def method_was_chosen(overrides: list[str]) -> bool:
@@ -49,8 +55,8 @@ def evaluate(cfg: DictConfig, overrides: list[str], sweeping: bool = False) -> N
     except Interrupted as interrupted:
         print(f"evalkit: {interrupted}", file=sys.stderr, flush=True)
         sys.exit(130)
-    except KeyboardInterrupt:
-        print("evalkit: interrupted before any generation; nothing written", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:  # in validation, before the run began
+        print(INTERRUPTED_EARLY, file=sys.stderr, flush=True)
         sys.exit(130)
     if result is None:
         done = completed_runs(spec.results_dir, spec)
@@ -78,20 +84,71 @@ def composition_error(argv: list[str]) -> str | None:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
             compose("config", overrides=args.overrides)
     except Exception as error:  # noqa: BLE001 (Hydra raises several kinds; each says what is wrong)
-        text = str(error).split("Config search path:")[0].split("\nSee https://")[0]
-        lines = [line.strip() for line in text.splitlines() if line.strip()]
-        if len(lines) > 1 and lines[1].startswith("Available options in"):
-            return f"{lines[0]}; {lines[1].rstrip(':')}: {', '.join(lines[2:])}"
-        return " ".join(lines)
+        return _one_line(error)
     return None
 
 
+def _one_line(error: Exception) -> str:
+    """A Hydra composition error as one line (with the available options where Hydra lists them)."""
+    text = str(error).split("Config search path:")[0].split("\nSee https://")[0]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if len(lines) > 1 and lines[1].startswith("Available options in"):
+        return f"{lines[0]}; {lines[1].rstrip(':')}: {', '.join(lines[2:])}"
+    return " ".join(lines)
+
+
+def without_unknown_options(argv: list[str]) -> list[str]:
+    """A sweep's command line without the group options that do not exist (``method=nosuch,snapkv``): each is one
+    line saying it is skipped, and the sweep runs the others, as it does for every other job it refuses. A sweep left
+    with no option for a group is a config error. Any other command line is returned as it is."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep
+    from hydra.errors import MissingConfigException
+    from hydra._internal.utils import get_args_parser
+
+    args, _ = get_args_parser().parse_known_args(argv)
+    if not args.multirun or not args.overrides:
+        return argv
+    try:
+        overrides = OverridesParser.create().parse_overrides(args.overrides)
+    except Exception:  # noqa: BLE001 (a malformed override: Hydra says so itself)
+        return argv
+    fixed = [o.input_line for o in overrides if not o.is_sweep_override()]
+    argv = list(argv)
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        for override in overrides:
+            if not override.is_sweep_override() or not isinstance(override.value(), ChoiceSweep):
+                continue
+            key = override.input_line.split("=", 1)[0]
+            kept = []
+            for value in override.sweep_string_iterator():
+                try:
+                    compose("config", overrides=[*fixed, f"{key}={value}"])
+                except MissingConfigException as error:
+                    print(f"evalkit: skipped in this sweep: {key.lstrip('+~')}={value}: {_one_line(error)}", flush=True)
+                    continue
+                except Exception:  # noqa: BLE001 (anything else is the job's to report)
+                    pass
+                kept.append(value)
+            if not kept:
+                print(f"evalkit: config error: no option of {key.lstrip('+~')} in this sweep exists", file=sys.stderr)
+                sys.exit(2)
+            argv[argv.index(override.input_line)] = f"{key}={','.join(kept)}"
+    return argv
+
+
 def main() -> None:
-    error = composition_error(sys.argv[1:])
-    if error:
-        print(f"evalkit: config error: {error}", file=sys.stderr)
-        sys.exit(2)
-    _main()
+    try:
+        error = composition_error(sys.argv[1:])
+        if error:
+            print(f"evalkit: config error: {error}", file=sys.stderr)
+            sys.exit(2)
+        sys.argv[1:] = without_unknown_options(sys.argv[1:])
+        _main()
+    except KeyboardInterrupt:  # in Hydra's composition or launcher, outside any run
+        print(INTERRUPTED_EARLY, file=sys.stderr, flush=True)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ A run's config digest (which decides "skip, this config already has results" and
 taken over these, so two runs that differ only in a model's weights or a dataset file's content never share state.
 
 Local content is hashed in full (SHA-256) once; the hash is kept in ``$EVALKIT_CACHE/fingerprints.json`` (default
-``~/.cache/evalkit``) keyed by path, size, modification time and inode, so a large checkpoint is read once, not on
-every run (a file modified in the last two seconds is always read again).
+``~/.cache/evalkit``) keyed by path, size, modification and change times and inode, so a large checkpoint is read
+once, not on every run. The change time (ctime) is set by the kernel on every write and cannot be set back, so a
+rewrite that keeps the size and restores the modification time (``cp -p``, ``rsync -t``, an unpacked archive) is
+still seen; a file changed in the last two seconds is always read again.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class _HashCache:
     @staticmethod
     def key(path: Path) -> str:
         stat = path.stat()
-        return f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ino}"
+        return f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ctime_ns}|{stat.st_ino}"
 
     def file_hash(self, path: Path, progress=None) -> str:
         key = self.key(path)
@@ -62,7 +64,7 @@ class _HashCache:
                     progress.update(len(block))
         # A file changed within the clock's resolution could change again with the same key ("racy git"): such a
         # file is hashed again next time rather than trusted from the cache.
-        if time.time() - stat.st_mtime > RACY_SECONDS:
+        if time.time() - max(stat.st_mtime, stat.st_ctime) > RACY_SECONDS:
             self.entries[key] = digest.hexdigest()
             self.changed = True
         return digest.hexdigest()

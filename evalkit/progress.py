@@ -43,14 +43,22 @@ class Progress:
         return self.done.get(key)
 
     def add(self, records: list[dict]) -> None:
-        """Append ``records`` (each with a ``key``) and make them durable before returning."""
+        """Append ``records`` (each with a ``key``) and make them durable before returning. A line an earlier crash
+        or full disk cut short is ended first, so that it costs only itself."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as handle:
-            for record in records:
-                handle.write(json.dumps(record, default=str) + "\n")
-                self.done[record["key"]] = record
-            handle.flush()
-            os.fsync(handle.fileno())
+        try:
+            with open(self.path, "a+b") as handle:
+                size = handle.seek(0, os.SEEK_END)
+                cut_short = size > 0 and handle.seek(size - 1) >= 0 and handle.read(1) != b"\n"
+                text = "\n" * cut_short + "".join(json.dumps(record, default=str) + "\n" for record in records)
+                handle.write(text.encode("utf-8"))
+                handle.flush()
+                os.fsync(handle.fileno())
+        except OSError as error:
+            if error.filename is not None or error.errno is None:
+                raise
+            raise OSError(error.errno, os.strerror(error.errno), str(self.path)) from error
+        self.done.update((record["key"], record) for record in records)
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)

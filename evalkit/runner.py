@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import datetime as dt
 import difflib
+import errno
 import fcntl
 import functools
 import hashlib
@@ -54,7 +55,8 @@ class Interrupted(RuntimeError):
     """Ctrl-C during a run; ``kept`` generations are in the progress file and a restart resumes from them."""
 
     def __init__(self, kept: int):
-        super().__init__(f"interrupted: {kept} generations kept; run the same command again to resume")
+        super().__init__(f"interrupted: {kept} generations kept; run the same command again to resume" if kept else
+                         "interrupted before any generation was kept; run the same command again to start")
         self.kept = kept
 
 
@@ -621,12 +623,23 @@ def run(spec: RunSpec, model=None, tokenizer=None) -> RunResult | None:
                 return None
             remove_unfinished_tables(spec.results_dir, digest)
             return _run(spec, digest, model, tokenizer)
+        except KeyboardInterrupt:  # at any point: loading, generating, scoring or writing the tables
+            raise Interrupted(len(Progress(progress_dir / f"{digest}.jsonl").done)) from None
+        except OSError as error:
+            if error.errno not in _NO_ROOM:
+                raise
+            remedy = "raise the file size limit (ulimit -f)" if error.errno == errno.EFBIG else "make room"
+            raise RunError(f"{error.filename or spec.results_dir}: {os.strerror(error.errno)}; the tables and progress "
+                           f"written before are intact: {remedy} and run the same command again to resume") from None
         finally:  # still holding the lock
             if not (progress_dir / f"{digest}.jsonl").exists():  # nothing left to resume: no trace of the lock
                 with contextlib.suppress(OSError):
                     lock_path.unlink(missing_ok=True)
                     for path in reversed(created):
                         path.rmdir()  # only what this run made and left empty (a mistake writes nothing)
+
+
+_NO_ROOM = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
 def remove_unfinished_tables(results_dir: Path, digest: str) -> None:

@@ -101,3 +101,110 @@ def test_malformed_json_layouts_are_named(tmp_path, content, fragment):
     path.write_text(content)
     with pytest.raises(DataError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         load_rows(str(path))
+
+
+# -- a results folder that runs out of room -------------------------------------------------------------------------
+_FULL_DISK = r"""
+set -u
+results=$1; out=$2; shift 2
+mount -t tmpfs -o size=1m tmpfs "$results" || exit 99
+"$@" limit=2 > "$out/a.out" 2> "$out/a.err"; echo $? > "$out/a.rc"
+free=$(python3 -c "import os, sys; s = os.statvfs(sys.argv[1]); print(s.f_bavail * s.f_frsize)" "$results")
+head -c $((free - 4096)) /dev/zero > "$results/filler" 2>/dev/null
+"$@" limit=6 > "$out/b.out" 2> "$out/b.err"; echo $? > "$out/b.rc"
+cp -a "$results" "$out/after_full"
+rm "$results/filler"
+"$@" limit=6 > "$out/c.out" 2> "$out/c.err"; echo $? > "$out/c.rc"
+cp -a "$results" "$out/after_room"
+"""
+
+
+def _check_full_disk_outcome(out, results, reason):
+    """The run that met the limit: one line naming the file and the reason, exit 2; the earlier run's tables intact,
+    the progress file valid; with room again the same command finishes with each sample once."""
+    import pandas as pd
+
+    from evalkit.progress import Progress
+    from evalkit.results import read_table
+
+    assert (out / "a.rc").read_text().strip() == "0", (out / "a.err").read_text()[-2000:]
+    assert (out / "b.rc").read_text().strip() == "2", (out / "b.err").read_text()[-2000:]
+    (line,) = [line for line in (out / "b.err").read_text().splitlines() if line.startswith("evalkit:")]
+    assert "Traceback" not in (out / "b.err").read_text()
+    assert line.startswith(f"evalkit: error: {results}/") and reason in line and "intact" in line, line
+    full = out / "after_full"
+    assert len(read_table(full, "metrics")["run_id"].unique()) == 1 and len(read_table(full, "samples")) == 2
+    for progress in (full / ".progress").glob("*.jsonl"):
+        lines = progress.read_text().splitlines()
+        assert len(Progress(progress).done) >= len(lines) - 1  # at most the line the full disk cut short
+    assert (out / "c.rc").read_text().strip() == "0", (out / "c.err").read_text()[-2000:]
+    samples = pd.read_parquet(out / "after_room" / "samples")
+    assert sorted(samples.groupby("run_id").size().tolist()) == [2, 6]
+    assert samples.groupby("run_id")["doc_id"].apply(lambda ids: ids.is_unique).all()
+
+
+@pytest.mark.skipif(not shutil.which("unshare"), reason="needs util-linux unshare")
+def test_a_full_disk_is_one_line_and_loses_nothing(tmp_path, random_model_dir):
+    import os
+    import subprocess
+    import sys
+
+    results, out = tmp_path / "results", tmp_path / "out"
+    results.mkdir()
+    out.mkdir()
+    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True)
+    if probe.returncode:
+        pytest.skip("no unprivileged mount namespace to make a small filesystem in")
+    command = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", _FULL_DISK, "full-disk", str(results),
+               str(out), sys.executable, "-m", "evalkit.cli", f"model.pretrained={random_model_dir}",
+               "+task.generation.max_gen_toks=8", f"results_dir={results}"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    _check_full_disk_outcome(out, results, "No space left on device")
+
+
+def test_a_file_size_limit_is_one_line_and_loses_nothing(tmp_path, random_model_dir):
+    """Under a file-size limit (``ulimit -f``) the tables cannot be written (EFBIG): the same outcome as a full disk."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    out.mkdir()
+    common = [sys.executable, "-m", "evalkit.cli", f"model.pretrained={random_model_dir}",
+              "+task.generation.max_gen_toks=8", f"results_dir={tmp_path / 'results'}"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "EVALKIT_CACHE": str(tmp_path / "cache")}
+
+    def step(name, limit, fsize=None):
+        def limited():
+            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+
+        done = subprocess.run([*common, f"limit={limit}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=600, preexec_fn=limited if fsize else None)
+        (out / f"{name}.rc").write_text(str(done.returncode))
+        (out / f"{name}.err").write_text(done.stderr)
+        if name != "a":
+            shutil.copytree(tmp_path / "results", out / ("after_full" if name == "b" else "after_room"))
+
+    step("a", 2)
+    step("b", 6, fsize=3000)  # progress lines fit, a table does not
+    step("c", 6)
+    _check_full_disk_outcome(out, tmp_path / "results", "File too large")
+
+
+def test_a_sweep_skips_a_group_option_that_does_not_exist_and_runs_the_others(tmp_path, random_model_dir):
+    from evalkit.results import read_table
+
+    results = tmp_path / "results"
+    done = evalkit("-m", "method=nosuch,snapkv", "+budget=4x", f"model.pretrained={random_model_dir}", "limit=2",
+                   "+task.generation.max_gen_toks=4", f"results_dir={results}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("evalkit: skipped")]
+    assert "method=nosuch" in line and "Available options in 'method'" in line and "snapkv" in line
+    assert set(read_table(results, "metrics")["method"]) == {"snapkv"}
+    none_left = evalkit("-m", "method=nosuch,nope", "+budget=4x", f"results_dir={tmp_path / 'other'}", cwd=tmp_path)
+    assert none_left.returncode == 2 and "no option of method in this sweep exists" in none_left.stderr
+    assert not (tmp_path / "other").exists()

@@ -112,7 +112,7 @@ def test_an_interrupted_table_write_is_redone_without_duplicate_rows(tmp_path, r
 
     results = tmp_path / "results"
     monkeypatch.setattr(runner, "write_table", crash_before_metrics)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(runner.Interrupted):
         runner.run(spec(results))
     assert len(list((results / "samples").glob("*.parquet"))) == 1 and not list((results / "metrics").glob("*.parquet"))
     monkeypatch.setattr(runner, "write_table", real_write)
@@ -156,3 +156,89 @@ def test_a_second_process_on_the_same_config_is_refused_while_the_first_runs(tmp
     third = evalkit(*args, cwd=tmp_path)
     assert third.returncode == 0, third.stderr[-2000:]
     assert len(read_table(results, "samples")) == 3
+
+
+def _interrupt_at(point: str, monkeypatch):
+    """Make a run raise KeyboardInterrupt (what Ctrl-C raises) at ``point``."""
+    import evalkit.lm
+    import evalkit.progress
+    import evalkit.runner as runner
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    if point == "task loading":
+        monkeypatch.setattr(runner, "_load_task", interrupt)
+    elif point == "model loading":
+        monkeypatch.setattr(evalkit.lm.EvalkitLM, "__init__", interrupt)
+    elif point == "generation":  # after two generations were made durable
+        real_add, calls = evalkit.progress.Progress.add, []
+
+        def add_then_interrupt(self, records):
+            real_add(self, records)
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(evalkit.progress.Progress, "add", add_then_interrupt)
+    elif point == "scoring":
+        monkeypatch.setattr(runner, "tidy_rows", interrupt)
+    elif point in ("samples table", "metrics table"):
+        real_write = runner.write_table
+
+        def write_then_interrupt(table, results_dir, name, run_id):
+            if point.startswith(name):
+                raise KeyboardInterrupt
+            return real_write(table, results_dir, name, run_id)
+
+        monkeypatch.setattr(runner, "write_table", write_then_interrupt)
+
+
+@pytest.mark.parametrize("point", ["task loading", "model loading", "generation", "scoring", "samples table",
+                                   "metrics table"])
+def test_ctrl_c_at_any_point_leaves_a_state_the_same_command_finishes_exactly(tmp_path, random_model_dir,
+                                                                             monkeypatch, point):
+    """Interrupted anywhere, the run says so (Interrupted: how many generations it kept), and running the same
+    config again writes exactly what an uninterrupted run writes: no sample lost, none twice."""
+    import evalkit.runner as runner
+    from test_harness import composed
+
+    def spec(results):
+        return runner.validate(composed(f"model.pretrained={random_model_dir}", "limit=6", "batch_size=2",
+                                        "+task.generation.max_gen_toks=8", f"results_dir={results}"),
+                               method_explicit=False)
+
+    reference = runner.run(spec(tmp_path / "reference"))
+    results = tmp_path / "results"
+    with monkeypatch.context() as patch:
+        _interrupt_at(point, patch)
+        with pytest.raises(runner.Interrupted) as interrupted:
+            runner.run(spec(results))
+    assert interrupted.value.kept == {"task loading": 0, "model loading": 0, "generation": 2}.get(point, 6)
+    assert not list((results / "metrics").glob("*.parquet")) if (results / "metrics").exists() else True
+    again = runner.run(spec(results))
+    assert again is not None
+    samples, metrics = read_table(results, "samples"), read_table(results, "metrics")
+    assert len(samples) == 6 and samples["doc_id"].is_unique and samples["run_id"].nunique() == 1
+    assert sorted(samples["prediction"]) == sorted(reference.samples["prediction"])
+    assert metrics.set_index("metric")["value"].to_dict() == reference.metrics.set_index("metric")["value"].to_dict()
+    assert not any(p.name.startswith(".") for folder in ("samples", "metrics") for p in (results / folder).iterdir())
+
+
+def test_ctrl_c_while_the_libraries_load_is_one_line(tmp_path):
+    """Ctrl-C during the CLI's imports (torch, transformers, lm-eval: seconds): the interrupted line, exit 130."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    process = subprocess.Popen([sys.executable, "-m", "evalkit.cli", f"results_dir={tmp_path / 'results'}"],
+                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.8)  # Python's own Ctrl-C handler is in place; the libraries are still loading
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr[-2000:]
+    assert "Traceback" not in stderr
+    assert [line for line in stderr.splitlines() if line.strip()] == [
+        "evalkit: interrupted before the run started; nothing written"]
+    assert not (tmp_path / "results").exists()

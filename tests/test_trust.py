@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
+import time
 
 import pytest
 import torch
@@ -74,6 +76,27 @@ def test_fingerprint_reads_content_not_names(tmp_path):
     (tmp_path / "a" / "w.bin").write_bytes(b"\x00" * 999 + b"\x01")  # same size, same name
     assert fingerprint([tmp_path / "a"]) != before
     assert source_identity("org/model").startswith("hub:org/model@")
+
+
+@pytest.mark.parametrize("age_s", [0, 60], ids=["same-second", "old-and-cached"])
+def test_a_rewrite_with_the_same_size_and_modification_time_is_seen(tmp_path, monkeypatch, age_s):
+    """A data file rewritten in place with its size and modification time kept (as ``cp -p`` or an unpacked archive
+    leave it), within the same second or long after the first hash was cached: the fingerprint changes."""
+    monkeypatch.setenv("EVALKIT_CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"answer": "A"}\n')
+    stamp = data.stat().st_mtime_ns - age_s * 10**9
+    os.utime(data, ns=(stamp, stamp))
+    if age_s:  # the file's change time is what lets the cache keep its hash: make it old too
+        real_time = time.time
+        monkeypatch.setattr(time, "time", lambda: real_time() + 2 * age_s)
+    before = fingerprint([data])
+    inode = data.stat().st_ino
+    with open(data, "r+") as handle:  # in place: same inode
+        handle.write('{"answer": "B"}\n')
+    os.utime(data, ns=(stamp, stamp))
+    assert (data.stat().st_ino, data.stat().st_size, data.stat().st_mtime_ns) == (inode, 16, stamp)
+    assert fingerprint([data]) != before
 
 
 @pytest.mark.slow

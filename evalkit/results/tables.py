@@ -122,10 +122,16 @@ def samples_table(rows: list[dict], config: dict) -> pa.Table:
 
 
 def _atomic(path: Path, write) -> None:
+    """``write`` a temporary file beside ``path``, then rename it: ``path`` is the old file or the whole new one. An
+    OSError names ``path`` (pyarrow's and pandas' name no file)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         write(tmp)
         os.replace(tmp, path)
+    except OSError as error:
+        if error.filename is not None or error.errno is None:
+            raise
+        raise OSError(error.errno, os.strerror(error.errno), str(path)) from error
     finally:
         tmp.unlink(missing_ok=True)
 

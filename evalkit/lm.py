@@ -160,6 +160,61 @@ def stats_keys(requests) -> list[tuple]:
     return keys
 
 
+class Throughput:
+    """Prefill and decode throughput measured on the host around what already synchronises (the engine's prefill
+    timing and the completion of a request), so that measuring adds no sync inside the compiled decode step.
+
+    Prefill: prompt tokens over the prefill seconds the engine measured per request. Decode: tokens generated after
+    each request's first (the prefill's) over the rest of the generation wall time."""
+
+    def __init__(self):
+        self.prompt_tokens = self.generated_tokens = self.requests = 0
+        self.prefill_seconds = self.wall_seconds = 0.0
+        self.utilization: float | None = None
+        self._started: float | None = None
+
+    def start(self) -> None:
+        self._started = time.perf_counter()
+
+    def add(self, stats: dict) -> None:
+        self.requests += 1
+        self.prompt_tokens += int(stats.get("prompt_tokens") or 0)
+        self.generated_tokens += int(stats.get("generated_tokens") or 0)
+        self.prefill_seconds += float(stats.get("prefill_seconds") or 0.0)
+
+    def stop(self, engine) -> None:
+        if self._started is not None:
+            self.wall_seconds += time.perf_counter() - self._started
+            self._started = None
+        if engine is not None and engine.counters["decode_steps"]:
+            self.utilization = engine.utilization()
+
+    def _elapsed(self) -> float:
+        return self.wall_seconds + (time.perf_counter() - self._started if self._started is not None else 0.0)
+
+    def prefill_rate(self) -> float | None:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else None
+
+    def decode_rate(self) -> float | None:
+        decode_seconds = self._elapsed() - self.prefill_seconds
+        decoded = self.generated_tokens - self.requests  # each request's first token comes from its prefill
+        return decoded / decode_seconds if decode_seconds > 0 and decoded > 0 else None
+
+    def describe(self) -> str:
+        prefill, decode = self.prefill_rate(), self.decode_rate()
+        return (f"prefill {prefill:,.0f} tok/s" if prefill else "prefill -") + " | " + (
+            f"decode {decode:,.1f} tok/s" if decode else "decode -")
+
+    def rows(self) -> list[dict]:
+        """Metrics rows of what this process measured (none when every generation was resumed)."""
+        if not self.requests:
+            return []
+        values = {"wall_seconds": self.wall_seconds, "prefill_tokens_per_s": self.prefill_rate(),
+                  "decode_tokens_per_s": self.decode_rate(), "slot_utilization": self.utilization}
+        return [{"subset": "all", "metric": name, "value": float(value), "stderr": None, "n": self.requests}
+                for name, value in values.items() if value is not None]
+
+
 @register_model("evalkit")
 class EvalkitLM(LM):
     """A transformers model plus a compression policy, as an lm-eval ``LM``.
@@ -221,6 +276,8 @@ class EvalkitLM(LM):
         self.use_chat_template = bool(apply_chat_template)
         self.chats: dict[str, list[dict]] = {}  # templated prompt -> its messages (to truncate before the template)
         self.request_stats: dict[tuple, dict] = {}  # (task, doc_id, repeat) -> that request's statistics
+        # What this process measured of its own generations (resumed ones were measured by an earlier process).
+        self.throughput = Throughput()
         self.progress = progress  # an evalkit.progress.Progress: finished generations survive a crash
         # > 0: also compare this many greedy tokens with a full-cache run (agreement, KL); no labels needed.
         self.fidelity_tokens = int(fidelity_tokens)
@@ -361,22 +418,25 @@ class EvalkitLM(LM):
                 self.request_stats[owners[index]] = record["stats"]
         todo = [i for i in range(len(requests)) if outputs[i] is None]
         prepared = [self._prepare(requests[i].args[0], dict(requests[i].args[1]), keys[i]) for i in todo]
-        started, tokens = time.perf_counter(), 0
+        meter = self.throughput
+        meter.start()
         with tqdm(total=len(requests), initial=len(requests) - len(todo), desc="generate", disable=disable_tqdm) as bar:
 
             def finish(completion: ec.Completion) -> None:
-                nonlocal tokens
                 index = todo[completion.index]
                 text, stats = self._finish(prepared[completion.index], completion)
                 outputs[index] = text
                 self.request_stats[owners[index]] = stats  # by request: requests finish in any order
                 if self.progress is not None:
                     self.progress.add([{"key": keys[index], "text": text, "stats": stats}])
-                tokens += stats["generated_tokens"]
-                bar.set_postfix_str(f"{tokens / (time.perf_counter() - started):.1f} tok/s", refresh=False)
+                meter.add(stats)
+                bar.set_postfix_str(meter.describe(), refresh=False)
                 bar.update(1)
 
-            self.engine.run([item["request"] for item in prepared], on_finish=finish)
+            try:
+                self.engine.run([item["request"] for item in prepared], on_finish=finish)
+            finally:
+                meter.stop(self._engine)
         return outputs
 
     @property

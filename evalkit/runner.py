@@ -717,6 +717,7 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None) -> RunResult:
     if reasoning is not None:
         stats = _stats_of_reasoning_pass(results, spec.task, stats)
     metrics, samples = tidy_rows(results, spec.task, stats, reasoning)
+    metrics += lm.throughput.rows()
     if skipped_rows:
         metrics.append({"subset": "all", "metric": "rows_skipped", "value": float(len(skipped_rows)), "stderr": None,
                         "n": len(skipped_rows)})

@@ -123,7 +123,7 @@ def test_an_interrupted_table_write_is_redone_without_duplicate_rows(tmp_path, r
     assert not any(p.name.startswith(".") for p in (results / "metrics").iterdir())
     assert len(list((results / "csv" / "samples").glob("*.csv"))) == 1
     assert sorted(samples["prediction"]) == sorted(reference.samples["prediction"])
-    assert metrics.set_index("metric")["value"].to_dict() == reference.metrics.set_index("metric")["value"].to_dict()
+    assert scores(metrics) == scores(reference.metrics)
 
 
 def test_a_second_process_on_the_same_config_is_refused_while_the_first_runs(tmp_path, random_model_dir):
@@ -156,6 +156,14 @@ def test_a_second_process_on_the_same_config_is_refused_while_the_first_runs(tmp
     third = evalkit(*args, cwd=tmp_path)
     assert third.returncode == 0, third.stderr[-2000:]
     assert len(read_table(results, "samples")) == 3
+
+
+MEASURED = {"wall_seconds", "prefill_tokens_per_s", "decode_tokens_per_s", "slot_utilization"}
+
+
+def scores(metrics) -> dict:
+    """A run's metrics without the costs it measured (times differ between any two runs)."""
+    return metrics[~metrics["metric"].isin(MEASURED)].set_index("metric")["value"].to_dict()
 
 
 def _interrupt_at(point: str, monkeypatch):
@@ -221,7 +229,7 @@ def test_ctrl_c_at_any_point_leaves_a_state_the_same_command_finishes_exactly(tm
     samples, metrics = read_table(results, "samples"), read_table(results, "metrics")
     assert len(samples) == 6 and samples["doc_id"].is_unique and samples["run_id"].nunique() == 1
     assert sorted(samples["prediction"]) == sorted(reference.samples["prediction"])
-    assert metrics.set_index("metric")["value"].to_dict() == reference.metrics.set_index("metric")["value"].to_dict()
+    assert scores(metrics) == scores(reference.metrics)
     assert not any(p.name.startswith(".") for folder in ("samples", "metrics") for p in (results / folder).iterdir())
 
 
@@ -242,3 +250,35 @@ def test_ctrl_c_while_the_libraries_load_is_one_line(tmp_path):
     assert [line for line in stderr.splitlines() if line.strip()] == [
         "evalkit: interrupted before the run started; nothing written"]
     assert not (tmp_path / "results").exists()
+
+
+def test_a_run_records_the_throughput_it_measured(tmp_path, random_model_dir):
+    """Prefill and decode throughput, wall time and slot utilization are metrics rows of the run; a rerun that
+    resumed every generation measured nothing and records none."""
+    import evalkit.runner as runner
+    from test_harness import composed
+
+    spec = runner.validate(composed(f"model.pretrained={random_model_dir}", "limit=4", "batch_size=2",
+                                    "+task.generation.max_gen_toks=8", f"results_dir={tmp_path / 'r'}"),
+                           method_explicit=False)
+    result = runner.run(spec)
+    rows = result.metrics.set_index("metric")
+    assert MEASURED <= set(rows.index)
+    assert (rows.loc[list(MEASURED), "value"] > 0).all() and (rows.loc[list(MEASURED), "n"] == 4).all()
+    assert 0 < rows.loc["slot_utilization", "value"] <= 1
+    generated = result.samples["generated_tokens"].sum()
+    # decode tokens over decode time: fewer tokens than generated (each first token is the prefill's) in less time
+    assert rows.loc["decode_tokens_per_s", "value"] * rows.loc["wall_seconds", "value"] >= generated - 4
+
+
+def test_the_throughput_meter_splits_prefill_from_decode():
+    from evalkit.lm import Throughput
+
+    meter = Throughput()
+    meter.add({"prompt_tokens": 1000, "generated_tokens": 11, "prefill_seconds": 0.5})
+    meter.add({"prompt_tokens": 3000, "generated_tokens": 21, "prefill_seconds": 1.5})
+    meter.wall_seconds = 4.0
+    assert meter.prefill_rate() == 2000.0  # 4000 prompt tokens in 2 s
+    assert meter.decode_rate() == 15.0  # 30 decoded tokens in the other 2 s
+    assert meter.describe() == "prefill 2,000 tok/s | decode 15.0 tok/s"
+    assert Throughput().rows() == [] and Throughput().describe() == "prefill - | decode -"

@@ -272,6 +272,7 @@ class EvalkitLM(LM):
         self.batch_size = int(batch_size)  # engine slots: sequences decoded together
         self.compile, self.sync_every = ec.compile_backend(compile), int(sync_every)
         self._engine: ec.Engine | None = None
+        self._geometry = None  # evalkit.memory's view of the model (False: it cannot price this one)
         self.seed = int(seed)
         self.use_chat_template = bool(apply_chat_template)
         self.chats: dict[str, list[dict]] = {}  # templated prompt -> its messages (to truncate before the template)
@@ -490,7 +491,8 @@ class EvalkitLM(LM):
         for stop in prepared["until"]:
             if stop and stop in decoded:
                 decoded = decoded[: decoded.index(stop)]
-        stats = {**completion.stats, "truncated": prepared["truncated"], "compression_scope": self.compression_scope}
+        stats = {**completion.stats, "truncated": prepared["truncated"], "compression_scope": self.compression_scope,
+                 "kv_bytes_predicted": self._predicted_bytes(prepared["request"], completion.stats)}
         if self.fidelity_tokens:
             ids = prepared["request"].input_ids[None].to(self.device)
             stats |= ec.fidelity(self.model, ids, self.policy, max_new_tokens=self.fidelity_tokens,
@@ -500,6 +502,25 @@ class EvalkitLM(LM):
             stats |= {"prompt_tokens": spec["prompt_tokens"], "spec_kept_tokens": spec["kept_tokens"],
                       "draft_seconds": spec["draft_seconds"]}
         return decoded, stats
+
+    def _predicted_bytes(self, request: ec.Request, measured: dict) -> float | None:
+        """``evalkit.memory``'s price of this request's cache (the model's geometry read from its config, the
+        policy's declared capacities), to hold the simulator to what the engine measured; None where it cannot
+        price the model."""
+        if self._geometry is None:
+            from evalkit.memory.geometry import from_hf_config
+
+            try:
+                self._geometry = from_hf_config(self.model.config)
+            except (ValueError, TypeError, AttributeError):
+                self._geometry = False
+        if not self._geometry:
+            return None
+        prompt = int(measured["prompt_tokens"])
+        tail = prompt - request.compress_prefix if request.compress_prefix is not None else 0
+        return float(self._geometry.request_kv_bytes(
+            prompt, int(measured["generated_tokens"]), str(self.model.dtype).removeprefix("torch."),
+            self.policy.prompt_capacity(), self.policy.cache_capacity(), uncompressed_tail=tail))
 
     # -- log-likelihood --------------------------------------------------------------------------------------------
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:

@@ -549,6 +549,7 @@ def tidy_rows(
                     "draft_seconds": row_stats.get("draft_seconds"),
                     "prefill_seconds": row_stats.get("prefill_seconds"),
                     "reserved_cache_tokens": row_stats.get("reserved_cache_tokens"),
+                    **{column: row_stats.get(column) for column in BYTE_COLUMNS},
                 }
             )
     n = len({s["doc_id"] for s in samples})
@@ -572,6 +573,7 @@ def tidy_rows(
                 metrics.append({"subset": subset, "metric": metric_names[0], "value": float(per_doc.mean()),
                                 "stderr": stderr, "n": len(per_doc)})
     frame = pd.DataFrame(samples)
+    metrics += byte_rows(frame)
     for column, name in (("realized_ratio", "realized_ratio_mean"), ("token_agreement", "token_agreement_mean"),
                          ("kl_mean", "kl_mean")):
         values = frame[column].dropna() if column in frame else pd.Series(dtype=float)
@@ -579,6 +581,29 @@ def tidy_rows(
             stderr = float(values.std(ddof=1) / len(values) ** 0.5) if len(values) > 1 and name != "realized_ratio_mean" else None
             metrics.append({"subset": "all", "metric": name, "value": float(values.mean()), "stderr": stderr, "n": len(values)})
     return metrics, samples
+
+
+BYTE_COLUMNS = ("kv_bytes_peak", "kv_bytes_reserved", "kv_bytes_full", "kv_bytes_predicted", "memory_ratio")
+
+
+def byte_rows(frame: pd.DataFrame) -> list[dict]:
+    """The run's measured KV bytes as metrics rows: means of held (peak), full and reserved bytes, the realized memory
+    ratio (full / held), ``memory_freed`` (the share of requests whose slot reserves fewer bytes than a full cache
+    holds for their tokens: derived from the bytes, so a method that only masks shows 0), and the simulator's largest
+    relative error against the measurement (``kv_bytes_predicted_error_max``)."""
+    if "kv_bytes_peak" not in frame or frame["kv_bytes_peak"].isna().all():
+        return []
+    measured = frame.dropna(subset=["kv_bytes_peak"])
+    rows = {"kv_bytes_peak_mean": measured["kv_bytes_peak"].mean(), "kv_bytes_full_mean": measured["kv_bytes_full"].mean(),
+            "kv_bytes_reserved_mean": measured["kv_bytes_reserved"].mean(),
+            "memory_ratio_mean": measured["memory_ratio"].mean(),
+            "memory_freed": (measured["kv_bytes_reserved"] < measured["kv_bytes_full"]).mean()}
+    predicted = measured.dropna(subset=["kv_bytes_predicted"])
+    if len(predicted):
+        error = (predicted["kv_bytes_predicted"] - predicted["kv_bytes_peak"]).abs() / predicted["kv_bytes_peak"]
+        rows["kv_bytes_predicted_error_max"] = error.max()
+    return [{"subset": "all", "metric": name, "value": float(value), "stderr": None, "n": len(measured)}
+            for name, value in rows.items()]
 
 
 @dataclasses.dataclass

@@ -42,7 +42,7 @@ from .cache import (
     layer_devices,
 )
 from .generate import _eos_ids, _stop_criteria, prefill, stop_token_ids
-from .sliding_window import layer_policies
+from .sliding_window import SlidingWindow, layer_policies
 
 _MASK32 = 0xFFFFFFFF
 
@@ -633,8 +633,27 @@ class Engine:
         prompt = resident.stats["prompt_tokens"]
         seen = prompt + max(generated - 1, 0)
         stats = {**resident.stats, "generated_tokens": generated, "peak_cache_tokens": peak, "tokens_seen": seen,
-                 "realized_ratio": seen / peak, "reserved_cache_tokens": self.slot_tokens}
+                 "realized_ratio": seen / peak, "reserved_cache_tokens": self.slot_tokens,
+                 **self._bytes(slot, min(resident.held_at_start + max(generated - 1, 0), resident.limit), seen)}
         return Completion(resident.index, list(resident.tokens), stats)
+
+    def _bytes(self, slot: int, row_peak: int, seen: int) -> dict:
+        """What the request's cache really took, in bytes, read off the tensors the engine allocated: ``kv_bytes_peak``
+        the most it held (per layer: its peak tokens, or per head its own peak, times the bytes of a token's keys
+        and values in that layer's dtype and widths: latent widths for MLA), ``kv_bytes_reserved`` what its slot
+        reserves, ``kv_bytes_full`` what a full cache holds for the same ``seen`` tokens (a sliding-window layer at
+        most its window), and ``memory_ratio`` = full / peak."""
+        peak = reserved = full = 0
+        for layer, policy in zip(self.cache.layers, self.layer_policies):
+            per_head = (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
+            heads = layer.keys.shape[1]
+            held = int(layer.peak[slot].sum()) if layer.peak is not None else row_peak * heads
+            peak += held * per_head
+            reserved += self.slot_tokens * heads * per_head
+            window = policy.cache_capacity() if isinstance(policy, SlidingWindow) else None
+            full += (min(seen, window) if window else seen) * heads * per_head
+        return {"kv_bytes_peak": peak, "kv_bytes_reserved": reserved, "kv_bytes_full": full,
+                "memory_ratio": full / peak if peak else None}
 
     def utilization(self) -> float:
         """Busy slot-steps over all slot-steps so far."""

@@ -94,6 +94,20 @@ class ModelGeometry:
         full = self.layers - self.sliding_layers
         return (full * tokens + self.sliding_layers * min(tokens, self.sliding_window or tokens)) / self.layers
 
+    def request_kv_bytes(self, prompt: int, generated: int, dtype: str, prompt_capacity: int | None = None,
+                         cache_capacity: int | None = None, uncompressed_tail: int = 0) -> float:
+        """KV bytes one request's cache holds at its peak: a ``prompt``-token prompt of which the policy keeps at
+        most ``prompt_capacity`` (the last ``uncompressed_tail`` tokens kept whole: question-agnostic compression),
+        then every generated token but the last written, up to ``cache_capacity`` (None: no cap). Full-attention
+        layers hold that; a hybrid model's sliding-window layers hold at most their window of all the tokens."""
+        decoded = max(generated - 1, 0)
+        head = prompt - uncompressed_tail
+        kept = (head if prompt_capacity is None else min(head, prompt_capacity)) + uncompressed_tail + decoded
+        kept = kept if cache_capacity is None else min(kept, cache_capacity)
+        sliding = min(prompt + decoded, self.sliding_window) if self.sliding_layers else 0
+        tokens = (self.layers - self.sliding_layers) * kept + self.sliding_layers * sliding
+        return tokens * self.values_per_token_per_layer() * dtype_bytes(dtype)
+
     @property
     def moe_layers(self) -> int:
         return self.layers - self.dense_layers if self.experts else 0

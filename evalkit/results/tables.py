@@ -100,6 +100,13 @@ SAMPLE_COLUMNS: dict[str, pa.DataType] = {
     "draft_seconds": pa.float64(),
     "prefill_seconds": pa.float64(),
     "reserved_cache_tokens": pa.int64(),  # the cache size the engine reserved per slot
+    # Bytes, measured on the engine's own tensors (see evalkit.compression.Engine): held at the peak, reserved by
+    # the slot, what a full cache holds for the same tokens, and evalkit.memory's prediction of the held bytes.
+    "kv_bytes_peak": pa.int64(),
+    "kv_bytes_reserved": pa.int64(),
+    "kv_bytes_full": pa.int64(),
+    "kv_bytes_predicted": pa.float64(),
+    "memory_ratio": pa.float64(),  # kv_bytes_full / kv_bytes_peak
 }
 
 

@@ -1,0 +1,124 @@
+"""What a request's cache really took, in bytes, read off the engine's own tensors, and the simulator held to it.
+
+Each byte count here is also computed independently (from the model's config and the dtype), so a compression that
+silently did nothing, an allocation that is not what it claims, or a simulator that prices another geometry fails."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine import VOCAB, stream
+from test_hybrid import WINDOW, tiny_gemma3
+from test_mla import KV_LORA_RANK, ROPE, tiny_deepseek
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import evalkit.compression as ec
+from evalkit import memory
+from evalkit.memory.geometry import from_hf_config
+
+
+@pytest.fixture(scope="module")
+def llama():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    model = LlamaForCausalLM(config).eval()
+    model.config._attn_implementation = "sdpa"
+    model.generation_config.eos_token_id = None
+    return model
+
+
+PER_TOKEN = 2 * 2 * (16 + 16) * 4  # layers x kv heads x (key + value width) x fp32 bytes
+
+
+def _long_requests(count=4, prompt=160, new=60):
+    g = torch.Generator().manual_seed(7)
+    return [ec.Request(torch.randint(0, VOCAB, (prompt + 7 * i,), generator=g), max_new_tokens=new, seed=i)
+            for i in range(count)]
+
+
+@pytest.mark.parametrize("policy, capacity", [
+    (ec.SnapStream(capacity=64, window=8, sink=4, recent=16), 64),
+    (ec.StreamingLLM(sink=4, window=40), 44),
+])
+def test_a_fixed_capacity_request_holds_exactly_capacity_times_the_bytes_of_a_token(llama, policy, capacity):
+    assert memory.kv_bytes_per_token(llama.config, dtype="fp32") == PER_TOKEN
+    for completion, request in zip(ec.Engine(llama, policy, slots=2).run(_long_requests()), _long_requests()):
+        stats, seen = completion.stats, request.input_ids.numel() + 60 - 1
+        assert stats["kv_bytes_peak"] == capacity * PER_TOKEN == stats["kv_bytes_reserved"]
+        assert stats["kv_bytes_full"] == seen * PER_TOKEN
+        assert stats["memory_ratio"] == pytest.approx(seen / capacity) and stats["memory_ratio"] > 3
+
+
+def test_full_holds_every_token_and_reserves_the_longest_request(llama):
+    requests = stream(count=6)
+    completions = ec.Engine(llama, ec.Full(), slots=2).run(requests)
+    longest = max(r.input_ids.numel() + r.max_new_tokens for r in requests)
+    for completion, request in zip(completions, requests):
+        stats = completion.stats
+        assert stats["kv_bytes_peak"] == stats["kv_bytes_full"] == stats["tokens_seen"] * PER_TOKEN
+        assert stats["memory_ratio"] == 1.0
+        assert stats["kv_bytes_reserved"] == stats["reserved_cache_tokens"] * PER_TOKEN >= longest * PER_TOKEN - PER_TOKEN
+
+
+def test_snapkv_reserves_prompt_capacity_plus_new_tokens_and_holds_what_it_kept(llama):
+    requests = _long_requests(new=20)
+    completions = ec.Engine(llama, ec.SnapKV(capacity=48, window=8), slots=2).run(requests)
+    for completion in completions:
+        stats = completion.stats
+        assert stats["kv_bytes_reserved"] == (48 + 20) * PER_TOKEN
+        assert stats["kv_bytes_peak"] == (48 + 20 - 1) * PER_TOKEN  # the last token is never written
+
+
+def test_per_head_layouts_count_each_heads_own_tokens(llama):
+    """AdaKV spreads one budget unevenly over heads: the bytes are the sum of each head's tokens."""
+    completions = ec.Engine(llama, ec.AdaKV(capacity=48, window=4), slots=2).run(_long_requests(new=10))
+    per_head_token = (16 + 16) * 4
+    for completion in completions:
+        stats = completion.stats
+        assert stats["kv_bytes_peak"] % per_head_token == 0
+        assert stats["kv_bytes_peak"] == pytest.approx(2 * 2 * stats["peak_cache_tokens"] * per_head_token)
+        assert stats["memory_ratio"] > 2
+
+
+@pytest.mark.parametrize("name, model, policy", [
+    ("mla", tiny_deepseek, lambda: ec.SnapStream(capacity=28, sink=3, window=6, kernel_size=5, recent=8)),
+    ("mla_full", tiny_deepseek, ec.Full),
+    ("hybrid", tiny_gemma3, lambda: ec.SnapStream(capacity=20, sink=2, window=4, kernel_size=3, recent=6)),
+    ("hybrid_full", tiny_gemma3, ec.Full),
+])
+def test_mla_and_hybrid_bytes_are_what_evalkit_memory_prices(name, model, policy):
+    model, policy = model(), policy()
+    geometry = from_hf_config(model.config)
+    g = torch.Generator().manual_seed(3)
+    requests = [ec.Request(torch.randint(0, 64, (50 + 5 * i,), generator=g), max_new_tokens=30, seed=i) for i in range(3)]
+    for completion, request in zip(ec.Engine(model, policy, slots=2).run(requests), requests):
+        stats, prompt = completion.stats, request.input_ids.numel()
+        priced = geometry.request_kv_bytes(prompt, 30, "fp32", policy.prompt_capacity(), policy.cache_capacity())
+        assert stats["kv_bytes_peak"] == priced
+        seen = prompt + 29
+        assert stats["kv_bytes_full"] == geometry.held_tokens(seen) * geometry.kv_bytes_per_token("fp32") * 1.0
+    if name.startswith("mla"):
+        assert geometry.kv_bytes_per_token("fp32") == 2 * (KV_LORA_RANK + ROPE) * 4  # the latent, not per-head K/V
+    else:
+        assert geometry.sliding_layers == 2 and geometry.sliding_window == WINDOW
+
+
+def test_a_run_records_bytes_per_sample_and_the_simulator_agrees(tmp_path, random_model_dir):
+    import evalkit.runner as runner
+    from test_harness import composed
+
+    def run(*extra):
+        spec = runner.validate(composed(f"model.pretrained={random_model_dir}", "limit=4", "batch_size=2",
+                                        "+task.generation.max_gen_toks=8", f"results_dir={tmp_path / 'r'}", *extra),
+                               method_explicit=bool(extra))
+        return runner.run(spec)
+
+    full, snapstream = run(), run("+budget=4x", "method=snapstream")
+    for result, freed in ((full, 0.0), (snapstream, 1.0)):
+        samples, rows = result.samples, result.metrics.set_index("metric")["value"]
+        assert samples["kv_bytes_peak"].notna().all() and (samples["kv_bytes_predicted"] == samples["kv_bytes_peak"]).all()
+        assert rows["kv_bytes_predicted_error_max"] == 0.0 and rows["memory_freed"] == freed
+        assert rows["memory_ratio_mean"] == pytest.approx((samples["kv_bytes_full"] / samples["kv_bytes_peak"]).mean())
+    assert (full.samples["memory_ratio"] == 1.0).all()
+    assert snapstream.metrics.set_index("metric")["value"]["memory_ratio_mean"] > 3

@@ -492,7 +492,8 @@ class EvalkitLM(LM):
             if stop and stop in decoded:
                 decoded = decoded[: decoded.index(stop)]
         stats = {**completion.stats, "truncated": prepared["truncated"], "compression_scope": self.compression_scope,
-                 "kv_bytes_predicted": self._predicted_bytes(prepared["request"], completion.stats)}
+                 "kv_bytes_predicted": self._predicted_bytes(prepared["request"], completion.stats),
+                 "over_budget": self._over_budget(completion.stats)}
         if self.fidelity_tokens:
             ids = prepared["request"].input_ids[None].to(self.device)
             stats |= ec.fidelity(self.model, ids, self.policy, max_new_tokens=self.fidelity_tokens,
@@ -502,6 +503,18 @@ class EvalkitLM(LM):
             stats |= {"prompt_tokens": spec["prompt_tokens"], "spec_kept_tokens": spec["kept_tokens"],
                       "draft_seconds": spec["draft_seconds"]}
         return decoded, stats
+
+    def _over_budget(self, stats: dict, tolerance: float = 0.01) -> bool | None:
+        """Whether the request's cache held more than its policy's capacities allow (by more than ``tolerance``):
+        the kept prompt tokens (mean over layers and heads: PyramidKV's and AdaKV's uneven shares average to the
+        budget) against the prompt capacity, the peak against the cache capacity. None without a capacity."""
+        prompt_cap, cache_cap = self.policy.prompt_capacity(), self.policy.cache_capacity()
+        if prompt_cap is None and cache_cap is None:
+            return None
+        kept = stats.get("kept_prompt_tokens") or []
+        mean_kept = sum(kept) / len(kept) if kept else 0.0
+        return bool((prompt_cap is not None and mean_kept > prompt_cap * (1 + tolerance))
+                    or (cache_cap is not None and float(stats["peak_cache_tokens"]) > cache_cap * (1 + tolerance)))
 
     def _predicted_bytes(self, request: ec.Request, measured: dict) -> float | None:
         """``evalkit.memory``'s price of this request's cache (the model's geometry read from its config, the

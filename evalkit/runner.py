@@ -19,6 +19,7 @@ import math
 import os
 import socket
 import subprocess
+import sys
 import uuid
 from importlib import metadata
 from pathlib import Path
@@ -90,6 +91,7 @@ class RunSpec:
     spec_prefill: dict | None = None  # speculative prefill settings (draft_model, keep, ...) when method=spec_prefill
     decode_method: str | None = None  # the KV policy while decoding (the method itself unless spec_prefill)
     resume: bool = True
+    strict_budget: bool = False  # a request that held more than the budget is an error, not a warning
     fidelity_tokens: int = 0
     revision: str | None = None  # hub revision of the model (branch, tag or commit)
     device_map: str | dict | None = None  # accelerate's device map: the model's layers spread over GPUs
@@ -139,7 +141,8 @@ class RunSpec:
 
 
 RUN_KEYS = ("model", "method", "task", "hardware", "deployment", "budget", "results_dir", "seed", "limit", "batch_size",
-            "compile", "fidelity_tokens", "resume", "threads", "device", "bad_rows", "compression_scope", "memory")
+            "compile", "fidelity_tokens", "resume", "strict_budget", "threads", "device", "bad_rows", "compression_scope",
+            "memory")
 MODEL_KEYS = ("name", "pretrained", "max_context", "dtype", "apply_chat_template", "revision", "device_map",
               "deployment")
 
@@ -269,6 +272,7 @@ def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
         compression_scope=scope,
         memory=verdict,
         resume=_require_bool(cfg.get("resume", True), "resume"),
+        strict_budget=_require_bool(cfg.get("strict_budget", False), "strict_budget"),
         fidelity_tokens=fidelity_tokens,
         revision=model.get("revision"),
         device_map=_device_map(model.get("device_map")),
@@ -550,6 +554,7 @@ def tidy_rows(
                     "prefill_seconds": row_stats.get("prefill_seconds"),
                     "reserved_cache_tokens": row_stats.get("reserved_cache_tokens"),
                     **{column: row_stats.get(column) for column in BYTE_COLUMNS},
+                    "over_budget": row_stats.get("over_budget"),
                 }
             )
     n = len({s["doc_id"] for s in samples})
@@ -581,6 +586,25 @@ def tidy_rows(
             stderr = float(values.std(ddof=1) / len(values) ** 0.5) if len(values) > 1 and name != "realized_ratio_mean" else None
             metrics.append({"subset": "all", "metric": name, "value": float(values.mean()), "stderr": stderr, "n": len(values)})
     return metrics, samples
+
+
+def _budget_check(spec: RunSpec, samples: list[dict]) -> list[dict]:
+    """Requests whose cache held more than the budget allows (beyond 1%): a loud line on stderr and the metric
+    ``over_budget`` (their count), or, with ``strict_budget=true``, an error before any table is written (the
+    generations stay in the progress file). Prompts shorter than the capacity are within it by definition."""
+    flags = [s["over_budget"] for s in samples if s.get("over_budget") is not None]
+    if spec.budget is None or not flags:
+        return []
+    over = sum(flags)
+    if over:
+        message = (f"{over} of {len(flags)} requests held more than budget {spec.budget} allows "
+                   f"(prompt capacity {spec.policy.prompt_capacity()}, cache capacity {spec.policy.cache_capacity()}; "
+                   "see the samples' over_budget, kept_prompt_tokens and peak_cache_tokens): the budget did not take "
+                   "full effect")
+        if spec.strict_budget:
+            raise RunError(f"strict_budget: {message}")
+        print(f"evalkit: WARNING: {message}", file=sys.stderr, flush=True)
+    return [{"subset": "all", "metric": "over_budget", "value": float(over), "stderr": None, "n": len(flags)}]
 
 
 BYTE_COLUMNS = ("kv_bytes_peak", "kv_bytes_reserved", "kv_bytes_full", "kv_bytes_predicted", "memory_ratio")
@@ -743,6 +767,7 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None) -> RunResult:
         stats = _stats_of_reasoning_pass(results, spec.task, stats)
     metrics, samples = tidy_rows(results, spec.task, stats, reasoning)
     metrics += lm.throughput.rows()
+    metrics += _budget_check(spec, samples)
     if skipped_rows:
         metrics.append({"subset": "all", "metric": "rows_skipped", "value": float(len(skipped_rows)), "stderr": None,
                         "n": len(skipped_rows)})

@@ -122,3 +122,33 @@ def test_a_run_records_bytes_per_sample_and_the_simulator_agrees(tmp_path, rando
         assert rows["memory_ratio_mean"] == pytest.approx((samples["kv_bytes_full"] / samples["kv_bytes_peak"]).mean())
     assert (full.samples["memory_ratio"] == 1.0).all()
     assert snapstream.metrics.set_index("metric")["value"]["memory_ratio_mean"] > 3
+
+
+def test_a_budget_that_did_not_take_effect_is_loud_and_strict_budget_makes_it_an_error(tmp_path, random_model_dir,
+                                                                                      monkeypatch, capsys):
+    """A method that silently kept everything (here: the engine handed a full cache instead of the run's policy)
+    cannot pass unnoticed: each request is flagged, the run prints a warning and records ``over_budget``; with
+    ``strict_budget=true`` it is an error and no table is written. A correct run records 0."""
+    import evalkit.lm
+    import evalkit.runner as runner
+    from test_harness import composed
+
+    def spec(results, *extra):
+        return runner.validate(composed(f"model.pretrained={random_model_dir}", "limit=3", "+budget=4x",
+                                        "method=snapkv", "+task.generation.max_gen_toks=4", f"results_dir={results}",
+                                        *extra), method_explicit=True)
+
+    honest = runner.run(spec(tmp_path / "honest"))
+    assert honest.metrics.set_index("metric")["value"]["over_budget"] == 0 and not honest.samples["over_budget"].any()
+    assert "WARNING" not in capsys.readouterr().err
+
+    real_engine = evalkit.lm.ec.Engine
+    monkeypatch.setattr(evalkit.lm.ec, "Engine", lambda model, policy, **kw: real_engine(model, ec.Full(), **kw))
+    broken = runner.run(spec(tmp_path / "broken"))
+    assert broken.samples["over_budget"].all() and broken.metrics.set_index("metric")["value"]["over_budget"] == 3
+    assert "evalkit: WARNING: 3 of 3 requests held more than budget 4x allows" in capsys.readouterr().err
+    with pytest.raises(runner.RunError, match="strict_budget: 3 of 3 requests held more than budget 4x"):
+        runner.run(spec(tmp_path / "strict", "strict_budget=true"))
+    assert not (tmp_path / "strict" / "metrics").exists()
+    with pytest.raises(runner.ConfigError, match="strict_budget must be true or false"):
+        spec(tmp_path / "x", "strict_budget=sometimes")

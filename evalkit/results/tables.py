@@ -107,6 +107,7 @@ SAMPLE_COLUMNS: dict[str, pa.DataType] = {
     "kv_bytes_full": pa.int64(),
     "kv_bytes_predicted": pa.float64(),
     "memory_ratio": pa.float64(),  # kv_bytes_full / kv_bytes_peak
+    "over_budget": pa.bool_(),  # the cache held more than the budget allows (None: no budget)
 }
 
 

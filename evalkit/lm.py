@@ -12,6 +12,7 @@ over whole documents) has no compressed meaning here and is refused.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -160,6 +161,20 @@ def stats_keys(requests) -> list[tuple]:
     return keys
 
 
+def _peak_rss() -> int:
+    """This process's peak resident set since the last reset (Linux VmHWM; elsewhere getrusage's lifetime peak)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
 class Throughput:
     """Prefill and decode throughput measured on the host around what already synchronises (the engine's prefill
     timing and the completion of a request), so that measuring adds no sync inside the compiled decode step.
@@ -171,10 +186,22 @@ class Throughput:
         self.prompt_tokens = self.generated_tokens = self.requests = 0
         self.prefill_seconds = self.wall_seconds = 0.0
         self.utilization: float | None = None
+        self.cache_bytes: int | None = None  # the engine's KV cache allocation, all slots
+        self.peak_memory: tuple[str, int] = ("peak_rss_bytes", 0)  # CUDA: max allocated; CPU: peak resident set
         self._started: float | None = None
 
-    def start(self) -> None:
+    def start(self, device: torch.device | None = None) -> None:
+        """Start timing; reset the peak-memory counter of ``device`` (CUDA) or of this process (CPU)."""
         self._started = time.perf_counter()
+        self.device = device
+        if device is not None and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        else:  # Linux: reset the process's peak resident set (VmHWM) to what it holds now
+            try:
+                with open("/proc/self/clear_refs", "w") as handle:
+                    handle.write("5")
+            except OSError:
+                pass
 
     def add(self, stats: dict) -> None:
         self.requests += 1
@@ -188,6 +215,14 @@ class Throughput:
             self._started = None
         if engine is not None and engine.counters["decode_steps"]:
             self.utilization = engine.utilization()
+        if engine is not None and engine.cache is not None:
+            self.cache_bytes = sum(t.numel() * t.element_size() for layer in engine.cache.layers
+                                   for t in (layer.keys, layer.values))
+        device = getattr(self, "device", None)
+        if device is not None and device.type == "cuda":
+            self.peak_memory = ("peak_cuda_memory_bytes", max(self.peak_memory[1], torch.cuda.max_memory_allocated(device)))
+        else:
+            self.peak_memory = ("peak_rss_bytes", max(self.peak_memory[1], _peak_rss()))
 
     def _elapsed(self) -> float:
         return self.wall_seconds + (time.perf_counter() - self._started if self._started is not None else 0.0)
@@ -210,7 +245,8 @@ class Throughput:
         if not self.requests:
             return []
         values = {"wall_seconds": self.wall_seconds, "prefill_tokens_per_s": self.prefill_rate(),
-                  "decode_tokens_per_s": self.decode_rate(), "slot_utilization": self.utilization}
+                  "decode_tokens_per_s": self.decode_rate(), "slot_utilization": self.utilization,
+                  "kv_cache_allocated_bytes": self.cache_bytes, self.peak_memory[0]: self.peak_memory[1] or None}
         return [{"subset": "all", "metric": name, "value": float(value), "stderr": None, "n": self.requests}
                 for name, value in values.items() if value is not None]
 
@@ -420,7 +456,7 @@ class EvalkitLM(LM):
         todo = [i for i in range(len(requests)) if outputs[i] is None]
         prepared = [self._prepare(requests[i].args[0], dict(requests[i].args[1]), keys[i]) for i in todo]
         meter = self.throughput
-        meter.start()
+        meter.start(self.device)
         with tqdm(total=len(requests), initial=len(requests) - len(todo), desc="generate", disable=disable_tqdm) as bar:
 
             def finish(completion: ec.Completion) -> None:

@@ -158,7 +158,8 @@ def test_a_second_process_on_the_same_config_is_refused_while_the_first_runs(tmp
     assert len(read_table(results, "samples")) == 3
 
 
-MEASURED = {"wall_seconds", "prefill_tokens_per_s", "decode_tokens_per_s", "slot_utilization"}
+MEASURED = {"wall_seconds", "prefill_tokens_per_s", "decode_tokens_per_s", "slot_utilization", "peak_rss_bytes",
+            "kv_cache_allocated_bytes"}
 
 
 def scores(metrics) -> dict:
@@ -253,8 +254,8 @@ def test_ctrl_c_while_the_libraries_load_is_one_line(tmp_path):
 
 
 def test_a_run_records_the_throughput_it_measured(tmp_path, random_model_dir):
-    """Prefill and decode throughput, wall time and slot utilization are metrics rows of the run; a rerun that
-    resumed every generation measured nothing and records none."""
+    """Prefill and decode throughput, wall time, slot utilization, the cache's allocation and the peak memory are
+    metrics rows of the run."""
     import evalkit.runner as runner
     from test_harness import composed
 
@@ -266,6 +267,10 @@ def test_a_run_records_the_throughput_it_measured(tmp_path, random_model_dir):
     assert MEASURED <= set(rows.index)
     assert (rows.loc[list(MEASURED), "value"] > 0).all() and (rows.loc[list(MEASURED), "n"] == 4).all()
     assert 0 < rows.loc["slot_utilization", "value"] <= 1
+    # the cache the engine allocated: 2 slots x its reserved tokens x the bytes of a token
+    per_token = result.samples["kv_bytes_reserved"].iloc[0] / result.samples["reserved_cache_tokens"].iloc[0]
+    assert rows.loc["kv_cache_allocated_bytes", "value"] == 2 * result.samples["reserved_cache_tokens"].max() * per_token
+    assert rows.loc["peak_rss_bytes", "value"] > 50 * 2**20  # the process with torch and a model: at least 50 MiB
     generated = result.samples["generated_tokens"].sum()
     # decode tokens over decode time: fewer tokens than generated (each first token is the prefill's) in less time
     assert rows.loc["decode_tokens_per_s", "value"] * rows.loc["wall_seconds", "value"] >= generated - 4

@@ -159,7 +159,8 @@ def test_a_second_process_on_the_same_config_is_refused_while_the_first_runs(tmp
 
 
 MEASURED = {"wall_seconds", "prefill_tokens_per_s", "decode_tokens_per_s", "slot_utilization", "peak_rss_bytes",
-            "kv_cache_allocated_bytes"}
+            "kv_cache_allocated_bytes", "decode_step_seconds", "decode_step_bytes", "copy_bandwidth_bytes_per_s",
+            "decode_step_seconds_roofline", "decode_efficiency"}
 
 
 def scores(metrics) -> dict:
@@ -271,6 +272,17 @@ def test_a_run_records_the_throughput_it_measured(tmp_path, random_model_dir):
     per_token = result.samples["kv_bytes_reserved"].iloc[0] / result.samples["reserved_cache_tokens"].iloc[0]
     assert rows.loc["kv_cache_allocated_bytes", "value"] == 2 * result.samples["reserved_cache_tokens"].max() * per_token
     assert rows.loc["peak_rss_bytes", "value"] > 50 * 2**20  # the process with torch and a model: at least 50 MiB
+    # the decode step beside its roofline: the bytes it reads (parameters + the whole static cache) over the copy
+    # bandwidth measured now; a step can beat neither
+    from evalkit.lm import load_model
+
+    loaded, _ = load_model(str(random_model_dir))
+    parameters = sum(p.numel() * p.element_size() for p in loaded.parameters())
+    assert rows.loc["decode_step_bytes", "value"] == parameters + rows.loc["kv_cache_allocated_bytes", "value"]
+    assert rows.loc["decode_step_seconds_roofline", "value"] == pytest.approx(
+        rows.loc["decode_step_bytes", "value"] / rows.loc["copy_bandwidth_bytes_per_s", "value"])
+    assert 0 < rows.loc["decode_efficiency", "value"] < 1.5
+    assert "decode_step_seconds_predicted" not in rows.index  # no conf/hardware describes a CPU
     generated = result.samples["generated_tokens"].sum()
     # decode tokens over decode time: fewer tokens than generated (each first token is the prefill's) in less time
     assert rows.loc["decode_tokens_per_s", "value"] * rows.loc["wall_seconds", "value"] >= generated - 4

@@ -24,7 +24,9 @@ PRIMARY = {"kv_retrieval": "exact_match", "longbench_v2": "accuracy", "aime24": 
 SECONDARY = {"realized_ratio_mean", "extraction_failed", "rows_skipped", "wall_seconds", "prefill_tokens_per_s",
              "decode_tokens_per_s", "slot_utilization", "kv_bytes_peak_mean", "kv_bytes_full_mean",
              "kv_bytes_reserved_mean", "memory_ratio_mean", "memory_freed", "kv_bytes_predicted_error_max", "over_budget",
-             "kv_cache_allocated_bytes", "peak_rss_bytes", "peak_cuda_memory_bytes"}
+             "kv_cache_allocated_bytes", "peak_rss_bytes", "peak_cuda_memory_bytes", "decode_step_seconds",
+             "decode_step_bytes", "copy_bandwidth_bytes_per_s", "decode_step_seconds_roofline", "decode_efficiency",
+             "decode_step_seconds_predicted", "decode_step_measured_over_predicted"}
 RUN_KEYS = ["task", "model", "method", "budget"]
 # Columns that say nothing about what was evaluated: never a reason to keep runs apart.
 BOOKKEEPING = {"run_id", "started_at", "evalkit_version", "torch_version", "transformers_version", "lm_eval_version",

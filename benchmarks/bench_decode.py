@@ -37,37 +37,12 @@ from bench_engine import build_model, model_arguments, model_dtype, sync  # noqa
 import evalkit.compression as ec  # noqa: E402
 from evalkit import memory  # noqa: E402
 from evalkit.budget import factor  # noqa: E402
+from evalkit.measure import copy_bandwidth, weight_bytes_read  # noqa: E402
 from evalkit.memory.geometry import from_hf_config, kv_bytes_per_token  # noqa: E402
 from evalkit.memory.simulator import Deployment, price  # noqa: E402
 
 
 REPEATS = 3  # each estimate a pair of runs; the median is reported, the spread is max - min
-
-
-def copy_bandwidth(device: str) -> float:
-    """Bytes read plus written per second by a large device-to-device copy (median of 10)."""
-    size = (1 << 30) if device == "cuda" else (1 << 28)
-    source = torch.empty(size, dtype=torch.uint8, device=device).random_(0, 255)
-    target = torch.empty_like(source)
-    times = []
-    for _ in range(12):
-        sync(device)
-        start = time.perf_counter()
-        target.copy_(source)
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return 2 * size / statistics.median(times[2:])
-
-
-def weight_bytes_read(model) -> int:
-    """Bytes of the weights one decode step reads: all of them once, except the input embedding (a few rows)."""
-    embed = model.get_input_embeddings().weight
-    head = model.get_output_embeddings().weight
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    total -= embed.numel() * embed.element_size()
-    if head is embed:  # tied: the output projection reads it whole
-        total += head.numel() * head.element_size()
-    return total
 
 
 def prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[torch.Tensor]:

@@ -289,7 +289,7 @@ def test_a_run_records_the_throughput_it_measured(tmp_path, random_model_dir):
 
 
 def test_the_throughput_meter_splits_prefill_from_decode():
-    from evalkit.lm import Throughput
+    from evalkit.measure import Throughput
 
     meter = Throughput()
     meter.add({"prompt_tokens": 1000, "generated_tokens": 11, "prefill_seconds": 0.5})

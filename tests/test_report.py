@@ -16,6 +16,10 @@ CORRECT = {("full", None): 18, ("snapkv", "2x"): 18, ("snapkv", "4x"): 16, ("sna
            ("streaming_llm", "2x"): 14, ("streaming_llm", "4x"): 8, ("streaming_llm", "8x"): 4}
 
 
+KV_BYTES = 64 * 2**20  # the full cache's bytes per request
+FACTOR = {None: 1.0, "2x": 2.0, "4x": 4.0, "8x": 8.0}
+
+
 @pytest.fixture
 def results_dir(tmp_path):
     for index, ((method, budget), correct) in enumerate(CORRECT.items()):
@@ -28,7 +32,13 @@ def results_dir(tmp_path):
         metrics = [{"subset": "all", "metric": "exact_match", "value": correct / 20, "stderr": 0.05, "n": 20},
                    {"subset": "all", "metric": "realized_ratio_mean", "value": 2.5, "stderr": None, "n": 20},
                    {"subset": "memory", "metric": "fits", "value": 1.0, "stderr": None, "n": 1},
-                   {"subset": "memory", "metric": "onchip_ratio", "value": 4.0, "stderr": None, "n": 1}]
+                   {"subset": "memory", "metric": "onchip_ratio", "value": 4.0, "stderr": None, "n": 1},
+                   # measured cost: KV bytes shrink with the budget, decoding speeds up
+                   {"subset": "all", "metric": "kv_bytes_peak_mean", "value": KV_BYTES / FACTOR[budget], "stderr": None,
+                    "n": 20},
+                   {"subset": "all", "metric": "memory_ratio_mean", "value": FACTOR[budget], "stderr": None, "n": 20},
+                   {"subset": "all", "metric": "decode_tokens_per_s", "value": 100.0 * FACTOR[budget] ** 0.5,
+                    "stderr": None, "n": 20}]
         write_table(samples_table(samples, config), tmp_path, "samples", run_id)
         write_table(metrics_table(metrics, config), tmp_path, "metrics", run_id)
     return tmp_path
@@ -45,6 +55,29 @@ def test_pivots_and_deltas_against_the_full_cache(results_dir):
     assert indexed.loc[("snapkv", "4x"), "paired_docs"] == 20
     assert bool(indexed.loc[("snapkv", "4x"), "memory_fits"]) and indexed.loc[("snapkv", "4x"), "onchip_ratio"] == 4.0
     assert sorted(table["budget"][table["method"] == "snapkv"]) == ["2x", "4x", "8x"]
+
+
+def test_the_summary_carries_what_each_run_measured_and_plots_it_against_accuracy(results_dir):
+    table = summarize(pd.read_parquet(results_dir / "metrics"), pd.read_parquet(results_dir / "samples"), 200)
+    indexed = table.set_index(["method", "budget"])
+    assert indexed.loc[("snapkv", "4x"), "kv_bytes_peak"] == KV_BYTES / 4
+    assert indexed.loc[("full", "full"), "memory_ratio"] == 1.0 and indexed.loc[("streaming_llm", "8x"), "memory_ratio"] == 8
+    assert indexed.loc[("snapkv", "2x"), "decode_tokens_per_s"] == pytest.approx(100 * 2**0.5)
+    assert table["peak_rss_bytes"].isna().all()  # not measured in these runs: missing, never zero
+    paths = write_report(results_dir, iterations=200)
+    for name in ("accuracy_vs_memory", "accuracy_vs_speed"):
+        assert paths[name].read_bytes()[:4] == b"\x89PNG" and paths[name].stat().st_size > 10_000
+        assert f"({name}.png)" in paths["markdown"].read_text()
+
+
+def test_the_pareto_front_keeps_only_what_nothing_beats_on_both_axes():
+    from evalkit.results.report import pareto
+
+    memory = pd.Series([64.0, 32.0, 16.0, 16.0, 8.0, 32.0])
+    accuracy = pd.Series([0.9, 0.9, 0.8, 0.6, 0.4, 0.7])
+    assert pareto(memory, accuracy, lower_x_is_better=True).tolist() == [False, True, True, False, True, False]
+    speed = pd.Series([100.0, 200.0, 300.0])
+    assert pareto(speed, pd.Series([0.9, 0.9, 0.5]), lower_x_is_better=False).tolist() == [False, True, True]
 
 
 def test_paired_bootstrap_of_identical_runs_is_zero():

@@ -4,7 +4,9 @@
 
 For every compressed run, the delta of its primary metric against the full-cache run of the same model and task, with
 a paired bootstrap confidence interval over the samples both runs scored; beside it the realized compression and the
-memory verdict of the run. Writes report.md, summary.csv and accuracy_vs_budget.png into ``--out``.
+memory verdict of the run, and what the run measured of its cost (KV bytes held, memory ratio, peak memory,
+prefill and decode throughput). Writes report.md, summary.csv, pivot.csv and accuracy_vs_budget.png into ``--out``,
+and, where runs measured them, accuracy_vs_memory.png and accuracy_vs_speed.png (the Pareto front marked).
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ SECONDARY = {"realized_ratio_mean", "extraction_failed", "rows_skipped", "wall_s
              "decode_step_bytes", "copy_bandwidth_bytes_per_s", "decode_step_seconds_roofline", "decode_efficiency",
              "decode_step_seconds_predicted", "decode_step_measured_over_predicted"}
 RUN_KEYS = ["task", "model", "method", "budget"]
+# What each run measured of its own cost (summary column -> metric row); NaN for runs that measured nothing.
+MEASURED = {"kv_bytes_peak": "kv_bytes_peak_mean", "memory_ratio": "memory_ratio_mean",
+            "peak_memory_bytes": "peak_cuda_memory_bytes", "peak_rss_bytes": "peak_rss_bytes",
+            "prefill_tokens_per_s": "prefill_tokens_per_s", "decode_tokens_per_s": "decode_tokens_per_s"}
 # Columns that say nothing about what was evaluated: never a reason to keep runs apart.
 BOOKKEEPING = {"run_id", "started_at", "evalkit_version", "torch_version", "transformers_version", "lm_eval_version",
                "git_revision", "config_digest", "chat_template_sha"}
@@ -98,12 +104,14 @@ def summarize(metrics: pd.DataFrame, samples: pd.DataFrame, iterations: int = 20
         primary = own[(own["subset"] == "all") & (own["metric"] == metric)]
         realized = own[own["metric"] == "realized_ratio_mean"]["value"]
         memory = own[own["subset"] == "memory"].set_index("metric")["value"]
+        measured = own[own["subset"] == "all"].drop_duplicates("metric", keep="last").set_index("metric")["value"]
         row = {key: run[key] for key in RUN_KEYS} | {column: run[column] for column in shown} | {
             "metric": metric, "value": float(primary["value"].iloc[0]) if len(primary) else math.nan,
             "stderr": float(primary["stderr"].iloc[0]) if len(primary) and pd.notna(primary["stderr"].iloc[0]) else math.nan,
             "realized_ratio": float(realized.iloc[0]) if len(realized) else math.nan,
             "memory_fits": bool(memory["fits"]) if "fits" in memory else None,
             "onchip_ratio": float(memory["onchip_ratio"]) if "onchip_ratio" in memory else math.nan,
+            **{column: float(measured[name]) if name in measured else math.nan for column, name in MEASURED.items()},
             "run_id": run["run_id"],
         }
         same = (runs[matched].map(_label) == run[matched].map(_label)).all(axis=1)
@@ -137,7 +145,7 @@ def _budget_order(column: pd.Series) -> pd.Series:
 def _settings(table: pd.DataFrame) -> list[str]:
     """The columns beside task/model/method/budget that tell configurations apart in ``table``."""
     fixed = {*RUN_KEYS, "metric", "value", "stderr", "realized_ratio", "memory_fits", "onchip_ratio", "run_id",
-             "baseline", "delta", "delta_low", "delta_high", "paired_docs"}
+             "baseline", "delta", "delta_low", "delta_high", "paired_docs", *MEASURED}
     return [c for c in table.columns if c not in fixed]
 
 
@@ -179,6 +187,70 @@ def plot(table: pd.DataFrame, path: Path) -> Path:
         axis.minorticks_off()
         axis.set_xlabel("KV-cache budget (compression)")
         axis.set_ylabel(f"{rows['metric'].iloc[0]} (95% CI)" if len(rows) else "score")
+        axis.set_title(task)
+        axis.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def pareto(x: pd.Series, y: pd.Series, lower_x_is_better: bool) -> pd.Series:
+    """The points no other point beats on both axes (higher ``y``; lower or higher ``x`` as given), as a mask."""
+    sign = 1.0 if lower_x_is_better else -1.0
+    front = []
+    for index in x.index:
+        dominated = ((sign * x <= sign * x[index]) & (y >= y[index])
+                     & ((sign * x < sign * x[index]) | (y > y[index]))).any()
+        front.append(not dominated)
+    return pd.Series(front, index=x.index)
+
+
+TRADEOFFS = {  # file -> (summary column, axis label, lower is better, scale to show)
+    "accuracy_vs_memory.png": ("kv_bytes_peak", "KV cache held at peak per request, measured (MiB)", True, 2**-20),
+    "accuracy_vs_speed.png": ("decode_tokens_per_s", "decode throughput, measured (tokens/s)", False, 1.0),
+}
+
+
+def tradeoff_plot(table: pd.DataFrame, column: str, label: str, lower_is_better: bool, scale: float,
+                  path: Path) -> Path | None:
+    """Score against a measured cost, one panel per task: one point per configuration with its 95% interval, the
+    full cache as a black star and dashed line, the Pareto front (no configuration better on both axes) joined and
+    ringed. None when no run measured ``column``."""
+    rows = table.dropna(subset=[column, "value"])
+    if rows.empty:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = _distinguishing(table)
+    tasks = sorted(rows["task"].unique())
+    figure, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4.2), squeeze=False)
+    for axis, task in zip(axes[0], tasks):
+        own = rows[rows["task"] == task].assign(x=lambda t: t[column] * scale)
+        half = 1.96 * own["stderr"].fillna(0.0)
+        for key, group in own[own["method"] != "full"].groupby(["model", "method", *settings], dropna=False):
+            name = " ".join([key[1]] + [f"{c}={_label(v)}" for c, v in zip(settings, key[2:]) if _label(v) != "-"])
+            if own["model"].nunique() > 1:
+                name = f"{key[0]}: {name}"
+            axis.errorbar(group["x"], group["value"], yerr=half[group.index], marker="o", linestyle="none",
+                          capsize=3, label=name)
+            for _, point in group.iterrows():
+                axis.annotate(str(point["budget"]), (point["x"], point["value"]), fontsize=7,
+                              xytext=(4, 4), textcoords="offset points")
+        for (model, *_), base in own[own["method"] == "full"].groupby(["model", *settings], dropna=False):
+            point = base.iloc[-1]
+            axis.errorbar([point["x"]], [point["value"]], yerr=[half[base.index[-1]]], marker="*", markersize=12,
+                          color="black", linestyle="none", capsize=3, label=f"full cache ({model})")
+            axis.axhline(point["value"], color="black", linestyle="--", linewidth=0.8)
+        front = own[pareto(own["x"], own["value"], lower_is_better)].sort_values("x")
+        axis.plot(front["x"], front["value"], color="grey", linewidth=1, zorder=0, label="Pareto front")
+        axis.scatter(front["x"], front["value"], s=160, facecolors="none", edgecolors="grey", zorder=0)
+        axis.set_xscale("log")
+        axis.set_xlabel(label)
+        axis.set_ylabel(f"{own['metric'].iloc[0]} (95% CI)")
         axis.set_title(task)
         axis.legend(fontsize="small")
     figure.tight_layout()
@@ -231,6 +303,11 @@ def write_report(results_dir: str | Path, out: str | Path | None = None, iterati
             f"![accuracy vs budget]({paths['plot'].name})", ""]
     plot(table, paths["plot"])
     paths["pivot"] = out / "pivot.csv"
+    for name, (column, label, lower, scale) in TRADEOFFS.items():
+        drawn = tradeoff_plot(table, column, label, lower, scale, out / name)
+        if drawn is not None:
+            paths[name.removesuffix(".png")] = drawn
+            text += [f"![{name.removesuffix('.png').replace('_', ' ')}]({name})", ""]
     if (table["task"] == "needle").any():
         paths["needle"] = needle_heatmaps(table[table["task"] == "needle"], samples, out / "needle_heatmap.png")
         text += ["## Needle in a haystack: accuracy by depth and length", "", f"![needle]({paths['needle'].name})", ""]

@@ -552,6 +552,8 @@ def tidy_rows(
                     "spec_kept_tokens": row_stats.get("spec_kept_tokens"),
                     "draft_seconds": row_stats.get("draft_seconds"),
                     "prefill_seconds": row_stats.get("prefill_seconds"),
+                    "decode_seconds": row_stats.get("decode_seconds"),
+                    "time_to_first_token_s": row_stats.get("time_to_first_token_s"),
                     "reserved_cache_tokens": row_stats.get("reserved_cache_tokens"),
                     **{column: row_stats.get(column) for column in BYTE_COLUMNS},
                     "over_budget": row_stats.get("over_budget"),

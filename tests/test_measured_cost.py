@@ -152,3 +152,13 @@ def test_a_budget_that_did_not_take_effect_is_loud_and_strict_budget_makes_it_an
     assert not (tmp_path / "strict" / "metrics").exists()
     with pytest.raises(runner.ConfigError, match="strict_budget must be true or false"):
         spec(tmp_path / "x", "strict_budget=sometimes")
+
+
+def test_each_request_records_its_time_to_first_token_and_decode_time(llama):
+    """Two slots, four requests: the last two wait for a slot, so their first token comes later than any prefill."""
+    requests = _long_requests(count=4, new=24)
+    completions = ec.Engine(llama, ec.SnapStream(capacity=64, window=8, sink=4, recent=16), slots=2).run(requests)
+    stats = [c.stats for c in completions]
+    assert all(s["decode_seconds"] > 0 and s["time_to_first_token_s"] >= s["prefill_seconds"] > 0 for s in stats)
+    first_two = max(s["time_to_first_token_s"] for s in stats[:2])
+    assert min(s["time_to_first_token_s"] for s in stats[2:]) > first_two  # queued behind a whole request

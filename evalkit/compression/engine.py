@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
@@ -279,6 +280,7 @@ class _Resident:
     ended_at_once: bool  # its first token ended it
     tokens: list[int] = dataclasses.field(default_factory=list)
     stop: object | None = None
+    admitted_at: float = 0.0  # host clock when its first token was chosen (end of its admission)
 
 
 class Engine:
@@ -521,6 +523,7 @@ class Engine:
                 raise TypeError(f"requests must be evalkit.compression.engine.Request, got {type(request).__name__}")
         self._prepare(stream)
         waiting = deque(enumerate(stream))
+        started = time.perf_counter()
         residents: dict[int, _Resident] = {}
         done: dict[int, Completion] = {}
         step_fn = self._compiled_step()
@@ -529,8 +532,11 @@ class Engine:
             for slot in range(self.slots):
                 if slot not in residents and waiting:
                     index, request = waiting.popleft()
-                    residents[slot] = self._admit(slot, index, request)
-                    ended_at_once |= residents[slot].ended_at_once
+                    resident = residents[slot] = self._admit(slot, index, request)
+                    # Timed on the host where admission already synchronised (its first token was read back).
+                    resident.admitted_at = time.perf_counter()
+                    resident.stats["time_to_first_token_s"] = resident.admitted_at - started
+                    ended_at_once |= resident.ended_at_once
             if ended_at_once:  # done at their first token (EOS, or one new token asked for)
                 self._collect(residents, done, on_finish)
             if not residents:
@@ -632,7 +638,10 @@ class Engine:
             peak = round(sum(peaks) / len(peaks), 3)
         prompt = resident.stats["prompt_tokens"]
         seen = prompt + max(generated - 1, 0)
-        stats = {**resident.stats, "generated_tokens": generated, "peak_cache_tokens": peak, "tokens_seen": seen,
+        # From its first token to the sync at which its end was seen (up to sync_every steps later).
+        decode_seconds = time.perf_counter() - resident.admitted_at
+        stats = {**resident.stats, "decode_seconds": decode_seconds, "generated_tokens": generated,
+                 "peak_cache_tokens": peak, "tokens_seen": seen,
                  "realized_ratio": seen / peak, "reserved_cache_tokens": self.slot_tokens,
                  **self._bytes(slot, min(resident.held_at_start + max(generated - 1, 0), resident.limit), seen)}
         return Completion(resident.index, list(resident.tokens), stats)

@@ -99,6 +99,8 @@ SAMPLE_COLUMNS: dict[str, pa.DataType] = {
     "spec_kept_tokens": pa.int64(),
     "draft_seconds": pa.float64(),
     "prefill_seconds": pa.float64(),
+    "decode_seconds": pa.float64(),  # from the first token to the engine sync that saw the request end
+    "time_to_first_token_s": pa.float64(),  # from the start of the engine's stream: queueing + prefill
     "reserved_cache_tokens": pa.int64(),  # the cache size the engine reserved per slot
     # Bytes, measured on the engine's own tensors (see evalkit.compression.Engine): held at the peak, reserved by
     # the slot, what a full cache holds for the same tokens, and evalkit.memory's prediction of the held bytes.

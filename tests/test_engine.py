@@ -15,6 +15,11 @@ VOCAB = 256
 
 @pytest.fixture(scope="module")
 def model():
+    return small_llama()
+
+
+def small_llama():
+    """A random Llama: 2 layers, 4 heads, 2 KV heads of width 16, fp32, no EOS."""
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)

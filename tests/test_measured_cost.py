@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine import VOCAB, stream
+from test_engine import VOCAB, small_llama, stream
 from test_hybrid import WINDOW, tiny_gemma3
 from test_mla import KV_LORA_RANK, ROPE, tiny_deepseek
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import evalkit.compression as ec
 from evalkit import memory
@@ -19,13 +18,7 @@ from evalkit.memory.geometry import from_hf_config
 
 @pytest.fixture(scope="module")
 def llama():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
-    model = LlamaForCausalLM(config).eval()
-    model.config._attn_implementation = "sdpa"
-    model.generation_config.eos_token_id = None
-    return model
+    return small_llama()
 
 
 PER_TOKEN = 2 * 2 * (16 + 16) * 4  # layers x kv heads x (key + value width) x fp32 bytes

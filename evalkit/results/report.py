@@ -185,14 +185,8 @@ def plot(table: pd.DataFrame, path: Path) -> Path:
         axis.set_xscale("log", base=2)
         axis.set_xticks(factors, ["full" if f == 1 else f"{f:g}x" for f in factors])
         axis.minorticks_off()
-        axis.set_xlabel("KV-cache budget (compression)")
-        axis.set_ylabel(f"{rows['metric'].iloc[0]} (95% CI)" if len(rows) else "score")
-        axis.set_title(task)
-        axis.legend(fontsize="small")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+        _finish_panel(axis, task, "KV-cache budget (compression)", rows)
+    return _save(figure, path)
 
 
 def pareto(x: pd.Series, y: pd.Series, lower_x_is_better: bool) -> pd.Series:
@@ -249,10 +243,20 @@ def tradeoff_plot(table: pd.DataFrame, column: str, label: str, lower_is_better:
         axis.plot(front["x"], front["value"], color="grey", linewidth=1, zorder=0, label="Pareto front")
         axis.scatter(front["x"], front["value"], s=160, facecolors="none", edgecolors="grey", zorder=0)
         axis.set_xscale("log")
-        axis.set_xlabel(label)
-        axis.set_ylabel(f"{own['metric'].iloc[0]} (95% CI)")
-        axis.set_title(task)
-        axis.legend(fontsize="small")
+        _finish_panel(axis, task, label, own)
+    return _save(figure, path)
+
+
+def _finish_panel(axis, task: str, xlabel: str, rows: pd.DataFrame) -> None:
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel(f"{rows['metric'].iloc[0]} (95% CI)" if len(rows) else "score")
+    axis.set_title(task)
+    axis.legend(fontsize="small")
+
+
+def _save(figure, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)

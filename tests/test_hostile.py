@@ -84,8 +84,8 @@ def test_tmp_inside_the_sandbox_is_private_and_writable(tmp_path):
     with open(host_file, "w") as handle:
         handle.write("host")
     try:
-        code = (f"import os\nprint(os.listdir('/tmp'))\nprint(os.path.exists({host_file!r}))\n"
-                "open('/tmp/mine', 'w').write('x')\nprint(os.listdir('/tmp'))")
+        code = (f"import os\nprint(sorted(os.listdir('/tmp')))\nprint(os.path.exists({host_file!r}))\n"
+                "open('/tmp/mine', 'w').write('x')\nprint(sorted(os.listdir('/tmp')))")
         result = sandbox.run(code)
     finally:
         os.remove(host_file)

@@ -17,6 +17,7 @@ Everything else (gathering rows, ring writes, per-head validity, masks, position
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar
 
 import torch
@@ -286,20 +287,40 @@ class PromptScoring(Policy):
         return self.capacity
 
 
-def causal_attention_sums(view: PrefillView, last: int | None = None, budget: int = 1 << 26) -> torch.Tensor:
+def causal_attention_sums(view: PrefillView, last: int | None = None, budget: int | None = None) -> torch.Tensor:
     """Attention each prompt key receives, summed over the prompt's queries (or its ``last`` queries), in fp32:
-    ``[B, Hkv, G, n]``. Causal, padding excluded on both sides; computed a chunk of queries at a time, each chunk's
-    probabilities at most ``budget`` floats (256 MiB)."""
+    ``[B, Hkv, G, n]``. Causal, padding excluded on both sides.
+
+    Computed a block of queries at a time, each block's probabilities at most ``budget`` floats (default 16 MiB on
+    a CPU, 256 MiB on a GPU, where fewer, larger blocks keep the kernels busy): never the n x n matrix. A block of queries ``begin..end`` sees only keys ``..end``, so only those are scored (half the work
+    of scoring every key), and without padding only the block's own diagonal needs the causal mask."""
     batch, q_heads, n, _ = view.query.shape
-    chunk = max(1, min(n, budget // (batch * q_heads * n)))
+    if budget is None:
+        budget = 1 << (26 if view.query.device.type == "cuda" else 22)
     start = 0 if last is None else n - last
     sinks = attention_sinks(view.module)
-    total = None
-    for begin in range(start, n, chunk):
-        end = min(begin + chunk, n)
-        visible = causal_visible(view.key_valid, begin, end)
-        probabilities = attention_probabilities(view.query[:, :, begin:end], view.keys, visible, view.scaling, sinks)
-        real_queries = view.key_valid[:, begin:end][:, None, None, :, None]  # a padding query adds nothing
-        part = torch.nan_to_num(probabilities, nan=0.0).mul(real_queries).sum(dim=-2)
-        total = part if total is None else total + part
+    padded = not bool(view.key_valid.all())
+    kv_heads = view.keys.shape[1]
+    total = torch.zeros(batch, kv_heads, q_heads // kv_heads, n, dtype=torch.float32, device=view.query.device)
+    begin = start
+    while begin < n:
+        # The most rows r whose block (r queries x begin + r keys) stays within the budget: r^2 + begin r <= cells.
+        cells = max(1, budget // (batch * q_heads))
+        end = min(n, begin + max(1, (math.isqrt(begin * begin + 4 * cells) - begin) // 2))
+        if padded:
+            visible = causal_visible(view.key_valid[:, :end], begin, end)
+        else:  # keys before the block are all visible; the block's own square is lower-triangular
+            visible = _block_visible(begin, end, view.query.device)
+        probabilities = attention_probabilities(view.query[:, :, begin:end], view.keys[:, :, :end], visible,
+                                                view.scaling, sinks)
+        if padded:  # a padding query sees nothing (a row of NaN) and adds nothing
+            real_queries = view.key_valid[:, begin:end][:, None, None, :, None]
+            probabilities = torch.nan_to_num(probabilities, nan=0.0).mul_(real_queries)
+        total[..., :end] += probabilities.sum(dim=-2)
+        begin = end
     return total
+
+
+def _block_visible(begin: int, end: int, device: torch.device) -> torch.Tensor:
+    """``[1, 1, end - begin, end]``: queries ``begin..end-1`` of an unpadded prompt see every key up to their own."""
+    return (torch.arange(end, device=device)[None, :] <= torch.arange(begin, end, device=device)[:, None])[None, None]

@@ -309,3 +309,45 @@ def test_bad_method_settings_name_the_field(build, message):
 def test_snapkv_family_capacity_errors_name_the_method_used():
     with pytest.raises(ValueError, match=r"^AdaKV.capacity must be > window \(64\), got 20$"):
         ec.AdaKV(capacity=20)
+
+
+def _dense_attention_sums(query, keys, key_valid, scaling, sinks=None, last=None):
+    """The n x n reference in fp64: every query's causal softmax over the prompt, summed per key."""
+    batch, q_heads, n, _ = query.shape
+    kv_heads = keys.shape[1]
+    q = query.double().reshape(batch, kv_heads, q_heads // kv_heads, n, -1)
+    logits = q @ keys.double().unsqueeze(2).transpose(-1, -2) * scaling
+    visible = torch.ones(n, n, dtype=torch.bool).tril() & key_valid[:, None, None, None, :]
+    logits = logits.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink = sinks.double().reshape(1, kv_heads, -1, 1, 1).expand(batch, -1, -1, n, 1)
+        probabilities = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    else:
+        probabilities = logits.softmax(dim=-1)
+    probabilities = torch.nan_to_num(probabilities) * key_valid[:, None, None, :, None]
+    start = 0 if last is None else n - last
+    return probabilities[..., start:, :].sum(dim=-2)
+
+
+@pytest.mark.parametrize("padded, with_sinks, last", [(False, False, None), (True, False, None), (False, True, None),
+                                                       (False, False, 1), (True, True, 3)])
+def test_blockwise_attention_sums_equal_the_dense_matrix(padded, with_sinks, last, monkeypatch):
+    """Blocks of a few queries over only the keys they can see (a budget small enough for ~20 blocks) sum to what
+    the whole n x n matrix gives, with padding, attention sinks and a last-queries window."""
+    from types import SimpleNamespace
+
+    from evalkit.compression import base
+
+    g = torch.Generator().manual_seed(0)
+    batch, q_heads, kv_heads, n, dim = 2, 4, 2, 96, 16
+    query, keys = torch.randn(batch, q_heads, n, dim, generator=g), torch.randn(batch, kv_heads, n, dim, generator=g)
+    key_valid = torch.ones(batch, n, dtype=torch.bool)
+    if padded:
+        key_valid[1, :17] = False  # left padding of the second row
+    sinks = torch.randn(q_heads, generator=g) if with_sinks else None
+    monkeypatch.setattr(base, "attention_sinks", lambda module: sinks)
+    view = SimpleNamespace(query=query, keys=keys, key_valid=key_valid, scaling=dim ** -0.5, module=None)
+    blockwise = base.causal_attention_sums(view, last=last, budget=batch * q_heads * 500)
+    dense = _dense_attention_sums(query, keys, key_valid, dim ** -0.5, sinks, last)
+    assert blockwise.dtype == torch.float32 and blockwise.shape == dense.shape
+    torch.testing.assert_close(blockwise.double(), dense, rtol=1e-5, atol=1e-5)

@@ -301,12 +301,21 @@ def causal_attention_sums(view: PrefillView, last: int | None = None, budget: in
     sinks = attention_sinks(view.module)
     padded = not bool(view.key_valid.all())
     kv_heads = view.keys.shape[1]
-    total = torch.zeros(batch, kv_heads, q_heads // kv_heads, n, dtype=torch.float32, device=view.query.device)
+    groups = q_heads // kv_heads
+    total = torch.zeros(batch, kv_heads, groups, n, dtype=torch.float32, device=view.query.device)
+    keys_t = view.keys.float().transpose(-1, -2).unsqueeze(2)  # [B, Hkv, 1, D, n], once for every block
     begin = start
     while begin < n:
         # The most rows r whose block (r queries x begin + r keys) stays within the budget: r^2 + begin r <= cells.
         cells = max(1, budget // (batch * q_heads))
         end = min(n, begin + max(1, (math.isqrt(begin * begin + 4 * cells) - begin) // 2))
+        if not padded and sinks is None:  # the common case, in place: one product, the diagonal masked, a softmax
+            block = view.query[:, :, begin:end].float().reshape(batch, kv_heads, groups, end - begin, -1)
+            logits = torch.matmul(block, keys_t[..., :end]).mul_(view.scaling)
+            logits[..., begin:end].masked_fill_(_block_hidden(begin, end, view.query.device), float("-inf"))
+            total[..., :end] += logits.softmax(dim=-1).sum(dim=-2)
+            begin = end
+            continue
         if padded:
             visible = causal_visible(view.key_valid[:, :end], begin, end)
         else:  # keys before the block are all visible; the block's own square is lower-triangular
@@ -319,6 +328,12 @@ def causal_attention_sums(view: PrefillView, last: int | None = None, budget: in
         total[..., :end] += probabilities.sum(dim=-2)
         begin = end
     return total
+
+
+def _block_hidden(begin: int, end: int, device: torch.device) -> torch.Tensor:
+    """``[end - begin, end - begin]``: within the block's own square, the keys after each query (hidden from it)."""
+    index = torch.arange(end - begin, device=device)
+    return index[None, :] > index[:, None]
 
 
 def _block_visible(begin: int, end: int, device: torch.device) -> torch.Tensor:

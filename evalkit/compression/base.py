@@ -303,15 +303,17 @@ def causal_attention_sums(view: PrefillView, last: int | None = None, budget: in
     kv_heads = view.keys.shape[1]
     groups = q_heads // kv_heads
     total = torch.zeros(batch, kv_heads, groups, n, dtype=torch.float32, device=view.query.device)
-    keys_t = view.keys.float().transpose(-1, -2).unsqueeze(2)  # [B, Hkv, 1, D, n], once for every block
+    keys = view.keys.float()  # [B, Hkv, n, D]: a block's keys are its first rows, no copy
     begin = start
     while begin < n:
         # The most rows r whose block (r queries x begin + r keys) stays within the budget: r^2 + begin r <= cells.
         cells = max(1, budget // (batch * q_heads))
         end = min(n, begin + max(1, (math.isqrt(begin * begin + 4 * cells) - begin) // 2))
         if not padded and sinks is None:  # the common case, in place: one product, the diagonal masked, a softmax
-            block = view.query[:, :, begin:end].float().reshape(batch, kv_heads, groups, end - begin, -1)
-            logits = torch.matmul(block, keys_t[..., :end]).mul_(view.scaling)
+            # The query heads of a KV group stacked as rows of one product, so the keys are never expanded per head.
+            block = view.query[:, :, begin:end].float().reshape(batch, kv_heads, groups * (end - begin), -1)
+            logits = torch.matmul(block, keys[:, :, :end].transpose(-1, -2)).mul_(view.scaling)
+            logits = logits.view(batch, kv_heads, groups, end - begin, end)
             logits[..., begin:end].masked_fill_(_block_hidden(begin, end, view.query.device), float("-inf"))
             total[..., :end] += logits.softmax(dim=-1).sum(dim=-2)
             begin = end

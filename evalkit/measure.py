@@ -43,6 +43,7 @@ class Throughput:
         self.peak_memory: tuple[str, int] = ("peak_rss_bytes", 0)  # CUDA: max allocated; CPU: peak resident set
         self.decode_steps = 0
         self.step_bytes: int | None = None  # bytes one decode step reads at least: parameters + the static cache
+        self.device: torch.device | None = None
         self._started: float | None = None
 
     def start(self, device: torch.device | None = None) -> None:
@@ -79,9 +80,9 @@ class Throughput:
             self.decode_steps = engine.counters["decode_steps"]
         if model is not None and self.cache_bytes is not None:
             self.step_bytes = weight_bytes_read(model) + self.cache_bytes
-        device = getattr(self, "device", None)
-        if device is not None and device.type == "cuda":
-            self.peak_memory = ("peak_cuda_memory_bytes", max(self.peak_memory[1], torch.cuda.max_memory_allocated(device)))
+        if self.device is not None and self.device.type == "cuda":
+            self.peak_memory = ("peak_cuda_memory_bytes",
+                                max(self.peak_memory[1], torch.cuda.max_memory_allocated(self.device)))
         else:
             self.peak_memory = ("peak_rss_bytes", max(self.peak_memory[1], _peak_rss()))
 
@@ -91,8 +92,12 @@ class Throughput:
     def prefill_rate(self) -> float | None:
         return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else None
 
+    def _decode_seconds(self) -> float:
+        """Generation time not spent in prefill."""
+        return self._elapsed() - self.prefill_seconds
+
     def decode_rate(self) -> float | None:
-        decode_seconds = self._elapsed() - self.prefill_seconds
+        decode_seconds = self._decode_seconds()
         decoded = self.generated_tokens - self.requests  # each request's first token comes from its prefill
         return decoded / decode_seconds if decode_seconds > 0 and decoded > 0 else None
 
@@ -115,16 +120,16 @@ class Throughput:
         """The measured decode step beside two predictions of it: the roofline (its bytes over the copy bandwidth
         measured here, now) and, on a GPU that conf/hardware describes, the simulator's own (datasheet bandwidth x
         its ``decode_efficiency``), each with measured / predicted."""
-        decode_seconds = self._elapsed() - self.prefill_seconds
+        decode_seconds = self._decode_seconds()
         if not self.decode_steps or decode_seconds <= 0 or self.step_bytes is None:
             return {}
         step = decode_seconds / self.decode_steps
-        bandwidth = copy_bandwidth(getattr(self, "device", None) or torch.device("cpu"))
+        bandwidth = copy_bandwidth(self.device or torch.device("cpu"))
         roofline = self.step_bytes / bandwidth
         values = {"decode_step_seconds": step, "decode_step_bytes": self.step_bytes,
                   "copy_bandwidth_bytes_per_s": bandwidth, "decode_step_seconds_roofline": roofline,
                   "decode_efficiency": roofline / step}
-        hardware = hardware_of(getattr(self, "device", None))
+        hardware = hardware_of(self.device)
         if hardware is not None:
             predicted = self.step_bytes / (hardware.hbm_bandwidth * hardware.decode_efficiency)
             values |= {"decode_step_seconds_predicted": predicted, "decode_step_measured_over_predicted": step / predicted}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 
 _PACKAGE = Path(__file__).resolve().parent
@@ -24,3 +26,15 @@ def conf_dir() -> Path:
 
 def tasks_dir() -> Path:
     return _find("tasks")
+
+
+@contextlib.contextmanager
+def naming(path: str | os.PathLike):
+    """An OSError raised inside names ``path`` where the code that raised it named no file (pyarrow's and pandas'
+    writers, writes to an open handle), so that a full disk says which file it stopped."""
+    try:
+        yield
+    except OSError as error:
+        if error.filename is not None or error.errno is None:
+            raise
+        raise OSError(error.errno, os.strerror(error.errno), str(path)) from error

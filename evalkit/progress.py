@@ -14,6 +14,8 @@ import os
 from collections import Counter
 from pathlib import Path
 
+from evalkit.paths import naming
+
 
 def request_keys(requests: list[tuple[str, dict]]) -> list[str]:
     """A key per request: its text, generation arguments and which repeat of identical requests it is."""
@@ -46,18 +48,13 @@ class Progress:
         """Append ``records`` (each with a ``key``) and make them durable before returning. A line an earlier crash
         or full disk cut short is ended first, so that it costs only itself."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            with open(self.path, "a+b") as handle:
-                size = handle.seek(0, os.SEEK_END)
-                cut_short = size > 0 and handle.seek(size - 1) >= 0 and handle.read(1) != b"\n"
-                text = "\n" * cut_short + "".join(json.dumps(record, default=str) + "\n" for record in records)
-                handle.write(text.encode("utf-8"))
-                handle.flush()
-                os.fsync(handle.fileno())
-        except OSError as error:
-            if error.filename is not None or error.errno is None:
-                raise
-            raise OSError(error.errno, os.strerror(error.errno), str(self.path)) from error
+        with naming(self.path), open(self.path, "a+b") as handle:
+            size = handle.seek(0, os.SEEK_END)
+            cut_short = size > 0 and handle.seek(size - 1) >= 0 and handle.read(1) != b"\n"
+            text = "\n" * cut_short + "".join(json.dumps(record, default=str) + "\n" for record in records)
+            handle.write(text.encode("utf-8"))
+            handle.flush()
+            os.fsync(handle.fileno())
         self.done.update((record["key"], record) for record in records)
 
     def remove(self) -> None:

@@ -631,9 +631,9 @@ class Engine:
         generated = len(resident.tokens)
         # Every token fed back takes a new slot until the ring is full; the count never drops, so the end is the peak.
         # (Read off the request's own tokens: the device may have run a few steps past a stop string.)
-        peak = min(resident.held_at_start + max(generated - 1, 0), resident.limit)
+        peak = row_peak = min(resident.held_at_start + max(generated - 1, 0), resident.limit)
         if self.head_layouts:  # per-head layouts are tracked on the device: the mean over layers and heads
-            peaks = [float(layer.peak[slot].float().mean()) if layer.peak is not None else peak
+            peaks = [float(layer.peak[slot].float().mean()) if layer.peak is not None else row_peak
                      for layer in self.cache.layers]
             peak = round(sum(peaks) / len(peaks), 3)
         prompt = resident.stats["prompt_tokens"]
@@ -643,7 +643,7 @@ class Engine:
         stats = {**resident.stats, "decode_seconds": decode_seconds, "generated_tokens": generated,
                  "peak_cache_tokens": peak, "tokens_seen": seen,
                  "realized_ratio": seen / peak, "reserved_cache_tokens": self.slot_tokens,
-                 **self._bytes(slot, min(resident.held_at_start + max(generated - 1, 0), resident.limit), seen)}
+                 **self._bytes(slot, row_peak, seen)}
         return Completion(resident.index, list(resident.tokens), stats)
 
     def _bytes(self, slot: int, row_peak: int, seen: int) -> dict:

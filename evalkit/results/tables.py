@@ -20,6 +20,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from evalkit.paths import naming
+
 # Fixed types, so that runs whose configs leave different fields empty still read back as one table.
 CONFIG_COLUMNS: dict[str, pa.DataType] = {
     "run_id": pa.string(),
@@ -136,12 +138,9 @@ def _atomic(path: Path, write) -> None:
     OSError names ``path`` (pyarrow's and pandas' name no file)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        write(tmp)
-        os.replace(tmp, path)
-    except OSError as error:
-        if error.filename is not None or error.errno is None:
-            raise
-        raise OSError(error.errno, os.strerror(error.errno), str(path)) from error
+        with naming(path):
+            write(tmp)
+            os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
 

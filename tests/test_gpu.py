@@ -216,3 +216,55 @@ def test_scores_are_accumulated_in_fp32_on_a_bf16_model(name):
     for dtype, error in seen:
         assert dtype == torch.float32
         assert error < 1e-4, error
+
+
+def test_blockwise_attention_sums_on_the_gpu_equal_one_block_and_the_cpu():
+    """On CUDA, scores summed over many small query blocks equal one block over the whole matrix and the CPU's."""
+    from types import SimpleNamespace
+
+    from evalkit.compression import base
+
+    g = torch.Generator().manual_seed(0)
+    batch, q_heads, kv_heads, n, dim = 2, 8, 2, 777, 32
+    query, keys = torch.randn(batch, q_heads, n, dim, generator=g), torch.randn(batch, kv_heads, n, dim, generator=g)
+    sums = {}
+    for device in ("cpu", "cuda"):
+        view = SimpleNamespace(query=query.to(device), keys=keys.to(device), key_valid=torch.ones(batch, n, dtype=torch.bool,
+                               device=device), scaling=dim ** -0.5, module=None)
+        sums[device, "blocks"] = base.causal_attention_sums(view, budget=batch * q_heads * 3000).cpu()
+        sums[device, "one"] = base.causal_attention_sums(view, budget=batch * q_heads * n * n).cpu()
+    for key, value in sums.items():
+        torch.testing.assert_close(value, sums["cpu", "one"], rtol=1e-4, atol=1e-4, msg=lambda m: f"{key}: {m}")
+
+
+def test_a_gpu_run_measures_its_cache_bytes_peak_memory_and_step_against_the_simulator():
+    """The meter a run uses, on CUDA: a SnapStream request holds exactly capacity x bytes per token; the engine's cache
+    allocation is slots x slot tokens x bytes per token; the CUDA peak covers weights and cache; the decode step is
+    measured beside its roofline and, on an H100/H200, the simulator's prediction."""
+    from evalkit.measure import Throughput, hardware_of
+
+    model = cached("llama", torch.bfloat16)
+    policy = POLICIES["snapstream"]()
+    per_token = 2 * SHAPE["num_hidden_layers"] * SHAPE["num_key_value_heads"] * (
+        SHAPE["hidden_size"] // SHAPE["num_attention_heads"]) * 2  # keys and values, bf16
+    meter = Throughput()
+    device = torch.device("cuda")
+    meter.start(device)
+    engine = ec.Engine(model, policy, slots=4, slot_tokens=policy.cache_capacity())
+    requests = [ec.Request(prompt(200 + 13 * i, seed=i), max_new_tokens=40) for i in range(6)]
+    done = engine.run(requests, on_finish=lambda completion: meter.add(completion.stats))
+    meter.stop(engine, model)
+    for completion in done:
+        assert completion.stats["kv_bytes_peak"] == policy.cache_capacity() * per_token
+        assert completion.stats["kv_bytes_full"] == completion.stats["tokens_seen"] * per_token
+    rows = {row["metric"]: row["value"] for row in meter.rows()}
+    assert rows["kv_cache_allocated_bytes"] == 4 * policy.cache_capacity() * per_token
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert rows["peak_cuda_memory_bytes"] >= rows["kv_cache_allocated_bytes"] + weights
+    assert "peak_rss_bytes" not in rows
+    assert rows["decode_step_seconds"] > 0 and 0 < rows["decode_efficiency"] < 1.5
+    assert rows["decode_step_seconds_roofline"] == pytest.approx(rows["decode_step_bytes"]
+                                                                 / rows["copy_bandwidth_bytes_per_s"])
+    if hardware_of(device) is not None:
+        assert rows["decode_step_measured_over_predicted"] == pytest.approx(
+            rows["decode_step_seconds"] / rows["decode_step_seconds_predicted"])

@@ -190,6 +190,8 @@ class EvalkitLM(LM):
         device_map: str | dict | None = None,
         compile: bool | str = False,
         sync_every: int = 4,
+        prefill_chunk: int | None = None,
+        prefill_chunk_mode: str = "exact",
         **policy_params,
     ):
         super().__init__()
@@ -216,6 +218,8 @@ class EvalkitLM(LM):
         ec.cache.check_hookable(model)
         self.batch_size = int(batch_size)  # engine slots: sequences decoded together
         self.compile, self.sync_every = ec.compile_backend(compile), int(sync_every)
+        self.prefill_chunk = None if prefill_chunk in (None, "", "null") else int(prefill_chunk)
+        self.prefill_chunk_mode = str(prefill_chunk_mode)
         self._engine: ec.Engine | None = None
         self._geometry = None  # evalkit.memory's view of the model (False: it cannot price this one)
         self.seed = int(seed)
@@ -392,7 +396,8 @@ class EvalkitLM(LM):
             self._engine = ec.Engine(self.model, self.policy, slots=self.batch_size, eos_token_id=self.stop_token_ids,
                                      tokenizer=self.tokenizer, compile=self.compile is not None,
                                      compile_backend=self.compile if self.compile != "inductor" else None,
-                                     sync_every=self.sync_every)
+                                     sync_every=self.sync_every, prefill_chunk=self.prefill_chunk,
+                                     prefill_chunk_mode=self.prefill_chunk_mode)
         return self._engine
 
     def _prepare(self, text: str, gen_kwargs: dict, key: str) -> dict:

@@ -87,6 +87,8 @@ class RunSpec:
     results_dir: Path
     task_options: dict = dataclasses.field(default_factory=dict)
     compression_scope: str = "prompt"
+    prefill_chunk: int | None = None  # prefill this many tokens at a time (None: the whole prompt at once)
+    prefill_chunk_mode: str = "exact"  # exact: compressed once at the end; compress: back to the budget every chunk
     memory: memory.Verdict | None = None
     spec_prefill: dict | None = None  # speculative prefill settings (draft_model, keep, ...) when method=spec_prefill
     decode_method: str | None = None  # the KV policy while decoding (the method itself unless spec_prefill)
@@ -137,12 +139,14 @@ class RunSpec:
             "spec_prefill": json.dumps(self.spec_prefill, sort_keys=True, default=str) if self.spec_prefill else None,
             # Only when set, so that earlier runs keep their config digest (the tables show it empty otherwise).
             **({"device_map": json.dumps(self.device_map, sort_keys=True)} if self.device_map is not None else {}),
+            **({"prefill_chunk": self.prefill_chunk, "prefill_chunk_mode": self.prefill_chunk_mode}
+               if self.prefill_chunk is not None else {}),
         }
 
 
 RUN_KEYS = ("model", "method", "task", "hardware", "deployment", "budget", "results_dir", "seed", "limit", "batch_size",
             "compile", "fidelity_tokens", "resume", "strict_budget", "threads", "device", "bad_rows", "compression_scope",
-            "memory")
+            "prefill_chunk", "prefill_chunk_mode", "memory")
 MODEL_KEYS = ("name", "pretrained", "max_context", "dtype", "apply_chat_template", "revision", "device_map",
               "deployment")
 
@@ -235,6 +239,15 @@ def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
     scope = cfg.get("compression_scope", "prompt")
     if scope not in ("prompt", "context"):
         raise ConfigError(f"compression_scope must be prompt or context, got {scope!r}")
+    prefill_chunk, chunk_mode = cfg.get("prefill_chunk"), cfg.get("prefill_chunk_mode", "exact")
+    if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                      or prefill_chunk < 1):
+        raise ConfigError(f"prefill_chunk must be a positive integer of tokens or null, got {prefill_chunk!r}")
+    # The mode is checked always; whether the method can take it, only when it applies (a chunk is set).
+    refusal = ec.chunk_mode_refusal(policy, chunk_mode if prefill_chunk is not None or chunk_mode not in ec.CHUNK_MODES
+                                    else "exact")
+    if refusal:
+        raise ConfigError(refusal)
     verdict = _price_deployment(cfg, budget if method != "full" else None, policy)
     fidelity_tokens = cfg.get("fidelity_tokens", 0)
     if not isinstance(fidelity_tokens, int) or fidelity_tokens < 0:
@@ -270,6 +283,8 @@ def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
         results_dir=Path(cfg.get("results_dir", "results")),
         task_options=options,
         compression_scope=scope,
+        prefill_chunk=prefill_chunk,
+        prefill_chunk_mode=chunk_mode,
         memory=verdict,
         resume=_require_bool(cfg.get("resume", True), "resume"),
         strict_budget=_require_bool(cfg.get("strict_budget", False), "strict_budget"),
@@ -730,6 +745,7 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None) -> RunResult:
             seed=spec.seed, apply_chat_template=spec.apply_chat_template, compression_scope=spec.compression_scope,
             progress=progress, fidelity_tokens=spec.fidelity_tokens, spec_prefill=spec.spec_prefill,
             revision=spec.revision, device_map=spec.device_map, compile=spec.compile,
+            prefill_chunk=spec.prefill_chunk, prefill_chunk_mode=spec.prefill_chunk_mode,
         )
     except OSError as error:
         raise RunError(_model_unavailable(spec.pretrained, error)) from None

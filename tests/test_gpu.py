@@ -230,7 +230,7 @@ def test_blockwise_attention_sums_on_the_gpu_equal_one_block_and_the_cpu():
     sums = {}
     for device in ("cpu", "cuda"):
         view = SimpleNamespace(query=query.to(device), keys=keys.to(device), key_valid=torch.ones(batch, n, dtype=torch.bool,
-                               device=device), scaling=dim ** -0.5, module=None)
+                               device=device), scaling=dim ** -0.5, module=None, prior_sums=None)
         sums[device, "blocks"] = base.causal_attention_sums(view, budget=batch * q_heads * 3000).cpu()
         sums[device, "one"] = base.causal_attention_sums(view, budget=batch * q_heads * n * n).cpu()
     for key, value in sums.items():

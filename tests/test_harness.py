@@ -58,6 +58,9 @@ def test_sweep_axes_reach_the_policy():
         (["+budget=4x", "method.pooling=median"], "pooling"),
         (["+budget=16x"], "capacity"),  # 16 slots cannot hold sink + window + recent
         (["+budget=4x", "model.max_context=-3"], "max_context"),
+        (["+budget=4x", "prefill_chunk=0"], "prefill_chunk must be a positive integer"),
+        (["+budget=4x", "prefill_chunk=64", "prefill_chunk_mode=stream"], "prefill_chunk_mode must be one of"),
+        (["+budget=4x", "method=h2o", "prefill_chunk=64", "prefill_chunk_mode=compress"], "one budget for every layer"),
         (["+budget=4x", "batch_size=0"], "batch_size"),
         (["+budget=4x", "task.name=nonexistent"], "unknown task"),
         (["+budget=4x", "+method.bogus=1"], "bogus"),

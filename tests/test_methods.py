@@ -346,7 +346,7 @@ def test_blockwise_attention_sums_equal_the_dense_matrix(padded, with_sinks, las
         key_valid[1, :17] = False  # left padding of the second row
     sinks = torch.randn(q_heads, generator=g) if with_sinks else None
     monkeypatch.setattr(base, "attention_sinks", lambda module: sinks)
-    view = SimpleNamespace(query=query, keys=keys, key_valid=key_valid, scaling=dim ** -0.5, module=None)
+    view = SimpleNamespace(query=query, keys=keys, key_valid=key_valid, scaling=dim ** -0.5, module=None, prior_sums=None)
     blockwise = base.causal_attention_sums(view, last=last, budget=batch * q_heads * 500)
     dense = _dense_attention_sums(query, keys, key_valid, dim ** -0.5, sinks, last)
     assert blockwise.dtype == torch.float32 and blockwise.shape == dense.shape

@@ -24,7 +24,7 @@ from .knorm import KNorm
 from .observed_attention import ObservedAttention
 from .pyramidkv import PyramidKV
 from .random_baseline import Random
-from .session import CompressionSession
+from .session import CHUNK_MODES, CompressionSession, chunk_mode_refusal
 from .snapkv import SnapKV
 from .snapstream import SnapStream
 from .spec_prefill import SpecPrefill, map_by_characters
@@ -57,7 +57,9 @@ __all__ = [
     "SnapStream",
     "SpecPrefill",
     "StreamingLLM",
+    "CHUNK_MODES",
     "budget_capacity",
+    "chunk_mode_refusal",
     "compile_backend",
     "fidelity",
     "generate",

@@ -43,7 +43,9 @@ def require_choice(owner: object, name: str, choices: tuple[str, ...]) -> None:
 class PrefillView:
     """What a policy may look at when it scores one layer's prompt tokens (one call per layer, whole batch)."""
 
-    query: torch.Tensor  # [B, Hq, n, D] post-RoPE queries of every prompt token
+    # [B, Hq, q, D] post-RoPE queries of the prompt's last q tokens: every token (q = n), or under chunked prefill
+    # those the cache kept for the policy (its ``prefill_queries``; for ``sums_attention`` policies the last chunk's)
+    query: torch.Tensor
     keys: torch.Tensor  # [B, Hkv, n, D] post-RoPE keys
     values: torch.Tensor  # [B, Hkv, n, D]
     key_valid: torch.Tensor  # [B, n] bool: False on left padding
@@ -53,10 +55,18 @@ class PrefillView:
     module: torch.nn.Module  # the attention module
     positions: torch.Tensor  # [B, n] long: text positions of the prompt tokens
     rotary: object = None  # the model's rotary embedding: rotary(x, position_ids) -> (cos, sin)
+    # Chunked prefill: the attention the prompt's earlier queries (those before ``query``) gave each key, summed,
+    # fp32 ``[B, Hkv, G, n']`` (n' <= n: the keys they could see); :func:`causal_attention_sums` adds it.
+    prior_sums: torch.Tensor | None = None
 
     @property
     def groups(self) -> int:
         return self.query.shape[1] // self.keys.shape[1]
+
+    @property
+    def query_positions(self) -> torch.Tensor:
+        """``[B, q]``: the text positions of the queries (the prompt's last q tokens)."""
+        return self.positions[:, self.positions.shape[1] - self.query.shape[2]:]
 
 
 @dataclasses.dataclass
@@ -89,6 +99,9 @@ class Policy:
     evicts_while_decoding: ClassVar[bool] = False
     # Keep a running per-slot score (the accumulated attention of H2O), gathered with the prompt tokens kept.
     accumulates: ClassVar[bool] = False
+    # Its prefill score is a function of the attention every prompt query gives each key, summed
+    # (:func:`causal_attention_sums` over all the queries): chunked prefill accumulates the sums chunk by chunk.
+    sums_attention: ClassVar[bool] = False
     # Works on a latent (MLA) cache: one shared head whose per-head keys attention expands; scores are reduced over
     # all the layer's heads, as for a single KV group.
     supports_latent: ClassVar[bool] = True
@@ -118,6 +131,11 @@ class Policy:
         """Importance of every prompt key, ``[batch, kv_heads, n]`` (higher is kept first). The values at forced
         positions (sink, window) and on padding are ignored."""
         raise NotImplementedError(f"{type(self).__name__} does not score tokens")
+
+    def prefill_queries(self) -> int | None:
+        """How many of the prompt's last queries :meth:`score` reads (None: all of them). Chunked prefill keeps only
+        these between chunks (a ``sums_attention`` policy keeps the sums instead)."""
+        return None if self.needs_scores and not self.sums_attention else 0
 
     def layer_budget(self, layer_idx: int, num_layers: int, real_len: torch.Tensor) -> torch.Tensor:
         """Prompt tokens each row keeps per KV head in layer ``layer_idx`` (``real_len``: each row's prompt length)."""
@@ -250,9 +268,12 @@ class SnapKVScoring(Policy):
     def kept_window(self) -> int:
         return self.window
 
+    def prefill_queries(self) -> int:
+        return self.window
+
     def score(self, view: PrefillView) -> torch.Tensor:
-        n, window = view.keys.shape[2], self.window
-        prefix = snapkv_scores(view.query[:, :, n - window :], view.keys, view.key_valid, view.scaling,
+        window = self.window
+        prefix = snapkv_scores(view.query[:, :, view.query.shape[2] - window :], view.keys, view.key_valid, view.scaling,
                                self.kernel_size, self.pooling, self.gqa_reduce, attention_sinks(view.module))
         return torch.nn.functional.pad(prefix, (0, window))
 
@@ -291,27 +312,39 @@ def causal_attention_sums(view: PrefillView, last: int | None = None, budget: in
     """Attention each prompt key receives, summed over the prompt's queries (or its ``last`` queries), in fp32:
     ``[B, Hkv, G, n]``. Causal, padding excluded on both sides.
 
+    ``view.query`` may hold only the prompt's last q queries (chunked prefill): they sit at key positions
+    ``n - q .. n - 1``, and ``view.prior_sums`` (the earlier queries' sums, exact chunked prefill) is added when all
+    queries are asked for; without it the sums are over the queries the view holds (a chunk compressed as it goes).
+
     Computed a block of queries at a time, each block's probabilities at most ``budget`` floats (default 16 MiB on
-    a CPU, 256 MiB on a GPU, where fewer, larger blocks keep the kernels busy): never the n x n matrix. A block of queries ``begin..end`` sees only keys ``..end``, so only those are scored (half the work
-    of scoring every key), and without padding only the block's own diagonal needs the causal mask."""
-    batch, q_heads, n, _ = view.query.shape
+    a CPU, 256 MiB on a GPU, where fewer, larger blocks keep the kernels busy): never the n x n matrix. A block of
+    queries ``begin..end`` sees only keys ``..end``, so only those are scored (half the work of scoring every key),
+    and without padding only the block's own diagonal needs the causal mask."""
+    batch, q_heads, count, _ = view.query.shape
+    n = view.keys.shape[2]
+    offset = n - count  # key position of the first query held
     if budget is None:
         budget = 1 << (26 if view.query.device.type == "cuda" else 22)
-    start = 0 if last is None else n - last
+    start = offset if last is None else n - last
+    if start < offset:
+        raise ValueError(f"attention sums over the last {last} queries, but the view holds only {count}")
     sinks = attention_sinks(view.module)
     padded = not bool(view.key_valid.all())
     kv_heads = view.keys.shape[1]
     groups = q_heads // kv_heads
     total = torch.zeros(batch, kv_heads, groups, n, dtype=torch.float32, device=view.query.device)
+    if last is None and view.prior_sums is not None:
+        total[..., : view.prior_sums.shape[-1]] += view.prior_sums
     keys = view.keys.float()  # [B, Hkv, n, D]: a block's keys are its first rows, no copy
     begin = start
     while begin < n:
         # The most rows r whose block (r queries x begin + r keys) stays within the budget: r^2 + begin r <= cells.
         cells = max(1, budget // (batch * q_heads))
         end = min(n, begin + max(1, (math.isqrt(begin * begin + 4 * cells) - begin) // 2))
+        queries = view.query[:, :, begin - offset : end - offset]
         if not padded and sinks is None:  # the common case, in place: one product, the diagonal masked, a softmax
             # The query heads of a KV group stacked as rows of one product, so the keys are never expanded per head.
-            block = view.query[:, :, begin:end].float().reshape(batch, kv_heads, groups * (end - begin), -1)
+            block = queries.float().reshape(batch, kv_heads, groups * (end - begin), -1)
             logits = torch.matmul(block, keys[:, :, :end].transpose(-1, -2)).mul_(view.scaling)
             logits = logits.view(batch, kv_heads, groups, end - begin, end)
             logits[..., begin:end].masked_fill_(_block_hidden(begin, end, view.query.device), float("-inf"))
@@ -322,8 +355,7 @@ def causal_attention_sums(view: PrefillView, last: int | None = None, budget: in
             visible = causal_visible(view.key_valid[:, :end], begin, end)
         else:  # keys before the block are all visible; the block's own square is lower-triangular
             visible = _block_visible(begin, end, view.query.device)
-        probabilities = attention_probabilities(view.query[:, :, begin:end], view.keys[:, :, :end], visible,
-                                                view.scaling, sinks)
+        probabilities = attention_probabilities(queries, view.keys[:, :, :end], visible, view.scaling, sinks)
         if padded:  # a padding query sees nothing (a row of NaN) and adds nothing
             real_queries = view.key_valid[:, begin:end][:, None, None, :, None]
             probabilities = torch.nan_to_num(probabilities, nan=0.0).mul_(real_queries)

@@ -42,6 +42,7 @@ from .base import (
     PrefillView,
     attention_probabilities,
     attention_sinks,
+    causal_attention_sums,
     reduce_groups,
     slots_visible,
 )
@@ -163,6 +164,10 @@ class CompressedLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
             self.keys, self.values = key_states, value_states
             return self.keys, self.values
+        if self.cache.prefill_plan is not None:  # a later chunk of a chunked prefill: after what the layer holds
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+            return self.keys, self.values
         if self.heads is not None:
             return self._update_heads(key_states, value_states)
         slots = on_device(self.cache.pending_slots, self.keys)  # [B, q]
@@ -233,6 +238,7 @@ class CompressedCache(Cache):
         self.decode_steps = 0
         self.prefill_plan: dict | None = None
         self.compressed_layers: set[int] = set()
+        self.chunk_memory: dict[int, dict] = {}  # chunked prefill: what each layer keeps of earlier chunks' queries
         self.prefill_slots: list[int] = []  # each layer's slots right after prefill (row layout)
         self.all_visible = False  # this decode step's token sees every slot: no mask needed
 
@@ -244,7 +250,8 @@ class CompressedCache(Cache):
         """The prompt tokens to keep, per row and KV head: indices ``[B, kv_heads, kept]`` (in text order; a head
         that keeps fewer than ``kept`` has its extra picks last), the count each head keeps ``[B, kv_heads]``, and the
         policy's raw scores ``[B, kv_heads, n]``."""
-        key_valid, real_len = view.key_valid, on_device(self.prefill_plan["real_len"], view.keys)
+        key_valid = view.key_valid
+        real_len = key_valid.sum(dim=1)
         policy, keys = self.layer_policies[view.layer_idx], view.keys
         batch, n = keys.shape[0], keys.shape[2]
         kv_heads = self.layers[view.layer_idx].keys.shape[1]  # the cache's heads: 1 for a latent (MLA) cache
@@ -269,16 +276,58 @@ class CompressedCache(Cache):
         unused = torch.arange(keep, device=keys.device) >= counts[..., None]
         return (indices + n * unused).sort(dim=-1).values % n, counts, raw
 
+    def prefill_attention(self, layer_idx: int, module, query: torch.Tensor, keys: torch.Tensor,
+                          values: torch.Tensor, scaling: float) -> None:
+        """After a prefill attention: compress the layer (the whole prompt, or under chunked prefill its last chunk),
+        or keep what the policy's score will need of this chunk's queries."""
+        plan, policy = self.prefill_plan, self.layer_policies[layer_idx]
+        mode = plan.get("chunk_mode")
+        if mode is None:
+            return self.compress_layer(layer_idx, module, query, keys, values, scaling)
+        if layer_idx in self.compressed_layers:
+            raise RuntimeError(f"layer {layer_idx} ran twice in one prefill chunk; its attention is shared")
+        memory = self.chunk_memory.setdefault(layer_idx, {})
+        if mode == "compress":  # every chunk compressed as a prompt of what the cache holds: its kept tokens + the chunk
+            needed = policy.prefill_queries() or 0  # the chunk's queries, after the last ones of a short chunk
+            if query.shape[2] < needed and memory.get("queries") is not None:
+                query = torch.cat([memory["queries"], query], dim=2)[:, :, -needed:]
+            memory["queries"] = query[:, :, -needed:] if needed else None
+            return self.compress_layer(layer_idx, module, query, keys, values, scaling)
+        if policy.sums_attention:  # the attention sums, exactly decomposable over the queries: summed chunk by chunk
+            if plan["final"]:
+                return self.compress_layer(layer_idx, module, query, keys, values, scaling, memory.pop("sums", None))
+            view = self._view(layer_idx, module, query, keys, values, scaling, memory.get("sums"))
+            memory["sums"] = causal_attention_sums(view)
+            self.compressed_layers.add(layer_idx)
+            return
+        needed = policy.prefill_queries()
+        if needed is not None:
+            needed = max(needed, policy.query_window())
+        held = memory.get("queries")
+        queries = query if held is None else torch.cat([held, query], dim=2)
+        if needed is not None:
+            queries = queries[:, :, max(0, queries.shape[2] - needed):]
+        if plan["final"]:
+            memory.clear()
+            return self.compress_layer(layer_idx, module, queries, keys, values, scaling)
+        memory["queries"] = queries if queries.shape[2] else None
+        self.compressed_layers.add(layer_idx)
+
+    def _view(self, layer_idx: int, module, query, keys, values, scaling: float, prior_sums=None) -> PrefillView:
+        plan, n = self.prefill_plan, keys.shape[2]
+        return PrefillView(query, keys, values, on_device(plan["key_valid"][:, :n], keys), scaling, layer_idx,
+                           len(self.layers), module, on_device(plan["positions"][:, :n], keys), self.rotary,
+                           prior_sums)
+
     def compress_layer(self, layer_idx: int, module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                       scaling: float) -> None:
+                       scaling: float, prior_sums: torch.Tensor | None = None) -> None:
         if layer_idx in self.compressed_layers:
             raise RuntimeError(f"layer {layer_idx} was compressed twice in one prefill; its attention is shared")
         self.compressed_layers.add(layer_idx)
         plan, policy = self.prefill_plan, self.layer_policies[layer_idx]
         if not (plan["compress"] or policy.per_head):  # per-head layouts always need their validity and positions
             return
-        view = PrefillView(query, keys, values, on_device(plan["key_valid"], keys), scaling, layer_idx,
-                           len(self.layers), module, on_device(plan["positions"], keys), self.rotary)
+        view = self._view(layer_idx, module, query, keys, values, scaling, prior_sums)
         indices, counts, raw = self.select(view)
         layer = self.layers[layer_idx]
         layer.compress(indices)
@@ -397,7 +446,7 @@ def _hooked_attention(delegate, eager: bool):
         output = forward(module, query, key, value, attention_mask, **kwargs)
         scaling = kwargs.get("scaling", module.scaling)
         if cache is not None and cache.prefill_plan is not None:
-            cache.compress_layer(module.layer_idx, module, query, key, value, scaling)
+            cache.prefill_attention(module.layer_idx, module, query, key, value, scaling)
         elif per_head:
             cache.after_decode_attention(module.layer_idx, query, key, scaling, attention_sinks(module))
         return output

@@ -295,7 +295,8 @@ class Engine:
 
     def __init__(self, model, policy: Policy, slots: int = 8, *, eos_token_id=None, tokenizer=None,
                  slot_tokens: int | None = None, grow: bool = False, compile: bool = False, compile_backend=None,
-                 compile_mode: str | None = None, sync_every: int = 4):
+                 compile_mode: str | None = None, sync_every: int = 4, prefill_chunk: int | None = None,
+                 prefill_chunk_mode: str = "exact"):
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be an evalkit.compression policy, got {type(policy).__name__}")
         for name, value in (("slots", slots), ("sync_every", sync_every)):
@@ -320,6 +321,7 @@ class Engine:
         self.requested_slot_tokens = slot_tokens
         self.eager = model.config._attn_implementation == "eager"
         self.compile, self.compile_backend, self.compile_mode = compile, compile_backend, compile_mode
+        self.prefill_chunk, self.prefill_chunk_mode = prefill_chunk, prefill_chunk_mode
         self._step_fn = None
         self._stops: dict[tuple[str, ...], object] = {}
         self.slot_tokens = 0
@@ -455,7 +457,8 @@ class Engine:
         device = self.model.device
         ids = request.input_ids[None].to(device)
         positions = request.position_ids[None].to(device) if request.position_ids is not None else None
-        session, logits, seconds = prefill(self.model, self.policy, ids, None, request.compress_prefix, positions)
+        session, logits, seconds = prefill(self.model, self.policy, ids, None, request.compress_prefix, positions,
+                                           self.prefill_chunk, self.prefill_chunk_mode)
         state = session.state
         # Per-head layouts may have grown past their last token (question chunks): copy what is used.
         used_by_layer = [int(layer.heads.valid[0].any(dim=0).nonzero().max()) + 1 if layer.heads is not None

@@ -49,13 +49,15 @@ class ExpectedAttention(PromptScoring):
         if view.rotary is None:
             raise ValueError("expected_attention needs the model's rotary embedding (a RoPE model)")
         query, keys = view.query.float(), view.keys.float()
-        batch, q_heads, n, dim = query.shape
-        kv_heads = keys.shape[1]
-        cos, sin = (t.float() for t in view.rotary(query, view.positions))
-        cos, sin = cos[:, None], sin[:, None]  # [B, 1, n, D]
+        batch, q_heads, _, dim = query.shape
+        kv_heads, n = keys.shape[1], keys.shape[2]
+        cos, sin = (t.float() for t in view.rotary(query, view.query_positions))
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, q, D]
         pre_rope = (query * cos - rotate_half(query) * sin) / (cos * cos + sin * sin)
         rank = view.key_valid.long().cumsum(dim=1) - 1
-        used = (view.key_valid & (rank >= self.sink)).float()[:, None, :, None]  # [B, 1, n, 1]
+        # The queries' statistics: those held (all of the prompt's, or under chunked prefill compressed as it goes
+        # the chunk's), after the first ``sink`` tokens.
+        used = (view.key_valid & (rank >= self.sink))[:, n - query.shape[2]:].float()[:, None, :, None]  # [B, 1, q, 1]
         count = used.sum(dim=2, keepdim=True).clamp(min=1)
         mean = (pre_rope * used).sum(dim=2, keepdim=True) / count  # [B, Hq, 1, D]
         centered = (pre_rope - mean) * used

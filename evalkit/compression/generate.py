@@ -82,8 +82,10 @@ def _validate(input_ids, attention_mask, max_new_tokens, do_sample, temperature,
 
 
 def prefill(model, policy: Policy, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-            compress_prefix: int | None = None, position_ids: torch.Tensor | None = None):
-    """Prefill and compress a batch of prompts (see :func:`generate` for ``compress_prefix`` and ``position_ids``).
+            compress_prefix: int | None = None, position_ids: torch.Tensor | None = None,
+            prefill_chunk: int | None = None, prefill_chunk_mode: str = "exact"):
+    """Prefill and compress a batch of prompts (see :func:`generate` for ``compress_prefix``, ``position_ids`` and
+    ``prefill_chunk``).
 
     Returns the session, the next-token logits ``[batch, vocab]`` and the seconds it took (time to first token).
     """
@@ -92,12 +94,12 @@ def prefill(model, policy: Policy, input_ids: torch.Tensor, attention_mask: torc
     session = CompressionSession(model, policy)
     started = time.perf_counter()
     if compress_prefix is None or compress_prefix >= input_ids.shape[1]:
-        logits = session.prefill(input_ids, attention_mask, position_ids)
+        logits = session.prefill(input_ids, attention_mask, position_ids, prefill_chunk, prefill_chunk_mode)
     else:
         if not 1 <= compress_prefix or (attention_mask is not None and bool((attention_mask[:, compress_prefix - 1] == 0).any())):
             raise ValueError(f"compress_prefix={compress_prefix} must leave every row at least one real token to compress")
         head_mask = attention_mask[:, :compress_prefix] if attention_mask is not None else None
-        session.prefill(input_ids[:, :compress_prefix], head_mask)
+        session.prefill(input_ids[:, :compress_prefix], head_mask, None, prefill_chunk, prefill_chunk_mode)
         logits = session.step(input_ids[:, compress_prefix:])[:, -1]
     if logits.is_cuda:
         torch.cuda.synchronize(logits.device)
@@ -121,6 +123,8 @@ def generate(
     return_logits: bool = True,
     compress_prefix: int | None = None,
     position_ids: torch.Tensor | None = None,
+    prefill_chunk: int | None = None,
+    prefill_chunk_mode: str = "exact",
 ) -> GenerationOutput:
     """Generate up to ``max_new_tokens`` tokens per row with the cache under ``policy``.
 
@@ -141,6 +145,10 @@ def generate(
 
     ``position_ids``: the prompt tokens' positions when they are not 0..n-1 (the tokens speculative prefill kept, at
     their original positions); generated tokens continue from the largest + 1.
+
+    ``prefill_chunk`` / ``prefill_chunk_mode``: prefill the prompt that many tokens at a time, ``exact`` (compressed
+    once at the end: the same result, a lower activation peak) or ``compress`` (compressed back to capacity after
+    every chunk: a different method); see :meth:`CompressionSession.prefill`.
     """
     _validate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_p, stop_strings, tokenizer)
     eos = _eos_ids(stop_token_ids(model, tokenizer) if eos_token_id is None else eos_token_id)
@@ -158,7 +166,8 @@ def generate(
         generator.manual_seed(seed if seed is not None else torch.seed())
 
     batch = input_ids.shape[0]
-    session, logits, prefill_seconds = prefill(model, policy, input_ids, attention_mask, compress_prefix, position_ids)
+    session, logits, prefill_seconds = prefill(model, policy, input_ids, attention_mask, compress_prefix, position_ids,
+                                               prefill_chunk, prefill_chunk_mode)
     unfinished = torch.ones(batch, dtype=torch.bool)
     generated = torch.zeros(batch, dtype=torch.long)
     sequences, all_logits = input_ids, []

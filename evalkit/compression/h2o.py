@@ -39,6 +39,7 @@ class H2O(Policy):
     per_head: ClassVar[bool] = True
     evicts_while_decoding: ClassVar[bool] = True
     accumulates: ClassVar[bool] = True
+    sums_attention: ClassVar[bool] = True
     capacity: int = 0
     recent: int | None = None
     gqa_reduce: str = "mean"

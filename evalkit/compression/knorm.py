@@ -20,5 +20,8 @@ class KNorm(PromptScoring):
 
     name: ClassVar[str] = "knorm"
 
+    def prefill_queries(self) -> int:
+        return 0
+
     def score(self, view: PrefillView) -> torch.Tensor:
         return -view.keys.float().norm(dim=-1)

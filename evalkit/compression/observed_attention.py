@@ -21,9 +21,12 @@ class ObservedAttention(PromptScoring):
     """
 
     name: ClassVar[str] = "observed_attention"
+    sums_attention: ClassVar[bool] = True
 
     def score(self, view: PrefillView) -> torch.Tensor:
         sums = causal_attention_sums(view)  # [B, Hkv, G, n]
         n = sums.shape[-1]
-        seen_by = torch.arange(n, 0, -1, device=sums.device, dtype=sums.dtype)  # queries at or after each key
+        # Queries at or after each key; under chunked prefill compressed as it goes, only the chunk's queries count.
+        queries = n if view.prior_sums is not None else view.query.shape[2]
+        seen_by = torch.arange(n, 0, -1, device=sums.device, dtype=sums.dtype).clamp(max=queries)
         return (sums / seen_by).mean(dim=2)

@@ -28,6 +28,9 @@ class Random(PromptScoring):
         super().__post_init__()
         require_int(self, "selection_seed", 0)
 
+    def prefill_queries(self) -> int:
+        return 0
+
     def score(self, view: PrefillView) -> torch.Tensor:
         batch, kv_heads, n, _ = view.keys.shape
         scores = torch.zeros(batch, kv_heads, n)

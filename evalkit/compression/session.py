@@ -5,6 +5,18 @@ from __future__ import annotations
 import torch
 
 from .base import UNBOUNDED, Policy
+
+CHUNK_MODES = ("exact", "compress")
+
+
+def chunk_mode_refusal(policy: Policy, chunk_mode: str) -> str | None:
+    """Why ``policy`` cannot be prefilled in chunks under ``chunk_mode`` (None: it can)."""
+    if chunk_mode not in CHUNK_MODES:
+        return f"prefill_chunk_mode must be one of {list(CHUNK_MODES)}, got {chunk_mode!r}"
+    if chunk_mode == "compress" and (policy.per_head or type(policy).layer_budget is not Policy.layer_budget):
+        return (f"prefill_chunk_mode=compress needs one budget for every layer and head; {policy.name} allocates "
+                "per layer or head (use prefill_chunk_mode=exact)")
+    return None
 from .cache import CompressedCache, RowState, additive_mask, check_hookable, hooked
 from .sliding_window import layer_policies
 
@@ -44,13 +56,28 @@ class CompressionSession:
 
     @torch.no_grad()
     def prefill(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+        chunk: int | None = None, chunk_mode: str = "exact",
     ) -> torch.Tensor:
         """Run the prompt, compress every layer, return the next-token logits ``[B, vocab]`` (fp32).
 
         ``position_ids`` (default: counting the real tokens) lets a prompt whose tokens were dropped before prefill
         (speculative prefill) keep its tokens' original positions; decoding then continues from the largest + 1.
+
+        ``chunk``: run the prompt through the model ``chunk`` tokens at a time, so activations and the attention's
+        working set are bounded by the chunk (prompts without padding). ``chunk_mode``:
+
+        * ``exact``: the whole prompt's keys and values stay until its last chunk, then the layer is compressed once,
+          with the scores the unchunked prefill computes (the policy's last queries are kept between chunks; the
+          attention sums of H2O and ObservedAttention are summed chunk by chunk): the same kept tokens and outputs,
+          up to floating-point summation order; only the activation peak drops.
+        * ``compress``: after every chunk the cache is compressed back to the policy's capacity, the policy applied
+          to what the cache holds (its kept tokens, then the chunk) with the chunk's queries: a different method
+          (the streaming setting of prompts longer than memory), whose cache never holds more than capacity + chunk.
+          Policies with per-layer or per-head budgets and hybrid models are refused.
         """
+        if chunk is not None:
+            self._check_chunking(input_ids, attention_mask, chunk, chunk_mode)
         if self.cache.state is not None:
             raise RuntimeError("prefill was already run in this session")
         device = input_ids.device
@@ -66,23 +93,34 @@ class CompressionSession:
         per_head = self.policy.per_head
         compress = bool((real_len > keep).any()) or not bool(key_valid.all())  # row layouts; per-head ones always
         positions = _position_ids(attention_mask) if position_ids is None else position_ids
-        self.cache.prefill_plan = {"key_valid": key_valid, "real_len": real_len, "compress": compress,
-                                   "positions": positions}
+        bounds = [(0, n)] if chunk is None or chunk >= n else [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
+        plan = {"key_valid": key_valid, "real_len": real_len, "compress": compress, "positions": positions,
+                "chunk_mode": chunk_mode if len(bounds) > 1 else None}
+        self.cache.prefill_plan = plan
         with hooked(self.model, self.cache):
-            output = self.model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=positions,
-                past_key_values=self.cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-        missing = set(range(len(self.cache.layers))) - self.cache.compressed_layers
-        if missing:
-            raise RuntimeError(
-                f"the compression hook never ran for layers {sorted(missing)}: this model's attention does not go "
-                "through transformers' AttentionInterface, so it cannot be compressed"
-            )
+            for begin, end in bounds:
+                plan["final"] = end == n
+                if plan["chunk_mode"] == "compress":  # the cache's kept tokens, then the chunk: a prompt of its own
+                    held = self.cache.get_seq_length() if begin else 0
+                    plan["compress"] = held + end - begin > keep
+                    plan["key_valid"] = torch.ones(len(input_ids), held + end - begin, dtype=torch.bool, device=device)
+                    plan["positions"] = torch.cat([torch.full((len(input_ids), held), -1, device=device),
+                                                   positions[:, begin:end]], dim=1)
+                self.cache.compressed_layers = set()
+                output = self.model(
+                    input_ids=input_ids[:, begin:end],
+                    attention_mask=attention_mask if len(bounds) == 1 else None,
+                    position_ids=positions[:, begin:end],
+                    past_key_values=self.cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+                missing = set(range(len(self.cache.layers))) - self.cache.compressed_layers
+                if missing:
+                    raise RuntimeError(
+                        f"the compression hook never ran for layers {sorted(missing)}: this model's attention does "
+                        "not go through transformers' AttentionInterface, so it cannot be compressed"
+                    )
         self.cache.prefill_plan = None
         self.cache.prefill_slots = [layer.keys.shape[-2] for layer in self.cache.layers]
         head_slots = self.cache.finish_head_prefill() if self.head_layouts else 0
@@ -105,6 +143,18 @@ class CompressionSession:
             peak=kept.clone(),
         )
         return output.logits[:, -1].float()
+
+    def _check_chunking(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, chunk: int,
+                        chunk_mode: str) -> None:
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"prefill_chunk must be a positive integer of tokens, got {chunk!r}")
+        refusal = chunk_mode_refusal(self.policy, chunk_mode)
+        if refusal:
+            raise ValueError(refusal)
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            raise ValueError("chunked prefill takes prompts without padding (one prompt, or prompts of one length)")
+        if chunk_mode == "compress" and any(p is not self.policy for p in self.cache.layer_policies):
+            raise ValueError("prefill_chunk_mode=compress cannot keep a hybrid model's sliding-window layers apart")
 
     @torch.no_grad()
     def step(self, input_ids: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:

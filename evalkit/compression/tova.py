@@ -46,6 +46,9 @@ class TOVA(Policy):
     def cache_capacity(self) -> int:
         return self.capacity
 
+    def prefill_queries(self) -> int:
+        return 1
+
     def score(self, view: PrefillView) -> torch.Tensor:
         last = causal_attention_sums(view, last=1)  # [B, Hkv, G, n]
         return last.mean(dim=(1, 2), keepdim=True).squeeze(2).expand(-1, view.keys.shape[1], -1)

@@ -44,6 +44,8 @@ CONFIG_COLUMNS: dict[str, pa.DataType] = {
     "task": pa.string(),
     "task_options": pa.string(),
     "compression_scope": pa.string(),
+    "prefill_chunk": pa.int64(),  # tokens prefilled at a time; empty: the whole prompt at once
+    "prefill_chunk_mode": pa.string(),  # exact | compress (compressed back to the budget after every chunk)
     "deployment": pa.string(),
     "hardware": pa.string(),
     "seed": pa.int64(),

@@ -136,11 +136,20 @@ class Throughput:
         return values
 
 
-def copy_bandwidth(device: torch.device | str, megabytes: int | None = None, repeats: int = 10) -> float:
+_BANDWIDTHS: dict[str, float] = {}  # measured once per device and process: a sweep's later runs reuse it
+
+
+def copy_bandwidth(device: torch.device | str, megabytes: int | None = None, repeats: int = 10,
+                   fresh: bool = False) -> float:
     """Bytes read plus written per second by a large device-to-device copy (the median of ``repeats`` after two
     warm-ups; 1 GiB on a GPU, 256 MiB elsewhere): the bandwidth a memory-bound decode step can hope for on this
-    machine, measured rather than assumed."""
+    machine, measured rather than assumed. The default measurement is made once per device in a process (``fresh``:
+    measure again)."""
     device = torch.device(device)
+    if megabytes is None and repeats == 10 and not fresh:
+        if str(device) not in _BANDWIDTHS:
+            _BANDWIDTHS[str(device)] = copy_bandwidth(device, fresh=True)
+        return _BANDWIDTHS[str(device)]
     size = (megabytes or (1024 if device.type == "cuda" else 256)) << 20
     source = torch.empty(size, dtype=torch.uint8, device=device).random_(0, 255)
     target = torch.empty_like(source)

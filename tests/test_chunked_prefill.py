@@ -171,3 +171,16 @@ def test_a_chunked_run_records_its_mode_and_exact_mode_scores_as_the_unchunked_r
     assert len({whole.run_id, exact.run_id, compress.run_id}) == 3  # three configs, three runs
     assert list(exact.samples["prediction"]) == list(whole.samples["prediction"])
     assert list(exact.samples["kept_prompt_tokens"]) == list(whole.samples["kept_prompt_tokens"])
+
+
+def test_a_later_chunks_attention_in_row_blocks_is_the_masked_attention(monkeypatch):
+    """A chunk's queries over all the keys, computed a few query rows at a time (small masks), equal one masked sdpa."""
+    from evalkit.compression import cache
+
+    g = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, heads, length, 16, generator=g) for heads, length in ((4, 50), (2, 170), (2, 170)))
+    monkeypatch.setattr(cache, "MASK_CELLS", 170 * 7)  # blocks of 7 rows
+    visible = torch.arange(170)[None, :] <= torch.arange(120, 170)[:, None]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(2, dim=1), value.repeat_interleave(2, dim=1), attn_mask=visible, scale=0.25)
+    torch.testing.assert_close(cache.chunk_attention(query, key, value, 0.25), expected.transpose(1, 2))

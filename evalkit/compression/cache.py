@@ -431,9 +431,45 @@ def family_eager(module, default):
     return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", default)
 
 
+MASK_CELLS = 1 << 24  # a later prefill chunk's attention: query rows per call so that its mask stays this small
+
+
+def _later_chunk(cache, module, query, key, value, eager: bool) -> bool:
+    """Whether this attention is a later chunk of a chunked prefill that :func:`chunk_attention` may compute: sdpa,
+    a full-attention layer of a model with per-head keys (not a latent), no learned sinks."""
+    return (cache is not None and cache.prefill_plan is not None and cache.prefill_plan.get("chunk_mode") is not None
+            and not eager and query.shape[2] < key.shape[2] and attention_sinks(module) is None
+            and not getattr(module, "sliding_window", None) and query.shape[-1] == key.shape[-1] == value.shape[-1]
+            and query.shape[1] % key.shape[1] == 0)
+
+
+def chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Causal attention of a prefill chunk's queries (the last q of the n keys) over every key, a block of query rows
+    at a time, each block's mask at most :data:`MASK_CELLS` cells (the chunk's own mask, q x n, is what would
+    otherwise bound chunked prefill's memory: a 4k chunk at 32k tokens is 128M cells, 512 MB as sdpa's float mask).
+    Returns ``[B, q, Hq, D]``, as transformers' sdpa attention does."""
+    count, n = query.shape[2], key.shape[2]
+    past = n - count
+    rows = max(1, min(count, MASK_CELLS // n))
+    blocks = []
+    for begin in range(0, count, rows):
+        end = min(count, begin + rows)
+        visible = (torch.arange(past + end, device=query.device)[None, :]
+                   <= torch.arange(past + begin, past + end, device=query.device)[:, None])
+        blocks.append(torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, begin:end], key[:, :, : past + end], value[:, :, : past + end], attn_mask=visible[None, None],
+            scale=scaling, enable_gqa=query.shape[1] != key.shape[1]))
+    return torch.cat(blocks, dim=2).transpose(1, 2).contiguous()
+
+
 def _hooked_attention(delegate, eager: bool):
     def attention(module, query, key, value, attention_mask, **kwargs):
         cache = _ACTIVE.get()
+        if _later_chunk(cache, module, query, key, value, eager):
+            scaling = kwargs.get("scaling") or module.scaling
+            output = chunk_attention(query, key, value, scaling)
+            cache.prefill_attention(module.layer_idx, module, query, key, value, scaling)
+            return output, None
         decoding = cache is not None and cache.prefill_plan is None
         per_head = decoding and cache.layers[module.layer_idx].heads is not None
         if per_head:

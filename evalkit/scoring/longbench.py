@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from evalkit.lm import CONTEXT_END
+from evalkit.prompts import CONTEXT_END
 from evalkit.scoring.data import RowError, require_text
 
 HUB_ID = "THUDM/LongBench-v2"

@@ -2,7 +2,7 @@
 
 import datasets
 
-from evalkit.lm import CONTEXT_END
+from evalkit.prompts import CONTEXT_END
 from evalkit.scoring import needle
 
 

@@ -17,6 +17,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+import evalkit.compression as ec
+
 VOCAB = 97
 _SHAPE = dict(
     vocab_size=VOCAB,
@@ -72,3 +74,21 @@ def random_model_dir(tmp_path_factory) -> Path:
     build_model(tokenizer).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+# Every method, sized for prompts of a few hundred tokens (each one compresses them).
+SMALL_POLICIES = {
+    "full": lambda: ec.Full(),
+    "snapstream": lambda: ec.SnapStream(capacity=64, window=8, sink=4, recent=16, kernel_size=5),
+    "snapkv": lambda: ec.SnapKV(capacity=48, window=8, kernel_size=5),
+    "streaming_llm": lambda: ec.StreamingLLM(sink=4, window=40),
+    "pyramidkv": lambda: ec.PyramidKV(capacity=48, window=8),
+    "adakv": lambda: ec.AdaKV(capacity=48, window=4, alpha_safeguard=0.5),
+    "h2o": lambda: ec.H2O(capacity=40, recent=10),
+    "tova": lambda: ec.TOVA(capacity=40),
+    "observed_attention": lambda: ec.ObservedAttention(capacity=40),
+    "expected_attention": lambda: ec.ExpectedAttention(capacity=40, n_future_positions=16),
+    "knorm": lambda: ec.KNorm(capacity=40),
+    "random": lambda: ec.Random(capacity=40, selection_seed=3),
+    "decoding_snapkv": lambda: ec.DecodingSnapKV(capacity=64, window=4, kernel_size=3, interval=8),
+}

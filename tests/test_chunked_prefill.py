@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from baseline_reference import kept_knorm
-from conftest import random_prompt, tiny_model
+from conftest import SMALL_POLICIES, random_prompt, tiny_model
 from masked_reference import kept_prompt_positions
 
 import evalkit.compression as ec
@@ -14,21 +14,7 @@ from evalkit.compression.cache import CompressedCache
 from evalkit.compression.generate import prefill
 from evalkit.results import read_table
 
-POLICIES = {
-    "snapkv": lambda: ec.SnapKV(capacity=40, window=8, kernel_size=5),
-    "snapstream": lambda: ec.SnapStream(capacity=56, window=8, sink=4, recent=16, kernel_size=5),
-    "streaming_llm": lambda: ec.StreamingLLM(sink=4, window=36),
-    "pyramidkv": lambda: ec.PyramidKV(capacity=40, window=8),
-    "adakv": lambda: ec.AdaKV(capacity=40, window=4, alpha_safeguard=0.5),
-    "h2o": lambda: ec.H2O(capacity=40, recent=10),
-    "tova": lambda: ec.TOVA(capacity=40),
-    "observed_attention": lambda: ec.ObservedAttention(capacity=40),
-    "expected_attention": lambda: ec.ExpectedAttention(capacity=40, n_future_positions=16),
-    "knorm": lambda: ec.KNorm(capacity=40),
-    "random": lambda: ec.Random(capacity=40, selection_seed=3),
-    "decoding_snapkv": lambda: ec.DecodingSnapKV(capacity=64, window=4, kernel_size=3, interval=8),
-    "full": lambda: ec.Full(),
-}
+POLICIES = SMALL_POLICIES
 
 
 def chunk_lengths(model) -> list[int]:
@@ -152,8 +138,9 @@ def test_compress_as_you_go_is_a_different_method_and_refuses_per_head_budgets()
 
 
 def test_a_chunked_run_records_its_mode_and_exact_mode_scores_as_the_unchunked_run(tmp_path, random_model_dir):
-    import evalkit.runner as runner
     from test_harness import composed
+
+    import evalkit.runner as runner
 
     def run(*extra):
         spec = runner.validate(composed(f"model.pretrained={random_model_dir}", "limit=4", "batch_size=2", "+budget=4x",

@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import SMALL_POLICIES
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import evalkit.compression as ec
@@ -19,21 +20,7 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidde
              num_key_value_heads=2, max_position_embeddings=4096)
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
 
-POLICIES = {
-    "full": lambda: ec.Full(),
-    "snapstream": lambda: ec.SnapStream(capacity=64, window=8, sink=4, recent=16, kernel_size=5),
-    "snapkv": lambda: ec.SnapKV(capacity=48, window=8, kernel_size=5),
-    "streaming_llm": lambda: ec.StreamingLLM(sink=4, window=40),
-    "pyramidkv": lambda: ec.PyramidKV(capacity=48, window=8),
-    "adakv": lambda: ec.AdaKV(capacity=48, window=4, alpha_safeguard=0.5),
-    "h2o": lambda: ec.H2O(capacity=40, recent=10),
-    "tova": lambda: ec.TOVA(capacity=40),
-    "observed_attention": lambda: ec.ObservedAttention(capacity=40),
-    "expected_attention": lambda: ec.ExpectedAttention(capacity=40, n_future_positions=16),
-    "knorm": lambda: ec.KNorm(capacity=40),
-    "random": lambda: ec.Random(capacity=40, selection_seed=3),
-    "decoding_snapkv": lambda: ec.DecodingSnapKV(capacity=64, window=4, kernel_size=3, interval=8),
-}
+POLICIES = SMALL_POLICIES
 SCORED = ["snapstream", "snapkv", "pyramidkv", "adakv", "h2o", "tova", "observed_attention", "expected_attention",
           "decoding_snapkv"]
 

@@ -869,14 +869,14 @@ def _task_object(config: dict):
 def _load_task(config: dict):
     """The task with its data loaded and checked, and the rows it skipped (``bad_rows=skip``). A malformed file or
     row is a :class:`RunError` naming the file, the row and the field."""
-    from evalkit.scoring.data import DataError, skipped_rows
+    from evalkit.scoring.data import DataError, collecting_skipped_rows
 
-    skipped_rows.clear()
-    try:
-        task = _task_object(config)
-    except DataError as error:
-        raise RunError(f"data: {error}") from None
-    return task, list(skipped_rows)
+    with collecting_skipped_rows() as skipped:
+        try:
+            task = _task_object(config)
+        except DataError as error:
+            raise RunError(f"data: {error}") from None
+    return task, skipped
 
 
 def _doc_key(doc: dict) -> str:

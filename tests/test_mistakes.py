@@ -77,9 +77,9 @@ def test_duplicate_longbench_ids_are_a_data_error_or_skipped_and_counted(tmp_pat
     assert_one_line_error(result, tmp_path, "lb.jsonl: row 3 (_id=lb-1): field '_id': duplicate id 'lb-1' (first at row 1)")
     from evalkit.scoring import data, longbench
 
-    data.skipped_rows.clear()
-    kept = checked_rows(load_rows(str(path)), str(path), longbench.check_row, "skip", id_field="_id")
-    assert [r["_id"] for r in kept] == ["lb-1", "lb-2"] and len(data.skipped_rows) == 1
+    with data.collecting_skipped_rows() as skipped:
+        kept = checked_rows(load_rows(str(path)), str(path), longbench.check_row, "skip", id_field="_id")
+    assert [r["_id"] for r in kept] == ["lb-1", "lb-2"] and len(skipped) == 1
 
 
 def test_a_livecodebench_problem_without_tests_is_a_data_error(tmp_path):

@@ -2,21 +2,35 @@
 
 A file that does not parse, or a row that lacks a field or holds the wrong type, is a :class:`DataError` whose one line
 names the file, the row (line number for JSON Lines, position otherwise, and the row's id) and the field. With
-``bad_rows="skip"`` bad rows are left out instead and listed in :data:`skipped_rows` (the run reports the count).
+``bad_rows="skip"`` bad rows are left out instead, one line each to the list :func:`collecting_skipped_rows` yields
+(the run reports the count).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import datasets
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
-# Rows the last loader left out with bad_rows="skip", one line each (the runner clears and reads it).
-skipped_rows: list[str] = []
+_SKIPPED: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("evalkit_skipped_rows", default=None)
+
+
+@contextlib.contextmanager
+def collecting_skipped_rows() -> Iterator[list[str]]:
+    """For the duration, the rows :func:`checked_rows` leaves out (``bad_rows="skip"``) are added to the list this
+    yields, one line each: a task's loaders run inside lm-eval, which has no way to hand them back."""
+    rows: list[str] = []
+    token = _SKIPPED.set(rows)
+    try:
+        yield rows
+    finally:
+        _SKIPPED.reset(token)
 
 
 class DataError(ValueError):
@@ -117,7 +131,7 @@ def checked_rows(rows, source: str | list[str], check: Callable[[dict], dict], b
                  id_field: str = "id") -> list[dict]:
     """``check(row)`` for every row (it returns the row to keep, or raises :class:`RowError`)."""
     name = source if isinstance(source, str) else ", ".join(source)
-    kept, seen = [], {}
+    kept, seen, skipped = [], {}, []
     for position, row in enumerate(rows, 1):
         try:
             checked = check(row)
@@ -131,9 +145,12 @@ def checked_rows(rows, source: str | list[str], check: Callable[[dict], dict], b
             message = f"{name}: row {position} ({id_field}={row.get(id_field, '?')}): {error}"
             if bad_rows != "skip":
                 raise DataError(message) from None
-            skipped_rows.append(message)
+            skipped.append(message)
+    collector = _SKIPPED.get()
+    if collector is not None:
+        collector.extend(skipped)
     if not kept:
-        raise DataError(f"{name}: no usable rows" + (f" ({len(skipped_rows)} skipped)" if skipped_rows else ""))
+        raise DataError(f"{name}: no usable rows" + (f" ({len(skipped)} skipped)" if skipped else ""))
     return kept
 
 

@@ -102,10 +102,10 @@ def without_unknown_options(argv: list[str]) -> list[str]:
     line saying it is skipped, and the sweep runs the others, as it does for every other job it refuses. A sweep left
     with no option for a group is a config error. Any other command line is returned as it is."""
     from hydra import compose, initialize_config_dir
+    from hydra._internal.utils import get_args_parser
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ChoiceSweep
     from hydra.errors import MissingConfigException
-    from hydra._internal.utils import get_args_parser
 
     args, _ = get_args_parser().parse_known_args(argv)
     if not args.multirun or not args.overrides:

@@ -111,7 +111,7 @@ def kept_expected(model, run, capacity, sink, future):
                 matrix[i + dim // 2, i] = sin[i + dim // 2]
             rotation += matrix / future
 
-        def expected(query_head, kv_head, r=r, rotation=rotation):
+        def expected(query_head, kv_head, r=r, rotation=rotation, dim=dim):
             queries = r["pre_rope"][query_head, sink:]
             mean = queries.mean(dim=0)
             centered = queries - mean

@@ -221,7 +221,7 @@ def test_blockwise_attention_sums_on_the_gpu_equal_one_block_and_the_cpu():
         sums[device, "blocks"] = base.causal_attention_sums(view, budget=batch * q_heads * 3000).cpu()
         sums[device, "one"] = base.causal_attention_sums(view, budget=batch * q_heads * n * n).cpu()
     for key, value in sums.items():
-        torch.testing.assert_close(value, sums["cpu", "one"], rtol=1e-4, atol=1e-4, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(value, sums["cpu", "one"], rtol=1e-4, atol=1e-4, msg=lambda m, key=key: f"{key}: {m}")
 
 
 def test_a_gpu_run_measures_its_cache_bytes_peak_memory_and_step_against_the_simulator():

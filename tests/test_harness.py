@@ -314,11 +314,11 @@ def many_eos_model_dir(random_model_dir, tmp_path_factory):
 def test_each_sample_row_carries_its_own_requests_statistics(many_eos_model_dir, tmp_path):
     """Repeats of a prompt finish in another order than they were issued (the short ones first); each row's
     generated_tokens must still be the length of its own prediction."""
+    import json
+
     from transformers import AutoTokenizer
 
     from evalkit.runner import run
-
-    import json
 
     data = tmp_path / "aime.jsonl"
     data.write_text("".join(json.dumps({"id": str(n), "problem": f"k{n} v2 u3 ?", "answer": str(n)}) + "\n"

@@ -104,9 +104,9 @@ def tempfile_dir() -> str:
 
 @needs_namespaces
 def test_the_python_runtime_is_in_view_read_only():
-    code = ("import sys, os\nprint(sys.version_info[:2] == (%d, %d))\n"
+    code = (f"import sys, os\nprint(sys.version_info[:2] == {tuple(sys.version_info[:2])})\n"
             "for folder in (sys.prefix, '/', '/usr'):\n    try:\n        open(os.path.join(folder, 'planted'), 'w')\n"
-            "    except OSError as error:\n        print(error.errno)" % sys.version_info[:2])
+            "    except OSError as error:\n        print(error.errno)")
     result = sandbox.run(code)
     assert result.stdout.split() == ["True", "30", "30", "30"], result.stderr  # 30: EROFS
     assert not os.path.exists(os.path.join(sys.prefix, "planted"))

@@ -47,7 +47,7 @@ def test_full_holds_every_token_and_reserves_the_longest_request(llama):
     requests = stream(count=6)
     completions = ec.Engine(llama, ec.Full(), slots=2).run(requests)
     longest = max(r.input_ids.numel() + r.max_new_tokens for r in requests)
-    for completion, request in zip(completions, requests):
+    for completion in completions:
         stats = completion.stats
         assert stats["kv_bytes_peak"] == stats["kv_bytes_full"] == stats["tokens_seen"] * PER_TOKEN
         assert stats["memory_ratio"] == 1.0
@@ -98,8 +98,9 @@ def test_mla_and_hybrid_bytes_are_what_evalkit_memory_prices(name, model, policy
 
 
 def test_a_run_records_bytes_per_sample_and_the_simulator_agrees(tmp_path, random_model_dir):
-    import evalkit.runner as runner
     from test_harness import composed
+
+    import evalkit.runner as runner
 
     def run(*extra):
         spec = runner.validate(composed(f"model.pretrained={random_model_dir}", "limit=4", "batch_size=2",
@@ -122,9 +123,10 @@ def test_a_budget_that_did_not_take_effect_is_loud_and_strict_budget_makes_it_an
     """A method that silently kept everything (here: the engine handed a full cache instead of the run's policy)
     cannot pass unnoticed: each request is flagged, the run prints a warning and records ``over_budget``; with
     ``strict_budget=true`` it is an error and no table is written. A correct run records 0."""
+    from test_harness import composed
+
     import evalkit.lm
     import evalkit.runner as runner
-    from test_harness import composed
 
     def spec(results, *extra):
         return runner.validate(composed(f"model.pretrained={random_model_dir}", "limit=3", "+budget=4x",

@@ -182,9 +182,10 @@ def test_lcb_memory_cap_is_an_option_off_by_default():
 def test_adakv_and_pyramidkv_default_to_their_references_settings():
     """kvpress' SnapKVPress (under AdaKVPress) and KVCache-Factory's PyramidKVCluster: window 64, kernel 5, average
     pooling; the config files say the same."""
+    from yaml import safe_load
+
     import evalkit.compression as ec
     from evalkit.paths import conf_dir
-    from yaml import safe_load
 
     for cls, name in ((ec.AdaKV, "adakv"), (ec.PyramidKV, "pyramidkv")):
         policy = cls(capacity=128)

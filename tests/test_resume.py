@@ -92,8 +92,9 @@ def test_sweep_skips_method_budget_pairs_that_do_not_exist(tmp_path, random_mode
 def test_an_interrupted_table_write_is_redone_without_duplicate_rows(tmp_path, random_model_dir, monkeypatch):
     """Killed after the samples table and before the metrics table (the mark of a complete run): the rerun removes
     the unfinished tables and writes exactly what an uninterrupted run writes."""
-    import evalkit.runner as runner
     from test_harness import composed
+
+    import evalkit.runner as runner
 
     def spec(results):
         return runner.validate(composed(f"model.pretrained={random_model_dir}", "limit=6",
@@ -131,8 +132,9 @@ def test_a_second_process_on_the_same_config_is_refused_while_the_first_runs(tmp
     import subprocess
     import sys
 
-    import evalkit.runner as runner
     from test_harness import composed
+
+    import evalkit.runner as runner
 
     results = tmp_path / "results"
     args = [f"model.pretrained={random_model_dir}", "limit=3", "+task.generation.max_gen_toks=4", f"results_dir={results}"]
@@ -210,8 +212,9 @@ def test_ctrl_c_at_any_point_leaves_a_state_the_same_command_finishes_exactly(tm
                                                                              monkeypatch, point):
     """Interrupted anywhere, the run says so (Interrupted: how many generations it kept), and running the same
     config again writes exactly what an uninterrupted run writes: no sample lost, none twice."""
-    import evalkit.runner as runner
     from test_harness import composed
+
+    import evalkit.runner as runner
 
     def spec(results):
         return runner.validate(composed(f"model.pretrained={random_model_dir}", "limit=6", "batch_size=2",
@@ -257,8 +260,9 @@ def test_ctrl_c_while_the_libraries_load_is_one_line(tmp_path):
 def test_a_run_records_the_throughput_it_measured(tmp_path, random_model_dir):
     """Prefill and decode throughput, wall time, slot utilization, the cache's allocation and the peak memory are
     metrics rows of the run."""
-    import evalkit.runner as runner
     from test_harness import composed
+
+    import evalkit.runner as runner
 
     spec = runner.validate(composed(f"model.pretrained={random_model_dir}", "limit=4", "batch_size=2",
                                     "+task.generation.max_gen_toks=8", f"results_dir={tmp_path / 'r'}"),

@@ -103,7 +103,7 @@ def test_a_gpu_node_has_one_tier_and_the_same_model():
 def test_the_throughput_table_marks_batches_that_do_not_fit():
     deployment = memory.load_deployment("deepseek_r1_tp16_128k")
     table = throughput_table(deployment, budgets=["full", "4x"])
-    for budget, rows in table.groupby("budget"):
+    for _budget, rows in table.groupby("budget"):
         limit = rows["max_batch"].iloc[0]
         assert rows.loc[rows["batch"] <= limit, "fits"].all() and not rows.loc[rows["batch"] > limit, "fits"].any()
         assert rows.loc[~rows["fits"], "tokens_per_s"].isna().all()

@@ -105,7 +105,7 @@ def _json_rows(path: Path) -> list[dict]:
             except json.JSONDecodeError as bad:
                 raise DataError(f"{path}: line {number}: not valid JSON ({bad.msg})") from None
             if not isinstance(row, dict):
-                raise DataError(f"{path}: line {number}: a row must be a JSON object, got {type(row).__name__}")
+                raise DataError(f"{path}: line {number}: a row must be a JSON object, got {type(row).__name__}") from None
             rows.append(row)
         return rows
     if isinstance(whole, dict) and whole and all(isinstance(v, list) for v in whole.values()):  # columns

@@ -154,17 +154,27 @@ class CompressedLayer(DynamicLayer):
         # alive until Python's cycle collector runs (which never sees GPU memory as pressure).
         self._cache, self.index = weakref.ref(cache), index
         self.heads: HeadState | None = None
+        self.reserved: tuple[torch.Tensor, torch.Tensor] | None = None  # exact chunked prefill: the whole prompt's
 
     @property
     def cache(self) -> CompressedCache:
         return self._cache()
 
     def update(self, key_states, value_states, *args, **kwargs):
+        plan = self.cache.prefill_plan
         if not self.is_initialized:  # prefill: keep everything until the hook has scored this layer
             self.lazy_initialization(key_states, value_states)
             self.keys, self.values = key_states, value_states
+            total = plan.get("reserve") if plan is not None else None
+            if total:  # exact chunked prefill: the whole prompt's keys and values, written chunk by chunk in place
+                batch, heads = key_states.shape[:2]
+                self.reserved = (key_states.new_empty(batch, heads, total, key_states.shape[-1]),
+                                 value_states.new_empty(batch, heads, total, value_states.shape[-1]))
+                return self._append_reserved(key_states, value_states, 0)
             return self.keys, self.values
-        if self.cache.prefill_plan is not None:  # a later chunk of a chunked prefill: after what the layer holds
+        if plan is not None:  # a later chunk of a chunked prefill: after what the layer holds
+            if self.reserved is not None:
+                return self._append_reserved(key_states, value_states, self.keys.shape[-2])
             self.keys = torch.cat([self.keys, key_states], dim=-2)
             self.values = torch.cat([self.values, value_states], dim=-2)
             return self.keys, self.values
@@ -177,6 +187,16 @@ class CompressedLayer(DynamicLayer):
             self.keys = torch.nn.functional.pad(self.keys, pad)
             self.values = torch.nn.functional.pad(self.values, pad)
         self._write(slots[:, None, :].expand(-1, key_states.shape[1], -1), key_states, value_states)
+        return self.keys, self.values
+
+    def _append_reserved(self, key_states: torch.Tensor, value_states: torch.Tensor, held: int):
+        """Write a chunk after the ``held`` tokens of the reserved prompt tensors; the layer's keys and values are
+        views of what is written (no copy of what came before, no freed buffers left behind)."""
+        end = held + key_states.shape[-2]
+        keys, values = self.reserved
+        keys[:, :, held:end].copy_(key_states)
+        values[:, :, held:end].copy_(value_states)
+        self.keys, self.values = keys[:, :, :end], values[:, :, :end]
         return self.keys, self.values
 
     def _write(self, slots: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -431,7 +451,7 @@ def family_eager(module, default):
     return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", default)
 
 
-MASK_CELLS = 1 << 24  # a later prefill chunk's attention: query rows per call so that its mask stays this small
+MASK_CELLS = 1 << 22  # a later prefill chunk's attention: query rows per call so that its mask stays this small
 
 
 def _later_chunk(cache, module, query, key, value, eager: bool) -> bool:

@@ -95,7 +95,8 @@ class CompressionSession:
         positions = _position_ids(attention_mask) if position_ids is None else position_ids
         bounds = [(0, n)] if chunk is None or chunk >= n else [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
         plan = {"key_valid": key_valid, "real_len": real_len, "compress": compress, "positions": positions,
-                "chunk_mode": chunk_mode if len(bounds) > 1 else None}
+                "chunk_mode": chunk_mode if len(bounds) > 1 else None,
+                "reserve": n if len(bounds) > 1 and chunk_mode == "exact" else None}
         self.cache.prefill_plan = plan
         with hooked(self.model, self.cache):
             for begin, end in bounds:
@@ -122,6 +123,8 @@ class CompressionSession:
                         "not go through transformers' AttentionInterface, so it cannot be compressed"
                     )
         self.cache.prefill_plan = None
+        for layer in self.cache.layers:
+            layer.reserved = None  # an uncompressed layer keeps its view of it; a compressed one, its own copy
         self.cache.prefill_slots = [layer.keys.shape[-2] for layer in self.cache.layers]
         head_slots = self.cache.finish_head_prefill() if self.head_layouts else 0
         if per_head:

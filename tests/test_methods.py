@@ -3,6 +3,8 @@ computations of baseline_reference.py), equals Full with room, is batch-independ
 
 from __future__ import annotations
 
+from typing import ClassVar  # module level: dataclasses reads a method's ClassVar annotations from here
+
 import pytest
 import torch
 from baseline_reference import kept_prompt, kept_snapkv_budgets, simulate_decoding
@@ -351,3 +353,39 @@ def test_blockwise_attention_sums_equal_the_dense_matrix(padded, with_sinks, las
     dense = _dense_attention_sums(query, keys, key_valid, dim ** -0.5, sinks, last)
     assert blockwise.dtype == torch.float32 and blockwise.shape == dense.shape
     torch.testing.assert_close(blockwise.double(), dense, rtol=1e-5, atol=1e-5)
+
+
+def test_a_new_method_is_its_class_it_registers_itself_and_claims_no_latent_support():
+    """A method = a Policy subclass that names itself: budgets and configs find it by name; a latent (MLA) cache is
+    refused until the method opts in; a second class with a taken name is an error."""
+    import dataclasses
+
+    from test_mla import tiny_deepseek
+
+    from evalkit.compression.base import REGISTRY
+
+    @dataclasses.dataclass
+    class Newest(ec.Policy):
+        name: ClassVar[str] = "newest_tokens"
+        needs_scores: ClassVar[bool] = True
+        capacity: int = 0
+
+        def prompt_capacity(self) -> int:
+            return self.capacity
+
+        def score(self, view):
+            return view.positions[:, None, :].float().expand(-1, view.keys.shape[1], -1)
+
+    try:
+        assert ec.POLICIES["newest_tokens"] is Newest and ec.method_params("newest_tokens") == ()
+        policy = ec.policy_from_budget("newest_tokens", "4x", 256)
+        assert policy.capacity == 64
+        out = ec.generate(tiny_model("llama"), random_prompt(100), policy, max_new_tokens=3)
+        assert out.stats[0]["kept_prompt_tokens"] == [64, 64]
+        with pytest.raises(ValueError, match="not been tested on a latent"):
+            ec.generate(tiny_deepseek(), random_prompt(100), policy, max_new_tokens=3)
+        with pytest.raises(TypeError, match="two methods named 'newest_tokens'"):
+            type("Impostor", (ec.Policy,), {"name": "newest_tokens", "__module__": "elsewhere"})
+    finally:
+        REGISTRY.pop("newest_tokens", None)
+    assert "newest_tokens" not in ec.POLICIES

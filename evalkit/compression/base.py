@@ -24,6 +24,10 @@ import torch
 
 UNBOUNDED = 1 << 62  # ring size of a cache that only grows
 
+# Every method by its name: a subclass of :class:`Policy` that names itself (``name = "..."``) registers here when its
+# module is imported; budgets, configs and presets read the methods from it.
+REGISTRY: dict[str, type[Policy]] = {}
+
 
 def require_int(owner: object, name: str, low: int, high: int | None = None) -> None:
     """Raise a ValueError naming ``name`` unless ``owner.name`` is an int in [low, high]."""
@@ -103,9 +107,28 @@ class Policy:
     # (:func:`causal_attention_sums` over all the queries): chunked prefill accumulates the sums chunk by chunk.
     sums_attention: ClassVar[bool] = False
     # Works on a latent (MLA) cache: one shared head whose per-head keys attention expands; scores are reduced over
-    # all the layer's heads, as for a single KV group.
-    supports_latent: ClassVar[bool] = True
-    latent_refusal: ClassVar[str] = ""
+    # all the layer's heads, as for a single KV group. Opt-in: a method says so once it is tested on one.
+    supports_latent: ClassVar[bool] = False
+    latent_refusal: ClassVar[str] = "it has not been tested on a latent (MLA) cache"
+    # Sized by a budget (``4x``, ``tokens_N``); the fields the budget decides, which a config may not set.
+    takes_budget: ClassVar[bool] = True
+    budget_fields: ClassVar[tuple[str, ...]] = ("capacity",)
+
+    def __init_subclass__(cls, register: bool = True, **kwargs):
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("name")
+        if name is None or not register:  # a shared base (SnapKVScoring), a variant, or evalkit's own machinery
+            return
+        known = REGISTRY.get(name)
+        if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise TypeError(f"two methods named {name!r}: {known.__module__}.{known.__qualname__} and "
+                            f"{cls.__module__}.{cls.__qualname__}")
+        REGISTRY[name] = cls
+
+    @classmethod
+    def from_budget(cls, capacity: int, **params) -> Policy:
+        """The method with the ``capacity`` a budget gives it (``params``: its other settings)."""
+        return cls(capacity=capacity, **params)
 
     def kept_sink(self) -> int:
         """Leading prompt tokens always kept (attention sinks)."""
@@ -249,6 +272,7 @@ class SnapKVScoring(Policy):
     """Fields and validation shared by the policies that rank prompt tokens with the SnapKV score."""
 
     needs_scores: ClassVar[bool] = True
+    supports_latent: ClassVar[bool] = True
     capacity: int
     window: int = 32
     kernel_size: int = 7

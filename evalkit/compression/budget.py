@@ -6,26 +6,24 @@ import dataclasses
 
 from evalkit import budget as budget_grammar
 
-from .adakv import AdaKV
-from .base import Policy
-from .decoding_snapkv import DecodingSnapKV
-from .expected_attention import ExpectedAttention
-from .full import Full
-from .h2o import H2O
-from .knorm import KNorm
-from .observed_attention import ObservedAttention
-from .pyramidkv import PyramidKV
-from .random_baseline import Random
-from .snapkv import SnapKV
-from .snapstream import SnapStream
-from .streaming_llm import StreamingLLM
-from .tova import TOVA
+from . import (  # noqa: F401  (each module registers its method)
+    adakv,
+    decoding_snapkv,
+    expected_attention,
+    full,
+    h2o,
+    knorm,
+    observed_attention,
+    pyramidkv,
+    random_baseline,
+    snapkv,
+    snapstream,
+    streaming_llm,
+    tova,
+)
+from .base import REGISTRY, Policy
 
-POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls
-    for cls in (Full, StreamingLLM, SnapKV, SnapStream, KNorm, Random, ObservedAttention, ExpectedAttention, TOVA,
-                PyramidKV, AdaKV, H2O, DecodingSnapKV)
-}
+POLICIES: dict[str, type[Policy]] = REGISTRY  # every method by name
 
 
 def budget_capacity(budget: str, max_context: int) -> int:
@@ -40,32 +38,23 @@ def budget_capacity(budget: str, max_context: int) -> int:
 def method_params(method: str) -> tuple[str, ...]:
     """The settings of ``method`` a config may give (everything but what the budget decides)."""
     cls = POLICIES[method]
-    from_budget = {"capacity"} | ({"window"} if cls is StreamingLLM else set())
-    return tuple(field.name for field in dataclasses.fields(cls) if field.name not in from_budget)
+    return tuple(field.name for field in dataclasses.fields(cls) if field.name not in cls.budget_fields)
 
 
 def policy_from_budget(method: str, budget: str | None, max_context: int, **params) -> Policy:
     """Build the policy ``method`` sized by ``budget`` against ``max_context``.
 
-    ``full`` takes no budget. ``streaming_llm`` spends the capacity on ``sink`` + ``window`` (window = capacity - sink);
-    every other method takes it as its ``capacity`` (the prompt capacity of growing methods such as SnapKV, the
+    ``full`` takes no budget. Each method's ``from_budget`` says what the capacity becomes: ``streaming_llm`` spends it
+    on ``sink`` + ``window`` (window = capacity - sink); every other method takes it as its ``capacity`` (the prompt capacity of growing methods such as SnapKV, the
     whole cache of fixed-size ones such as SnapStream, H2O or TOVA).
     """
     if method not in POLICIES:
         raise ValueError(f"unknown method {method!r}; choose from {sorted(POLICIES)}")
     cls = POLICIES[method]
-    if cls is Full:
+    if not cls.takes_budget:
         if budget is not None:
-            raise ValueError("method 'full' takes no budget")
-        return Full(**params)
+            raise ValueError(f"method {method!r} takes no budget")
+        return cls(**params)
     if budget is None:
         raise ValueError(f"method {method!r} needs a budget (e.g. '4x' or 'tokens_4096')")
-    capacity = budget_capacity(budget, max_context)
-    if cls is StreamingLLM:
-        sink = params.pop("sink", 4)
-        if "window" in params:
-            raise ValueError("streaming_llm's window comes from the budget (capacity - sink); do not set both")
-        if capacity <= sink:
-            raise ValueError(f"budget {budget!r} gives capacity {capacity}, not more than sink={sink}")
-        return StreamingLLM(sink=sink, window=capacity - sink, **params)
-    return cls(capacity=capacity, **params)
+    return cls.from_budget(budget_capacity(budget, max_context), **params)

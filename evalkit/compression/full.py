@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 from .base import Policy
 
@@ -10,3 +11,8 @@ from .base import Policy
 @dataclasses.dataclass
 class Full(Policy):
     """Keep every token. Generation with it matches ``model.generate`` token for token."""
+
+    name: ClassVar[str] = "full"
+    supports_latent: ClassVar[bool] = True
+    takes_budget: ClassVar[bool] = False
+    budget_fields: ClassVar[tuple[str, ...]] = ()

@@ -35,6 +35,7 @@ class H2O(Policy):
     """
 
     name: ClassVar[str] = "h2o"
+    supports_latent: ClassVar[bool] = True
     needs_scores: ClassVar[bool] = True
     per_head: ClassVar[bool] = True
     evicts_while_decoding: ClassVar[bool] = True

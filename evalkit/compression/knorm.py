@@ -19,6 +19,7 @@ class KNorm(PromptScoring):
     """
 
     name: ClassVar[str] = "knorm"
+    supports_latent: ClassVar[bool] = True
 
     def prefill_queries(self) -> int:
         return 0

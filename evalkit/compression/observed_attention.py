@@ -21,6 +21,7 @@ class ObservedAttention(PromptScoring):
     """
 
     name: ClassVar[str] = "observed_attention"
+    supports_latent: ClassVar[bool] = True
     sums_attention: ClassVar[bool] = True
 
     def score(self, view: PrefillView) -> torch.Tensor:

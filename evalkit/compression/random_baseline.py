@@ -22,6 +22,7 @@ class Random(PromptScoring):
     """
 
     name: ClassVar[str] = "random"
+    supports_latent: ClassVar[bool] = True
     selection_seed: int = 0  # kvpress' ``seed``; named apart from the run's sampling seed
 
     def __post_init__(self) -> None:

@@ -11,7 +11,7 @@ from .base import DecodeView, Policy, free_lowest, require_int
 
 
 @dataclasses.dataclass
-class SlidingWindow(Policy):
+class SlidingWindow(Policy, register=False):
     """A layer whose attention only ever sees the last ``window`` tokens (the model's ``sliding_window``).
 
     Not a compression method: hybrid models' sliding-window layers get it instead of the run's policy, so they hold

@@ -22,8 +22,20 @@ class StreamingLLM(Policy):
     """
 
     name: ClassVar[str] = "streaming_llm"
+    supports_latent: ClassVar[bool] = True
+    budget_fields: ClassVar[tuple[str, ...]] = ("capacity", "window")
     sink: int = 4
     window: int = 512
+
+    @classmethod
+    def from_budget(cls, capacity: int, **params) -> StreamingLLM:
+        """The budget's capacity spent on ``sink`` + ``window`` (window = capacity - sink)."""
+        sink = params.pop("sink", 4)
+        if "window" in params:
+            raise ValueError("streaming_llm's window comes from the budget (capacity - sink); do not set both")
+        if capacity <= sink:
+            raise ValueError(f"the budget gives capacity {capacity}, not more than sink={sink}")
+        return cls(sink=sink, window=capacity - sink, **params)
 
     def __post_init__(self) -> None:
         require_int(self, "sink", 0)

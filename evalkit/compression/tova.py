@@ -32,6 +32,7 @@ class TOVA(Policy):
     """
 
     name: ClassVar[str] = "tova"
+    supports_latent: ClassVar[bool] = True
     needs_scores: ClassVar[bool] = True
     per_head: ClassVar[bool] = True
     evicts_while_decoding: ClassVar[bool] = True

@@ -7,10 +7,23 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 
 INTERRUPTED_EARLY = "evalkit: interrupted before the run started; nothing written"
 
+
+def _remember_interrupt(signum, frame) -> None:
+    # While the libraries load, Ctrl-C is only remembered: raised inside an import, a KeyboardInterrupt can be
+    # swallowed by a library's own bare ``except`` and the run would go on as if it had not been pressed.
+    global _INTERRUPTED
+    _INTERRUPTED = True
+
+
+_INTERRUPTED = False
+_PREVIOUS = signal.getsignal(signal.SIGINT)
+if _PREVIOUS is signal.default_int_handler:  # not where SIGINT is ignored (nohup, a background job): keep that
+    signal.signal(signal.SIGINT, _remember_interrupt)
 try:  # Ctrl-C while the libraries load is a line, not a traceback
     import hydra
     from hydra.core.hydra_config import HydraConfig
@@ -28,6 +41,10 @@ try:  # Ctrl-C while the libraries load is a line, not a traceback
         validate,
     )
 except KeyboardInterrupt:
+    _INTERRUPTED = True
+finally:
+    signal.signal(signal.SIGINT, _PREVIOUS)
+if _INTERRUPTED:
     print(INTERRUPTED_EARLY, file=sys.stderr, flush=True)
     sys.exit(130)
 

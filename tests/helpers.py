@@ -18,12 +18,17 @@ def evalkit(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
+def interruptible() -> None:
+    """In a child: Ctrl-C's default action, even where the tests run with SIGINT ignored (a background job's)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupted_run(args: list[str], results: Path, cwd: Path, sig: int = signal.SIGKILL, after: int = 5):
     """Start the CLI, send ``sig`` once its progress file holds ``after`` generations; the ended process, its stderr
     and the progress file's lines at the end."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     process = subprocess.Popen([sys.executable, "-m", "evalkit.cli", *args], cwd=cwd, env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
     deadline, files = time.time() + 300, []
     while time.time() < deadline and process.poll() is None:
         files = list((results / ".progress").glob("*.jsonl")) if (results / ".progress").is_dir() else []

@@ -245,8 +245,11 @@ def test_ctrl_c_while_the_libraries_load_is_one_line(tmp_path):
     import sys
     import time
 
+    from helpers import interruptible
+
     process = subprocess.Popen([sys.executable, "-m", "evalkit.cli", f"results_dir={tmp_path / 'results'}"],
-                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=interruptible)
     time.sleep(0.8)  # Python's own Ctrl-C handler is in place; the libraries are still loading
     process.send_signal(signal.SIGINT)
     stdout, stderr = process.communicate(timeout=120)

@@ -1,15 +1,15 @@
 """evalkit beside kvpress on the everyday case, side by side in one run: SnapKV at 4x on a 4k-token prompt plus 32
 new tokens, greedy, on the same random Llama (~58M, fp32, CPU), in interleaved fresh processes.
 
-    python benchmarks/bench_vs_kvpress.py [--rounds 3] [--length 4096] [--new 32] [--venv .kvpress-venv]
+    python benchmarks/bench_vs_kvpress.py [--rounds 3] [--repeats 3] [--length 4096] [--new 32] [--venv .kvpress-venv]
 
 kvpress (0.5.5 pins transformers < 5.3) lives in its own virtual environment, made on demand at ``--venv`` with this
 torch and ``pip install kvpress==0.5.5``; where it cannot be installed (no network, no wheel) the script says so in
 one line and exits 0. Both sides load the same saved model and prompt; kvpress runs ``model.generate`` inside
 ``SnapKVPress(compression_ratio=0.75, window_size=64, kernel_size=5)``, evalkit ``ec.generate`` with
 ``SnapKV(capacity=length/4, window=64, kernel_size=5, pooling=avg)`` (kvpress' scoring: average pooling, the mean
-over a KV group's query heads). Each process warms up on a short prompt, then times one generation end to end and
-reads its peak resident memory (VmHWM, reset before the timed call). The prompt tokens each layer and KV head kept are
+over a KV group's query heads). Each process warms up on a short prompt, then times ``--repeats`` generations end to
+end (its time: their median) and reads its peak resident memory (VmHWM, reset before the timed calls). The prompt tokens each layer and KV head kept are
 compared (each process maps its compressed cache's keys back to the positions of an uncompressed prefill's keys), and
 the generated tokens.
 """
@@ -56,7 +56,7 @@ def _kept_positions(full_keys, kept_keys) -> list[list[list[int]]]:
     return kept
 
 
-def worker(side: str, model_dir: str, prompt_file: str, new: int) -> dict:
+def worker(side: str, model_dir: str, prompt_file: str, new: int, repeats: int = 1) -> dict:
     """One fresh process: load, warm up, time one generation, report time, peak memory, kept positions, tokens."""
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
@@ -103,9 +103,12 @@ def worker(side: str, model_dir: str, prompt_file: str, new: int) -> dict:
 
     generate(ids[:, :512], 4)  # warm-up: kernels, allocator, lazy imports
     _reset_peak()
-    start = time.perf_counter()
-    sequences = generate(ids, new)
-    seconds = time.perf_counter() - start
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        sequences = generate(ids, new)
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
     peak = _peak_rss()
     return {"side": side, "seconds": seconds, "peak_rss_bytes": peak, "tokens": sequences[0, n:].tolist(),
             "kept": _kept_positions(full_keys, kept_keys()), "torch": torch.__version__}
@@ -132,10 +135,10 @@ def kvpress_python(venv: Path) -> Path | None:
     return python if subprocess.run(check, capture_output=True).returncode == 0 else None
 
 
-def run_side(python: Path, side: str, model_dir: Path, prompt_file: Path, new: int) -> dict:
+def run_side(python: Path, side: str, model_dir: Path, prompt_file: Path, new: int, repeats: int) -> dict:
     env_path = str(HERE.parent)
     done = subprocess.run([str(python), __file__, "--worker", side, "--model", str(model_dir), "--prompt",
-                           str(prompt_file), "--new", str(new)], capture_output=True, text=True,
+                           str(prompt_file), "--new", str(new), "--repeats", str(repeats)], capture_output=True, text=True,
                           env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1",
                                "TOKENIZERS_PARALLELISM": "false"})
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -149,13 +152,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3, help="timed generations per process (their median)")
     parser.add_argument("--venv", default=str(HERE.parent / ".kvpress-venv"))
     parser.add_argument("--worker", choices=["evalkit", "kvpress"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--prompt", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, args.model, args.prompt, args.new)))
+        print("RESULT " + json.dumps(worker(args.worker, args.model, args.prompt, args.new, args.repeats)))
         return
     python = kvpress_python(Path(args.venv))
     if python is None:
@@ -178,7 +182,7 @@ def main() -> None:
         for index in range(args.rounds):
             order = ("evalkit", "kvpress") if index % 2 == 0 else ("kvpress", "evalkit")
             results = {side: run_side(sys.executable if side == "evalkit" else python, side, model_dir, prompt_file,
-                                      args.new) for side in order}
+                                      args.new, args.repeats) for side in order}
             rounds.append(results)
             ours, theirs = results["evalkit"], results["kvpress"]
             print(f"  round {index + 1}: evalkit {ours['seconds']:.3f} s, kvpress {theirs['seconds']:.3f} s, "

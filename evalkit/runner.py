@@ -244,8 +244,7 @@ def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
                                       or prefill_chunk < 1):
         raise ConfigError(f"prefill_chunk must be a positive integer of tokens or null, got {prefill_chunk!r}")
     # The mode is checked always; whether the method can take it, only when it applies (a chunk is set).
-    refusal = ec.chunk_mode_refusal(policy, chunk_mode if prefill_chunk is not None or chunk_mode not in ec.CHUNK_MODES
-                                    else "exact")
+    refusal = ec.chunk_mode_refusal(policy if prefill_chunk is not None else ec.Full(), chunk_mode)
     if refusal:
         raise ConfigError(refusal)
     verdict = _price_deployment(cfg, budget if method != "full" else None, policy)

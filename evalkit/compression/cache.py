@@ -241,6 +241,18 @@ class CompressedLayer(DynamicLayer):
         self.values = self.values.gather(2, index[..., None].expand(-1, -1, -1, self.values.shape[-1]))
 
 
+def _recent_queries(memory: dict, query: torch.Tensor, count: int | None) -> torch.Tensor:
+    """The last ``count`` queries (None: all) of the earlier chunks' kept in ``memory`` followed by this chunk's;
+    ``memory`` keeps them for the next chunk."""
+    held = memory.get("queries")
+    if held is not None and (count is None or query.shape[2] < count):
+        query = torch.cat([held, query], dim=2)
+    if count is not None:
+        query = query[:, :, max(0, query.shape[2] - count):]
+    memory["queries"] = query if query.shape[2] else None
+    return query
+
+
 class CompressedCache(Cache):
     """The cache a policy controls. Built by :class:`CompressionSession`; not meant to be passed to ``model.generate``."""
 
@@ -309,10 +321,9 @@ class CompressedCache(Cache):
         memory = self.chunk_memory.setdefault(layer_idx, {})
         if mode == "compress":  # every chunk compressed as a prompt of what the cache holds: its kept tokens + the chunk
             needed = policy.prefill_queries() or 0  # the chunk's queries, after the last ones of a short chunk
-            if query.shape[2] < needed and memory.get("queries") is not None:
-                query = torch.cat([memory["queries"], query], dim=2)[:, :, -needed:]
-            memory["queries"] = query[:, :, -needed:] if needed else None
-            return self.compress_layer(layer_idx, module, query, keys, values, scaling)
+            recent = _recent_queries(memory, query, needed)
+            return self.compress_layer(layer_idx, module, query if query.shape[2] >= needed else recent, keys, values,
+                                       scaling)
         if policy.sums_attention:  # the attention sums, exactly decomposable over the queries: summed chunk by chunk
             if plan["final"]:
                 return self.compress_layer(layer_idx, module, query, keys, values, scaling, memory.pop("sums", None))
@@ -321,16 +332,10 @@ class CompressedCache(Cache):
             self.compressed_layers.add(layer_idx)
             return
         needed = policy.prefill_queries()
-        if needed is not None:
-            needed = max(needed, policy.query_window())
-        held = memory.get("queries")
-        queries = query if held is None else torch.cat([held, query], dim=2)
-        if needed is not None:
-            queries = queries[:, :, max(0, queries.shape[2] - needed):]
+        queries = _recent_queries(memory, query, None if needed is None else max(needed, policy.query_window()))
         if plan["final"]:
             memory.clear()
             return self.compress_layer(layer_idx, module, queries, keys, values, scaling)
-        memory["queries"] = queries if queries.shape[2] else None
         self.compressed_layers.add(layer_idx)
 
     def _view(self, layer_idx: int, module, query, keys, values, scaling: float, prior_sums=None) -> PrefillView:
@@ -485,8 +490,8 @@ def chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 def _hooked_attention(delegate, eager: bool):
     def attention(module, query, key, value, attention_mask, **kwargs):
         cache = _ACTIVE.get()
+        scaling = kwargs.get("scaling", module.scaling)
         if _later_chunk(cache, module, query, key, value, eager):
-            scaling = kwargs.get("scaling") or module.scaling
             output = chunk_attention(query, key, value, scaling)
             cache.prefill_attention(module.layer_idx, module, query, key, value, scaling)
             return output, None
@@ -500,7 +505,6 @@ def _hooked_attention(delegate, eager: bool):
             attention_mask = None
         forward = family_eager(module, delegate) if eager else delegate
         output = forward(module, query, key, value, attention_mask, **kwargs)
-        scaling = kwargs.get("scaling", module.scaling)
         if cache is not None and cache.prefill_plan is not None:
             cache.prefill_attention(module.layer_idx, module, query, key, value, scaling)
         elif per_head:

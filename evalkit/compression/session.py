@@ -94,7 +94,7 @@ class CompressionSession:
         compress = bool((real_len > keep).any()) or not bool(key_valid.all())  # row layouts; per-head ones always
         positions = _position_ids(attention_mask) if position_ids is None else position_ids
         bounds = [(0, n)] if chunk is None or chunk >= n else [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
-        plan = {"key_valid": key_valid, "real_len": real_len, "compress": compress, "positions": positions,
+        plan = {"key_valid": key_valid, "compress": compress, "positions": positions,
                 "chunk_mode": chunk_mode if len(bounds) > 1 else None,
                 "reserve": n if len(bounds) > 1 and chunk_mode == "exact" else None}
         self.cache.prefill_plan = plan

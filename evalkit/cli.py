@@ -1,4 +1,4 @@
-"""``evalkit``: the Hydra entry point. Composition happens here; the work happens in :mod:`evalkit.runner`.
+"""``evalkit``: the Hydra entry point. Composition happens here; the work happens in :mod:`evalkit.run`.
 
     evalkit task=kv_retrieval                 # full-cache baseline
     evalkit +budget=4x task=kv_retrieval      # same run, SnapStream at 4x
@@ -31,7 +31,7 @@ try:  # Ctrl-C while the libraries load is a line, not a traceback
     from omegaconf import DictConfig, OmegaConf
 
     from evalkit.paths import conf_dir
-    from evalkit.runner import (
+    from evalkit.run import (
         ConfigError,
         Interrupted,
         RunError,

@@ -140,10 +140,11 @@ def test_compress_as_you_go_is_a_different_method_and_refuses_per_head_budgets()
 def test_a_chunked_run_records_its_mode_and_exact_mode_scores_as_the_unchunked_run(tmp_path, random_model_dir):
     from test_harness import composed
 
-    import evalkit.runner as runner
+    import evalkit.run.runner as runner
+    from evalkit.run import validate
 
     def run(*extra):
-        spec = runner.validate(composed(f"model.pretrained={random_model_dir}", "limit=4", "batch_size=2", "+budget=4x",
+        spec = validate(composed(f"model.pretrained={random_model_dir}", "limit=4", "batch_size=2", "+budget=4x",
                                         "+task.generation.max_gen_toks=8", f"results_dir={tmp_path / 'r'}", *extra))
         return runner.run(spec)
 

@@ -9,7 +9,8 @@ from conftest import random_prompt, tiny_model
 
 import evalkit.compression as ec
 from evalkit.lm import load_model
-from evalkit.runner import ConfigError, _device_map
+from evalkit.run import ConfigError
+from evalkit.run.spec import _device_map
 
 
 def _device_map_of(model) -> dict:

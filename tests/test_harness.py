@@ -13,7 +13,7 @@ import evalkit.compression as ec
 from evalkit.cli import method_was_chosen
 from evalkit.paths import conf_dir
 from evalkit.results import metrics_table, read_table, write_table
-from evalkit.runner import ConfigError, validate
+from evalkit.run import ConfigError, validate
 
 
 def composed(*overrides: str) -> dict:
@@ -318,7 +318,7 @@ def test_each_sample_row_carries_its_own_requests_statistics(many_eos_model_dir,
 
     from transformers import AutoTokenizer
 
-    from evalkit.runner import run
+    from evalkit.run import run
 
     data = tmp_path / "aime.jsonl"
     data.write_text("".join(json.dumps({"id": str(n), "problem": f"k{n} v2 u3 ?", "answer": str(n)}) + "\n"

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from evalkit.lm import ASSETS
 from evalkit.paths import conf_dir
-from evalkit.runner import run, validate
+from evalkit.run import run, validate
 
 pytestmark = [
     pytest.mark.slow,

@@ -100,10 +100,11 @@ def test_mla_and_hybrid_bytes_are_what_evalkit_memory_prices(name, model, policy
 def test_a_run_records_bytes_per_sample_and_the_simulator_agrees(tmp_path, random_model_dir):
     from test_harness import composed
 
-    import evalkit.runner as runner
+    import evalkit.run.runner as runner
+    from evalkit.run import validate
 
     def run(*extra):
-        spec = runner.validate(composed(f"model.pretrained={random_model_dir}", "limit=4", "batch_size=2",
+        spec = validate(composed(f"model.pretrained={random_model_dir}", "limit=4", "batch_size=2",
                                         "+task.generation.max_gen_toks=8", f"results_dir={tmp_path / 'r'}", *extra),
                                method_explicit=bool(extra))
         return runner.run(spec)
@@ -126,10 +127,11 @@ def test_a_budget_that_did_not_take_effect_is_loud_and_strict_budget_makes_it_an
     from test_harness import composed
 
     import evalkit.lm
-    import evalkit.runner as runner
+    import evalkit.run.runner as runner
+    from evalkit.run import ConfigError, validate
 
     def spec(results, *extra):
-        return runner.validate(composed(f"model.pretrained={random_model_dir}", "limit=3", "+budget=4x",
+        return validate(composed(f"model.pretrained={random_model_dir}", "limit=3", "+budget=4x",
                                         "method=snapkv", "+task.generation.max_gen_toks=4", f"results_dir={results}",
                                         *extra), method_explicit=True)
 
@@ -145,7 +147,7 @@ def test_a_budget_that_did_not_take_effect_is_loud_and_strict_budget_makes_it_an
     with pytest.raises(runner.RunError, match="strict_budget: 3 of 3 requests held more than budget 4x"):
         runner.run(spec(tmp_path / "strict", "strict_budget=true"))
     assert not (tmp_path / "strict" / "metrics").exists()
-    with pytest.raises(runner.ConfigError, match="strict_budget must be true or false"):
+    with pytest.raises(ConfigError, match="strict_budget must be true or false"):
         spec(tmp_path / "x", "strict_budget=sometimes")
 
 

@@ -9,7 +9,7 @@ import pytest
 from transformers import LlamaConfig
 
 from evalkit import memory
-from evalkit.runner import ConfigError, validate
+from evalkit.run import ConfigError, validate
 
 GIB = 2**30
 

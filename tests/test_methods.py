@@ -229,7 +229,7 @@ def test_every_method_config_builds_its_policy_with_the_documented_defaults(name
     from yaml import safe_load
 
     from evalkit.paths import conf_dir
-    from evalkit.runner import validate
+    from evalkit.run import validate
 
     spec = validate(composed(f"method={name}", "+budget=tokens_4096", "model=llama31_8b_instruct"))
     assert type(spec.policy) is ec.POLICIES[name]
@@ -261,7 +261,7 @@ def test_cli_rows_carry_each_method_and_its_realized_budget(tmp_path, random_mod
 def test_memory_rows_price_the_budget_each_method_realizes_at_the_deployment_context():
     from test_harness import composed
 
-    from evalkit.runner import validate
+    from evalkit.run import validate
 
     def cached(method: str) -> int:
         spec = validate(composed(f"method={method}", "+budget=4x", "model=llama31_8b_instruct",

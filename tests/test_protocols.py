@@ -114,7 +114,7 @@ def test_lcb_timeout_and_errors_fail():
 
 
 def test_lcb_generation_defaults_are_the_official_runner():
-    from evalkit.runner import task_with_options
+    from evalkit.run import task_with_options
 
     config = task_with_options("livecodebench", {})
     kwargs = config["generation_kwargs"]
@@ -158,7 +158,7 @@ def test_lcb_date_window_compares_full_datetimes():
 def test_longbench_samples_at_temperature_0_1_on_every_call():
     from test_harness import spec_for
 
-    from evalkit.runner import task_with_options
+    from evalkit.run import task_with_options
 
     kwargs = task_with_options("longbench_v2", {})["generation_kwargs"]
     assert kwargs["do_sample"] is True and kwargs["temperature"] == 0.1 and kwargs["max_gen_toks"] == 128
@@ -226,7 +226,7 @@ def test_aime_cons_at_n_votes_over_equivalent_answers():
 def test_aime_official_setting_is_64_samples_and_think_prefix_is_a_switch(random_model_dir):
     from test_harness import composed, spec_for
 
-    from evalkit.runner import task_with_options, validate
+    from evalkit.run import task_with_options, validate
 
     assert task_with_options("aime24", {})["repeats"] == 64
     assert spec_for("task=aime24").task_options["repeats"] == 64

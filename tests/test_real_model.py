@@ -82,7 +82,7 @@ def test_batched_equals_unbatched_on_real_left_padded_prompts(smollm2, policy):
 def test_needle_full_cache_finds_it_and_streaming_llm_at_8x_loses_it(tmp_path):
     from test_harness import composed
 
-    from evalkit.runner import run, validate
+    from evalkit.run import run, validate
 
     def accuracy(*overrides: str) -> float:
         cfg = composed("task=needle", "model=smollm2_135m_instruct", f"results_dir={tmp_path}", "threads=2",

@@ -94,10 +94,11 @@ def test_an_interrupted_table_write_is_redone_without_duplicate_rows(tmp_path, r
     the unfinished tables and writes exactly what an uninterrupted run writes."""
     from test_harness import composed
 
-    import evalkit.runner as runner
+    import evalkit.run.runner as runner
+    from evalkit.run import validate
 
     def spec(results):
-        return runner.validate(composed(f"model.pretrained={random_model_dir}", "limit=6",
+        return validate(composed(f"model.pretrained={random_model_dir}", "limit=6",
                                         "+task.generation.max_gen_toks=8", f"results_dir={results}"),
                                method_explicit=False)
 
@@ -134,11 +135,12 @@ def test_a_second_process_on_the_same_config_is_refused_while_the_first_runs(tmp
 
     from test_harness import composed
 
-    import evalkit.runner as runner
+    import evalkit.run.runner as runner
+    from evalkit.run import validate
 
     results = tmp_path / "results"
     args = [f"model.pretrained={random_model_dir}", "limit=3", "+task.generation.max_gen_toks=4", f"results_dir={results}"]
-    digest = runner.config_digest(runner.validate(composed(*args), method_explicit=False))
+    digest = runner.config_digest(validate(composed(*args), method_explicit=False))
     (results / ".progress").mkdir(parents=True)
     holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time\n"
                                f"f = open({str(results / '.progress' / (digest + '.lock'))!r}, 'a+')\n"
@@ -174,13 +176,13 @@ def _interrupt_at(point: str, monkeypatch):
     """Make a run raise KeyboardInterrupt (what Ctrl-C raises) at ``point``."""
     import evalkit.lm
     import evalkit.progress
-    import evalkit.runner as runner
+    import evalkit.run.runner as runner
 
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
     if point == "task loading":
-        monkeypatch.setattr(runner, "_load_task", interrupt)
+        monkeypatch.setattr(runner, "load_task", interrupt)
     elif point == "model loading":
         monkeypatch.setattr(evalkit.lm.EvalkitLM, "__init__", interrupt)
     elif point == "generation":  # after two generations were made durable
@@ -214,10 +216,11 @@ def test_ctrl_c_at_any_point_leaves_a_state_the_same_command_finishes_exactly(tm
     config again writes exactly what an uninterrupted run writes: no sample lost, none twice."""
     from test_harness import composed
 
-    import evalkit.runner as runner
+    import evalkit.run.runner as runner
+    from evalkit.run import validate
 
     def spec(results):
-        return runner.validate(composed(f"model.pretrained={random_model_dir}", "limit=6", "batch_size=2",
+        return validate(composed(f"model.pretrained={random_model_dir}", "limit=6", "batch_size=2",
                                         "+task.generation.max_gen_toks=8", f"results_dir={results}"),
                                method_explicit=False)
 
@@ -265,9 +268,10 @@ def test_a_run_records_the_throughput_it_measured(tmp_path, random_model_dir):
     metrics rows of the run."""
     from test_harness import composed
 
-    import evalkit.runner as runner
+    import evalkit.run.runner as runner
+    from evalkit.run import validate
 
-    spec = runner.validate(composed(f"model.pretrained={random_model_dir}", "limit=4", "batch_size=2",
+    spec = validate(composed(f"model.pretrained={random_model_dir}", "limit=4", "batch_size=2",
                                     "+task.generation.max_gen_toks=8", f"results_dir={tmp_path / 'r'}"),
                            method_explicit=False)
     result = runner.run(spec)

@@ -215,7 +215,7 @@ def test_spec_prefill_without_a_draft_is_a_config_error():
     from omegaconf import OmegaConf
 
     from evalkit.paths import conf_dir
-    from evalkit.runner import ConfigError, validate
+    from evalkit.run import ConfigError, validate
 
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = OmegaConf.to_container(compose("config", overrides=["method=spec_prefill"]), resolve=True)

@@ -114,7 +114,7 @@ def test_the_throughput_table_marks_batches_that_do_not_fit():
 def test_every_run_reports_the_throughput_its_budget_allows():
     from test_harness import spec_for
 
-    from evalkit.runner import memory_rows
+    from evalkit.run import memory_rows
 
     spec = spec_for("+budget=4x", "deployment=deepseek_r1_tp16_128k")  # DeepSeek-R1 TP16 128k on SN40L
     rows = {row["metric"]: row["value"] for row in memory_rows(spec.memory)}

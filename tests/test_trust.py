@@ -19,7 +19,7 @@ from test_harness import composed
 from evalkit.identity import fingerprint, source_identity
 from evalkit.paths import conf_dir
 from evalkit.results import read_table
-from evalkit.runner import (
+from evalkit.run import (
     METHOD_PARAMS,
     InvalidCombination,
     config_digest,

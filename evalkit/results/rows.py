@@ -1,0 +1,116 @@
+"""The result rows of a run: lm-eval's results and the adapter's per-request statistics as tidy metrics and sample
+rows and the measured bytes."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+
+from evalkit.scoring import all_responses
+
+
+def doc_key(doc: dict) -> str:
+    return str(doc.get("id", doc.get("_id")))
+
+
+def tidy_rows(
+    results: dict, task: str, stats: dict[tuple, dict], reasoning: dict[str, str] | None = None
+) -> tuple[list[dict], list[dict]]:
+    """Metrics and sample rows from lm-eval's results dict (with ``log_samples``) and the adapter's stats, keyed by
+    request: ``(task, doc_id, repeat)`` (see :func:`evalkit.lm.stats_keys`); ``reasoning``: the first call's text per
+    document, for two-call protocols."""
+    task_config = results.get("configs", {}).get(task, {})
+    subset_fields = (task_config.get("metadata") or {}).get("subset_field") or []
+    subset_fields = [subset_fields] if isinstance(subset_fields, str) else list(subset_fields)
+    metric_names = [entry["metric"] for entry in task_config.get("metric_list", [])]
+    samples = []
+    for sample in results["samples"][task]:
+        predictions = all_responses(sample.get("filtered_resps") or sample.get("resps") or [])
+        metric = metric_names[0] if metric_names else None
+        for repeat, prediction in enumerate(predictions):
+            row_stats = stats.get((task, sample.get("doc_id"), repeat), {})
+            kept = row_stats.get("kept_prompt_tokens")
+            samples.append(
+                {
+                    "doc_id": sample.get("doc_id"),
+                    "sample_id": str(sample.get("doc", {}).get("id", sample.get("doc_id"))),
+                    "subset": "/".join(str(sample.get("doc", {}).get(f)) for f in subset_fields) or None,
+                    "repeat": repeat,
+                    "prediction": prediction if isinstance(prediction, str) else json.dumps(prediction, default=str),
+                    "reasoning": reasoning.get(doc_key(sample.get("doc", {}))) if reasoning else None,
+                    "target": str(sample.get("target")),
+                    "score": float(sample[metric]) if metric in sample else None,
+                    "prompt_tokens": row_stats.get("prompt_tokens"),
+                    "generated_tokens": row_stats.get("generated_tokens"),
+                    "kept_prompt_tokens": sum(kept) / len(kept) if kept else None,  # mean over layers and heads
+                    "peak_cache_tokens": row_stats.get("peak_cache_tokens"),
+                    "tokens_seen": row_stats.get("tokens_seen"),
+                    "realized_ratio": row_stats.get("realized_ratio"),
+                    "truncated": row_stats.get("truncated"),
+                    "token_agreement": row_stats.get("token_agreement"),
+                    "first_divergence": row_stats.get("first_divergence"),
+                    "kl_mean": row_stats.get("kl_mean"),
+                    "spec_kept_tokens": row_stats.get("spec_kept_tokens"),
+                    "draft_seconds": row_stats.get("draft_seconds"),
+                    "prefill_seconds": row_stats.get("prefill_seconds"),
+                    "decode_seconds": row_stats.get("decode_seconds"),
+                    "time_to_first_token_s": row_stats.get("time_to_first_token_s"),
+                    "reserved_cache_tokens": row_stats.get("reserved_cache_tokens"),
+                    **{column: row_stats.get(column) for column in BYTE_COLUMNS},
+                    "over_budget": row_stats.get("over_budget"),
+                }
+            )
+    n = len({s["doc_id"] for s in samples})
+    metrics = []
+    for key, value in results["results"][task].items():
+        if "," not in key or "_stderr" in key or not isinstance(value, (int, float)):
+            continue
+        name = key.split(",")[0]
+        stderr = results["results"][task].get(key.replace(name, f"{name}_stderr", 1))
+        metrics.append({"subset": "all", "metric": name, "value": float(value),
+                        "stderr": float(stderr) if isinstance(stderr, (int, float)) else None, "n": n})
+    if subset_fields and samples:
+        frame = pd.DataFrame(samples)
+        parts = frame["subset"].str.split("/", expand=True)
+        for position, _field in enumerate(subset_fields):
+            for subset, group in frame.groupby(parts[position]):
+                per_doc = group.groupby("doc_id")["score"].mean().dropna()  # unscored: out of the denominator
+                if per_doc.empty:
+                    continue
+                stderr = float(per_doc.std(ddof=1) / len(per_doc) ** 0.5) if len(per_doc) > 1 else None
+                metrics.append({"subset": subset, "metric": metric_names[0], "value": float(per_doc.mean()),
+                                "stderr": stderr, "n": len(per_doc)})
+    frame = pd.DataFrame(samples)
+    metrics += byte_rows(frame)
+    for column, name in (("realized_ratio", "realized_ratio_mean"), ("token_agreement", "token_agreement_mean"),
+                         ("kl_mean", "kl_mean")):
+        values = frame[column].dropna() if column in frame else pd.Series(dtype=float)
+        if len(values):
+            stderr = float(values.std(ddof=1) / len(values) ** 0.5) if len(values) > 1 and name != "realized_ratio_mean" else None
+            metrics.append({"subset": "all", "metric": name, "value": float(values.mean()), "stderr": stderr, "n": len(values)})
+    return metrics, samples
+
+
+BYTE_COLUMNS = ("kv_bytes_peak", "kv_bytes_reserved", "kv_bytes_full", "kv_bytes_predicted", "memory_ratio")
+
+
+def byte_rows(frame: pd.DataFrame) -> list[dict]:
+    """The run's measured KV bytes as metrics rows: means of held (peak), full and reserved bytes, the realized memory
+    ratio (full / held), ``memory_freed`` (the share of requests whose slot reserves fewer bytes than a full cache
+    holds for their tokens: derived from the bytes, so a method that only masks shows 0), and the simulator's largest
+    relative error against the measurement (``kv_bytes_predicted_error_max``)."""
+    if "kv_bytes_peak" not in frame or frame["kv_bytes_peak"].isna().all():
+        return []
+    measured = frame.dropna(subset=["kv_bytes_peak"])
+    rows = {"kv_bytes_peak_mean": measured["kv_bytes_peak"].mean(), "kv_bytes_full_mean": measured["kv_bytes_full"].mean(),
+            "kv_bytes_reserved_mean": measured["kv_bytes_reserved"].mean(),
+            "memory_ratio_mean": measured["memory_ratio"].mean(),
+            "memory_freed": (measured["kv_bytes_reserved"] < measured["kv_bytes_full"]).mean()}
+    predicted = measured.dropna(subset=["kv_bytes_predicted"])
+    if len(predicted):
+        error = (predicted["kv_bytes_predicted"] - predicted["kv_bytes_peak"]).abs() / predicted["kv_bytes_peak"]
+        rows["kv_bytes_predicted_error_max"] = error.max()
+    return [{"subset": "all", "metric": name, "value": float(value), "stderr": None, "n": len(measured)}
+            for name, value in rows.items()]
+

@@ -1,0 +1,131 @@
+"""A run's identity: what its outputs depend on beyond its config values, the digest over both (resume and sweeps
+key on it) and the run id."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import subprocess
+import uuid
+from importlib import metadata
+from pathlib import Path
+
+from evalkit import identity
+from evalkit.paths import tasks_dir
+
+from .errors import ConfigError, RunError, model_unavailable
+from .spec import RunSpec
+from .tasks import task_with_options
+
+
+def versions() -> dict:
+    def version(package: str) -> str | None:
+        try:
+            return metadata.version(package)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "evalkit_version": version("evalkit"),
+        "torch_version": version("torch"),
+        "transformers_version": version("transformers"),
+        "lm_eval_version": version("lm_eval") or version("lm-eval"),
+        "git_revision": git_output("rev-parse", "HEAD", cwd=Path(__file__).parent),
+    }
+
+
+def identify(spec: RunSpec) -> dict:
+    """What the run's outputs depend on beyond its config values, resolved (see :mod:`evalkit.identity`): the model
+    (hub commit, or a fingerprint of the local files: weights, config, tokenizer, chat template), the speculative
+    prefill draft, the dataset (hub commit or file fingerprint), the task's own definition, and the device class.
+
+    Computed once per spec; a model or dataset path that does not exist is a :class:`RunError`.
+    """
+    if spec.identity is not None:
+        return spec.identity
+    from evalkit.lm import resolve_device, resolve_pretrained
+
+    def source(label: str, name: str, repo_type: str = "model", revision: str | None = None) -> str:
+        try:
+            return identity.source_identity(name, repo_type, revision)
+        except (identity.MissingSource, FileNotFoundError) as error:
+            raise RunError(f"{label}: {error}") from None
+
+    dataset = task_with_options(spec.task, spec.task_options).get("dataset_kwargs") or {}
+    data_source = dataset.get("path") or (lcb_release_sources(dataset["release"]) if dataset.get("release") else None)
+    if spec.task == "needle":  # built at run time from the Python docs: their version is the data's identity
+        from evalkit.scoring import needle
+
+        generated = needle.source()
+    draft = (spec.spec_prefill or {}).get("draft_model")
+    spec.identity = {
+        "model_source": source("model.pretrained", _resolved(resolve_pretrained, spec.pretrained), revision=spec.revision),
+        # The ids generation stops on (the generation config's and the tokenizer's EOS), as a JSON list.
+        "stop_token_ids": json.dumps(_stop_ids(spec)),
+        "draft_source": source("method.draft_model", _resolved(resolve_pretrained, draft)) if draft else None,
+        "dataset_source": (source("task.dataset.path", data_source, "dataset", dataset.get("revision")) if data_source
+                           else generated if spec.task == "needle" else None),
+        "task_definition": identity.fingerprint([tasks_dir() / spec.task]),
+        "device_class": resolve_device(spec.device).split(":")[0],
+    }
+    return spec.identity
+
+
+def _stop_ids(spec: RunSpec) -> list[int]:
+    from evalkit.lm import stop_token_ids_of
+
+    try:
+        return stop_token_ids_of(spec.pretrained, spec.revision)
+    except OSError as error:
+        raise RunError(model_unavailable(spec.pretrained, error)) from None
+
+
+def _resolved(resolve, name: str) -> str:
+    try:
+        return resolve(name)
+    except FileNotFoundError as error:
+        raise RunError(str(error)) from None
+
+
+def lcb_release_sources(release: str) -> list[str]:
+    from evalkit.scoring.livecodebench import release_sources
+
+    try:
+        return release_sources(release)
+    except ValueError as error:
+        raise ConfigError(f"task.dataset.release: {error}") from None
+
+
+def config_digest(spec: RunSpec) -> str:
+    """Identifies everything that can change a run's outputs (its config values and :func:`identify`): the same
+    config restarted resumes; a sweep skips configs already done; any difference gives another digest."""
+    ident = {**spec.flat_config(), **identify(spec)}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def run_id_for(spec: RunSpec, started: dt.datetime) -> str:
+    budget = spec.budget or "nobudget"
+    return f"{started:%Y%m%dT%H%M%S}-{spec.task}-{spec.method}-{budget}-{config_digest(spec)}-{uuid.uuid4().hex[:6]}"
+
+
+def completed_runs(results_dir: Path, spec: RunSpec) -> list[Path]:
+    """Metrics files of earlier runs with this exact config (a metrics file is written last, only when complete)."""
+    return sorted((Path(results_dir) / "metrics").glob(f"*-{config_digest(spec)}-*.parquet"))
+
+
+def git_output(*args: str, cwd: Path | None = None) -> str | None:
+    """What ``git ARGS`` prints in ``cwd`` (default: the working folder), or None; git's complaints stay off the
+    terminal."""
+    try:
+        done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=5,
+                              stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() or None
+
+
+def chat_template_sha(tokenizer) -> str | None:
+    template = getattr(tokenizer, "chat_template", None)
+    return hashlib.sha256(str(template).encode()).hexdigest()[:16] if template else None
+

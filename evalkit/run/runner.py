@@ -1,0 +1,243 @@
+"""One evaluation run, callable without Hydra: validate -> build model and policy -> lm-eval -> tidy tables.
+
+The Hydra entry point (:mod:`evalkit.cli`) only composes the config and calls :func:`run`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as dt
+import errno
+import fcntl
+import functools
+import os
+import socket
+import sys
+import uuid
+from pathlib import Path
+
+import pandas as pd
+
+from evalkit.progress import Progress
+from evalkit.results import metrics_table, samples_table, write_table
+from evalkit.results.rows import tidy_rows
+
+from .digest import chat_template_sha, completed_runs, config_digest, git_output, identify, run_id_for, versions
+from .errors import Interrupted, RunError, model_unavailable, one_line
+from .pricing import memory_rows
+from .spec import RunSpec
+from .tasks import load_task, reasoning_pass, stats_of_reasoning_pass, task_manager, task_object, task_with_options
+
+
+@dataclasses.dataclass
+class RunResult:
+    run_id: str
+    metrics: pd.DataFrame
+    samples: pd.DataFrame
+    paths: list[Path]
+
+
+def budget_check(spec: RunSpec, samples: list[dict]) -> list[dict]:
+    """Requests whose cache held more than the budget allows (beyond 1%): a loud line on stderr and the metric
+    ``over_budget`` (their count), or, with ``strict_budget=true``, an error before any table is written (the
+    generations stay in the progress file). Prompts shorter than the capacity are within it by definition."""
+    flags = [s["over_budget"] for s in samples if s.get("over_budget") is not None]
+    if spec.budget is None or not flags:
+        return []
+    over = sum(flags)
+    if over:
+        message = (f"{over} of {len(flags)} requests held more than budget {spec.budget} allows "
+                   f"(prompt capacity {spec.policy.prompt_capacity()}, cache capacity {spec.policy.cache_capacity()}; "
+                   "see the samples' over_budget, kept_prompt_tokens and peak_cache_tokens): the budget did not take "
+                   "full effect")
+        if spec.strict_budget:
+            raise RunError(f"strict_budget: {message}")
+        print(f"evalkit: WARNING: {message}", file=sys.stderr, flush=True)
+    return [{"subset": "all", "metric": "over_budget", "value": float(over), "stderr": None, "n": len(flags)}]
+
+
+def run(spec: RunSpec, model=None, tokenizer=None) -> RunResult | None:
+    """Evaluate ``spec`` (a loaded model/tokenizer may be passed in) and write its tables.
+
+    With ``spec.resume`` (the default) a config whose tables exist is skipped (None is returned) and an interrupted
+    one continues from its progress file. Everything that can be checked before the model loads is checked first:
+    the model and data sources, the results directory, the data rows. Ctrl-C raises :class:`Interrupted`. One
+    process at a time runs a config in a results directory: a second one started beside it is refused (a lock on
+    the config's progress file), and tables an interrupted attempt left without its metrics table go first.
+    """
+    if spec.resume and completed_runs(spec.results_dir, spec):
+        return None
+    _check_writable(spec.results_dir)
+    digest = config_digest(spec)
+    progress_dir = spec.results_dir / ".progress"
+    created = [path for path in (spec.results_dir, progress_dir) if not path.exists()]
+    progress_dir.mkdir(parents=True, exist_ok=True)
+    lock_path = progress_dir / f"{digest}.lock"
+    with open(lock_path, "a+", encoding="utf-8") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            raise RunError(f"this config is already running in {spec.results_dir} ({holder}); wait for it to finish "
+                           "(its tables then make this run a skip) or use another results_dir") from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        lock.flush()
+        try:
+            if spec.resume and completed_runs(spec.results_dir, spec):  # finished while this one waited to start
+                return None
+            remove_unfinished_tables(spec.results_dir, digest)
+            return _run(spec, digest, model, tokenizer)
+        except KeyboardInterrupt:  # at any point: loading, generating, scoring or writing the tables
+            raise Interrupted(len(Progress(progress_dir / f"{digest}.jsonl").done)) from None
+        except OSError as error:
+            if error.errno not in _NO_ROOM:
+                raise
+            remedy = "raise the file size limit (ulimit -f)" if error.errno == errno.EFBIG else "make room"
+            raise RunError(f"{error.filename or spec.results_dir}: {os.strerror(error.errno)}; the tables and progress "
+                           f"written before are intact: {remedy} and run the same command again to resume") from None
+        finally:  # still holding the lock
+            if not (progress_dir / f"{digest}.jsonl").exists():  # nothing left to resume: no trace of the lock
+                with contextlib.suppress(OSError):
+                    lock_path.unlink(missing_ok=True)
+                    for path in reversed(created):
+                        path.rmdir()  # only what this run made and left empty (a mistake writes nothing)
+
+
+_NO_ROOM = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+def remove_unfinished_tables(results_dir: Path, digest: str) -> None:
+    """Tables of config ``digest`` whose run never wrote its metrics table (written last: the mark of a complete
+    run), and temporary files of an interrupted write: an attempt cut short while writing. They go before a rerun
+    writes its own tables, so that no sample is counted twice."""
+    complete = {p.stem for p in (results_dir / "metrics").glob(f"*-{digest}-*.parquet")}
+    for folder in ("samples", "metrics", "csv/samples", "csv/metrics"):
+        for path in (results_dir / folder).glob(f"*-{digest}-*"):
+            if path.name.startswith(".") or path.stem not in complete:
+                path.unlink(missing_ok=True)
+
+
+def _run(spec: RunSpec, digest: str, model=None, tokenizer=None) -> RunResult:
+    import lm_eval
+
+    from evalkit.lm import EvalkitLM
+
+    progress_path = spec.results_dir / ".progress" / f"{digest}.jsonl"
+    if not spec.resume:
+        progress_path.unlink(missing_ok=True)
+    progress = Progress(progress_path)
+    if progress.resumed:
+        print(f"resuming: {progress.resumed} generations already done ({progress_path})", flush=True)
+    started = dt.datetime.now(dt.timezone.utc)
+    run_id = run_id_for(spec, started)
+    task_config = task_with_options(spec.task, spec.task_options, spec.bad_rows)
+    task, skipped_rows = load_task(task_config)  # bad data fails here, before the model loads
+    if spec.threads:
+        import torch
+
+        torch.set_num_threads(spec.threads)
+    try:
+        lm = EvalkitLM(
+            pretrained=spec.pretrained, model=model, tokenizer=tokenizer, policy=spec.policy,
+            max_context=spec.max_context, batch_size=spec.batch_size, device=spec.device, dtype=spec.dtype,
+            seed=spec.seed, apply_chat_template=spec.apply_chat_template, compression_scope=spec.compression_scope,
+            progress=progress, fidelity_tokens=spec.fidelity_tokens, spec_prefill=spec.spec_prefill,
+            revision=spec.revision, device_map=spec.device_map, compile=spec.compile,
+            prefill_chunk=spec.prefill_chunk, prefill_chunk_mode=spec.prefill_chunk_mode,
+        )
+    except OSError as error:
+        raise RunError(model_unavailable(spec.pretrained, error)) from None
+    except ValueError as error:
+        raise RunError(f"model {spec.pretrained}: {one_line(error)}") from None
+
+    # lm-eval asks git for a commit hash with the child's stderr on ours ("fatal: not a git repository" outside a
+    # checkout); the same question, asked quietly (the run's own identity records evalkit's revision).
+    import lm_eval.evaluator
+
+    lm_eval.evaluator.get_git_commit_hash = functools.partial(git_output, "describe", "--always")
+
+    def evaluate(config) -> dict:  # a task config, or the task already built from one
+        return lm_eval.simple_evaluate(
+            model=lm,
+            tasks=[task_object(config) if isinstance(config, dict) else config],
+            task_manager=task_manager(),
+            system_instruction=spec.task_options.get("system_instruction"),
+            limit=spec.limit,
+            log_samples=True,
+            apply_chat_template=spec.apply_chat_template,
+            random_seed=spec.seed,
+            numpy_random_seed=spec.seed,
+            torch_random_seed=spec.seed,
+            fewshot_random_seed=spec.seed,
+            bootstrap_iters=1000,
+        )
+
+    try:
+        stats, reasoning = lm.request_stats, None
+        if (task_config.get("dataset_kwargs") or {}).get("cot"):
+            task_config, stats, reasoning = reasoning_pass(evaluate, task_config, lm.request_stats, progress_path)
+        results = evaluate(task_config if reasoning is not None else task)
+    except KeyboardInterrupt:
+        raise Interrupted(len(Progress(progress_path).done)) from None
+    if reasoning is not None:
+        stats = stats_of_reasoning_pass(results, spec.task, stats)
+    metrics, samples = tidy_rows(results, spec.task, stats, reasoning)
+    metrics += lm.throughput.rows()
+    metrics += budget_check(spec, samples)
+    if skipped_rows:
+        metrics.append({"subset": "all", "metric": "rows_skipped", "value": float(len(skipped_rows)), "stderr": None,
+                        "n": len(skipped_rows)})
+    if spec.memory is not None:
+        metrics += memory_rows(spec.memory)
+    config = {"run_id": run_id, **spec.flat_config(), **identify(spec), "config_digest": digest,
+              "chat_template_sha": chat_template_sha(lm.tokenizer) if spec.apply_chat_template else None,
+              **versions(), "started_at": started.isoformat()}
+    # Samples first, metrics last (its parquet file after its CSV): a metrics parquet file means the run is complete.
+    samples_path = write_table(samples_table(samples, config), spec.results_dir, "samples", run_id)
+    paths = [write_table(metrics_table(metrics, config), spec.results_dir, "metrics", run_id), samples_path]
+    progress.remove()
+    progress_path.with_name(f"{progress_path.stem}-reasoning.jsonl").unlink(missing_ok=True)
+    return RunResult(run_id, pd.DataFrame(metrics), pd.DataFrame(samples), paths)
+
+
+def _check_writable(results_dir: Path) -> None:
+    """The results directory can take the tables: checked before the model loads, so a bad path costs nothing. The
+    check leaves nothing behind (folders it made are removed again)."""
+    made = [p for p in [results_dir, *results_dir.parents] if not p.exists()]
+    try:
+        results_dir.mkdir(parents=True, exist_ok=True)
+        probe = results_dir / f".write-check-{uuid.uuid4().hex[:8]}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise RunError(f"results_dir {results_dir} is not writable: {error.strerror or error}") from None
+    finally:
+        for folder in made:  # deepest first
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
+def summary(result: RunResult, spec: RunSpec) -> str:
+    """A short table for the terminal."""
+    head = (f"run {result.run_id}\nmodel={spec.model_name} task={spec.task} method={spec.method} "
+            f"budget={spec.budget or '-'} capacity={spec.policy.cache_capacity() or 'all'}")
+    is_memory = result.metrics["subset"] == "memory"
+    table = result.metrics[~is_memory][["subset", "metric", "value", "stderr", "n"]].to_string(index=False,
+                                                                                             float_format="%.4f")
+    if spec.memory is not None:
+        v, d = spec.memory, spec.memory.deployment
+        if d.name != spec.own_deployment:  # priced for the deployment's model, which need not be this one
+            table += (f"\nnote: the memory rows price {d.model.name} on {d.name}, the deployment named for this run, "
+                      f"not necessarily {spec.model_name} itself")
+        best = result.metrics[is_memory].set_index("metric")["value"]["best_tokens_per_s_estimate"]
+        table += (f"\nmemory on {d.name} ({d.hardware.name}, tp={d.tp}, batch={d.batch}, context={d.context}): "
+                  f"{'fits' if v.fits else 'DOES NOT FIT'}; KV {v.kv / 2**30:.2f} GiB/socket, on-chip ratio "
+                  f"{v.onchip_ratio:.1f}x, largest batch {v.max_batch}, ~{v.decode_tokens_per_s:.0f} tok/s at "
+                  f"batch {d.batch}, ~{best:.0f} tok/s at best (bandwidth bound)")
+    where = "\n".join(f"  {path}" for path in result.paths)
+    return f"{head}\n{table}\nwritten (CSV copies under csv/):\n{where}"
+

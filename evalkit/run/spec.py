@@ -1,0 +1,329 @@
+"""A run's config, checked: :func:`validate` turns a composed config (plain dict) into a :class:`RunSpec` before any
+model loads, or raises :class:`~evalkit.run.errors.ConfigError` with one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from pathlib import Path
+
+import evalkit.compression as ec
+from evalkit import memory
+from evalkit.paths import tasks_dir
+
+from .errors import ConfigError, InvalidCombination
+from .pricing import price_deployment
+
+# Each method's settings a config may give (its policy's fields but what the budget decides).
+METHOD_PARAMS = {name: ec.method_params(name) for name in ec.POLICIES}
+
+
+# conf/task/<name>.yaml beyond its name: `dataset` (arguments of the task's loader: hub id or path, release, ...),
+# `generation` (overrides of the task's generation_kwargs), `repeats` (samples per prompt), `system_instruction`.
+# `gen_prefix`: text the assistant turn starts with (AIME's "<think>\n" switch).
+TASK_OPTION_KEYS = ("dataset", "generation", "repeats", "system_instruction", "gen_prefix")
+
+
+@dataclasses.dataclass
+class RunSpec:
+    """What a run does, validated, before any model is loaded."""
+
+    model_name: str
+    pretrained: str
+    max_context: int
+    dtype: str
+    apply_chat_template: bool
+    task: str
+    method: str
+    budget: str | None
+    policy: ec.Policy
+    seed: int
+    limit: int | None
+    batch_size: int  # engine slots: sequences decoded together, a finished one's slot refilled at once
+    device: str
+    results_dir: Path
+    task_options: dict = dataclasses.field(default_factory=dict)
+    compression_scope: str = "prompt"
+    prefill_chunk: int | None = None  # prefill this many tokens at a time (None: the whole prompt at once)
+    prefill_chunk_mode: str = "exact"  # exact: compressed once at the end; compress: back to the budget every chunk
+    memory: memory.Verdict | None = None
+    spec_prefill: dict | None = None  # speculative prefill settings (draft_model, keep, ...) when method=spec_prefill
+    decode_method: str | None = None  # the KV policy while decoding (the method itself unless spec_prefill)
+    resume: bool = True
+    strict_budget: bool = False  # a request that held more than the budget is an error, not a warning
+    fidelity_tokens: int = 0
+    revision: str | None = None  # hub revision of the model (branch, tag or commit)
+    device_map: str | dict | None = None  # accelerate's device map: the model's layers spread over GPUs
+    bad_rows: str = "error"  # error | skip: what a malformed data row does
+    threads: int | None = None  # torch CPU threads of this job (None: torch's default, one per core)
+    compile: str | None = None  # torch.compile backend of the engine's decode step (None: not compiled)
+    own_deployment: str | None = None  # the deployment the model config chose for its model (model.deployment)
+    identity: dict | None = None  # filled by identify(): resolved sources, fingerprints
+
+    def flat_config(self) -> dict:
+        params = dataclasses.asdict(self.policy)
+        return {
+            "model": self.model_name,
+            "model_pretrained": self.pretrained,
+            "apply_chat_template": self.apply_chat_template,
+            "method": self.method,
+            "budget": self.budget,
+            "capacity": self.policy.cache_capacity(),
+            "max_context": self.max_context,
+            "window": params.get("window"),
+            "kernel_size": params.get("kernel_size"),
+            "pooling": params.get("pooling"),
+            "gqa_reduce": params.get("gqa_reduce"),
+            "sink": params.get("sink"),
+            "recent": params.get("recent"),
+            "task": self.task,
+            "task_options": json.dumps(self.task_options, sort_keys=True, default=str),
+            "compression_scope": self.compression_scope,
+            "deployment": self.memory.deployment.name if self.memory else None,
+            "hardware": self.memory.deployment.hardware.name if self.memory else None,
+            "seed": self.seed,
+            "fidelity_tokens": self.fidelity_tokens,
+            "decode_method": self.decode_method or self.method,
+            "draft_model": (self.spec_prefill or {}).get("draft_model"),
+            "keep_fraction": (self.spec_prefill or {}).get("keep"),
+            "limit": self.limit,
+            "batch_size": self.batch_size,
+            "compile": self.compile,
+            "dtype": self.dtype,
+            "device": self.device,
+            "bad_rows": self.bad_rows,
+            "policy_params": json.dumps(params, sort_keys=True, default=str),
+            "spec_prefill": json.dumps(self.spec_prefill, sort_keys=True, default=str) if self.spec_prefill else None,
+            # Only when set, so that earlier runs keep their config digest (the tables show it empty otherwise).
+            **({"device_map": json.dumps(self.device_map, sort_keys=True)} if self.device_map is not None else {}),
+            **({"prefill_chunk": self.prefill_chunk, "prefill_chunk_mode": self.prefill_chunk_mode}
+               if self.prefill_chunk is not None else {}),
+        }
+
+
+RUN_KEYS = ("model", "method", "task", "hardware", "deployment", "budget", "results_dir", "seed", "limit", "batch_size",
+            "compile", "fidelity_tokens", "resume", "strict_budget", "threads", "device", "bad_rows", "compression_scope",
+            "prefill_chunk", "prefill_chunk_mode", "memory")
+
+
+MODEL_KEYS = ("name", "pretrained", "max_context", "dtype", "apply_chat_template", "revision", "device_map",
+              "deployment")
+
+
+def check_known(section: dict, known, where: str = "") -> None:
+    """Every key of ``section`` is one of ``known``; else one line naming the key and its nearest known spelling
+    (``where``: the section's prefix, e.g. ``model.``)."""
+    for key in section:
+        if key not in known:
+            near = difflib.get_close_matches(str(key), [str(k) for k in known], n=1, cutoff=0.6)
+            hint = f"did you mean {where}{near[0]}?" if near else f"known: {', '.join(sorted(map(str, known)))}"
+            raise ConfigError(f"unknown setting {where}{key}: {hint}")
+
+
+def _require_bool(value, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _require(section: dict, key: str, where: str):
+    if section.get(key) is None:
+        raise ConfigError(f"{where}.{key} is required")
+    return section[key]
+
+
+def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
+    """Check a composed config (plain dict) and build the policy; raise ConfigError with one clear line."""
+    check_known(cfg, RUN_KEYS)
+    model, method_cfg, task = cfg.get("model") or {}, dict(cfg.get("method") or {}), cfg.get("task") or {}
+    check_known(model, MODEL_KEYS, "model.")
+    if isinstance(cfg.get("memory"), dict):
+        check_known(cfg["memory"], ("enforce",), "memory.")
+        _require_bool(cfg["memory"].get("enforce", False), "memory.enforce")
+    if isinstance(cfg.get("budget"), dict):
+        check_known(cfg["budget"], ("spec",), "budget.")
+    budget_cfg = cfg.get("budget")
+    budget = budget_cfg.get("spec") if isinstance(budget_cfg, dict) else budget_cfg
+    budget = None if budget in (None, "none") else str(budget)
+    method = method_cfg.pop("name", None)
+    spec_prefill, label = None, method
+    if method == "spec_prefill":
+        spec_prefill = _spec_prefill_settings(method_cfg)
+        method = spec_prefill.pop("then")
+        method_explicit = True  # the decoding policy was chosen explicitly (`then`)
+    if method not in METHOD_PARAMS:
+        raise ConfigError(f"unknown method {method!r}; choose one of {sorted([*METHOD_PARAMS, 'spec_prefill'])}")
+    if budget is None and method != "full":
+        if method_explicit:
+            raise InvalidCombination(f"method={method} needs a budget: add +budget=4x (or 2x, 8x, 16x, tokens_N)")
+        method, method_cfg = "full", {}  # `evalkit task=X` with no budget is the full-cache baseline
+    if budget is not None and method == "full":
+        raise InvalidCombination("method=full takes no budget; drop +budget or pick a compressing method")
+    check_known(method_cfg, METHOD_PARAMS[method], "method.")
+    max_context = _require(model, "max_context", "model")
+    if not isinstance(max_context, int) or max_context < 1:
+        raise ConfigError(f"model.max_context must be a positive integer, got {max_context!r}")
+    params = {key: value for key, value in method_cfg.items() if value is not None}
+    try:
+        policy = ec.policy_from_budget(method, budget, max_context, **params)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(str(error)) from None
+    for key in ("seed", "batch_size"):
+        if not isinstance(cfg.get(key), int) or cfg[key] < (1 if key == "batch_size" else 0):
+            raise ConfigError(f"{key} must be a {'positive' if key == 'batch_size' else 'non-negative'} integer, got {cfg.get(key)!r}")
+    limit = cfg.get("limit")
+    if limit is not None and (not isinstance(limit, int) or limit < 1):
+        raise ConfigError(f"limit must be a positive integer or null, got {limit!r}")
+    task_name = _require(task, "name", "task")
+    if not (tasks_dir() / task_name).is_dir():
+        available = sorted(p.name for p in tasks_dir().iterdir() if p.is_dir() and not p.name.startswith(("_", ".")))
+        raise ConfigError(f"unknown task {task_name!r}; available: {available}")
+    options = {key: task.get(key) for key in TASK_OPTION_KEYS if task.get(key) is not None}
+    check_known(task, ("name", *TASK_OPTION_KEYS), "task.")
+    for key in ("dataset", "generation"):
+        if not isinstance(options.get(key, {}), dict):
+            raise ConfigError(f"task.{key} must be a mapping, got {options[key]!r}")
+    path = options.get("dataset", {}).get("path")
+    if path is not None and not isinstance(path, str):
+        raise ConfigError(f"task.dataset.path must be a path or a hub id (text), got {path!r}")
+    for key in ("max_gen_toks", "max_new_tokens"):
+        value = options.get("generation", {}).get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"task.generation.{key} must be a positive integer, got {value!r}")
+    if "repeats" in options and (not isinstance(options["repeats"], int) or options["repeats"] < 1):
+        raise ConfigError(f"task.repeats must be a positive integer, got {options['repeats']!r}")
+    apply_chat_template = _require_bool(model.get("apply_chat_template", False), "model.apply_chat_template")
+    if task_name == "livecodebench":
+        apply_chat_template = _livecodebench_style(options, apply_chat_template)
+    scope = cfg.get("compression_scope", "prompt")
+    if scope not in ("prompt", "context"):
+        raise ConfigError(f"compression_scope must be prompt or context, got {scope!r}")
+    prefill_chunk, chunk_mode = cfg.get("prefill_chunk"), cfg.get("prefill_chunk_mode", "exact")
+    if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                      or prefill_chunk < 1):
+        raise ConfigError(f"prefill_chunk must be a positive integer of tokens or null, got {prefill_chunk!r}")
+    # The mode is checked always; whether the method can take it, only when it applies (a chunk is set).
+    refusal = ec.chunk_mode_refusal(policy if prefill_chunk is not None else ec.Full(), chunk_mode)
+    if refusal:
+        raise ConfigError(refusal)
+    verdict = price_deployment(cfg, budget if method != "full" else None, policy)
+    fidelity_tokens = cfg.get("fidelity_tokens", 0)
+    if not isinstance(fidelity_tokens, int) or fidelity_tokens < 0:
+        raise ConfigError(f"fidelity_tokens must be a non-negative integer, got {fidelity_tokens!r}")
+    bad_rows = cfg.get("bad_rows", "error")
+    if bad_rows not in ("error", "skip"):
+        raise ConfigError(f"bad_rows must be error or skip, got {bad_rows!r}")
+    device = str(cfg.get("device", "auto"))
+    _check_device(device)
+    threads = cfg.get("threads")
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise ConfigError(f"threads must be a positive integer or null, got {threads!r}")
+    try:
+        compile_with = ec.compile_backend(cfg.get("compile", False))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    return RunSpec(
+        spec_prefill=spec_prefill,
+        decode_method=method,
+        model_name=str(_require(model, "name", "model")),
+        pretrained=str(_require(model, "pretrained", "model")),
+        max_context=max_context,
+        dtype=str(model.get("dtype", "float32")),
+        apply_chat_template=apply_chat_template,
+        task=task_name,
+        method=label if spec_prefill else method,
+        budget=budget,
+        policy=policy,
+        seed=cfg["seed"],
+        limit=limit,
+        batch_size=cfg["batch_size"],
+        device=device,
+        results_dir=Path(cfg.get("results_dir", "results")),
+        task_options=options,
+        compression_scope=scope,
+        prefill_chunk=prefill_chunk,
+        prefill_chunk_mode=chunk_mode,
+        memory=verdict,
+        resume=_require_bool(cfg.get("resume", True), "resume"),
+        strict_budget=_require_bool(cfg.get("strict_budget", False), "strict_budget"),
+        fidelity_tokens=fidelity_tokens,
+        revision=model.get("revision"),
+        device_map=_device_map(model.get("device_map")),
+        bad_rows=bad_rows,
+        threads=threads,
+        compile=compile_with,
+        own_deployment=model.get("deployment"),
+    )
+
+
+def _livecodebench_style(options: dict, apply_chat_template: bool) -> bool:
+    """LiveCodeBench's ``prompt_style`` sets the system turn, the stop strings and whether the chat template wraps
+    the prompt (the DeepSeek-R1 style is a raw prompt with R1's own tokens); explicit options win."""
+    from evalkit.scoring.livecodebench import PROMPT_STYLES
+
+    name = (options.get("dataset") or {}).get("prompt_style") or "generic"
+    if name not in PROMPT_STYLES:
+        raise ConfigError(f"task.dataset.prompt_style must be one of {sorted(PROMPT_STYLES)}, got {name!r}")
+    style = PROMPT_STYLES[name]
+    if "system_instruction" not in options and style.system_instruction:
+        options["system_instruction"] = style.system_instruction
+    generation = options.setdefault("generation", {})
+    generation.setdefault("until", list(style.until))
+    return apply_chat_template and style.chat_template
+
+
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def _device_map(value):
+    """``model.device_map``: null (the whole model on ``device``), one of accelerate's strategies, or a mapping of
+    module names to devices."""
+    if value is None or value in DEVICE_MAPS:
+        return value
+    if isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
+        if {str(v) for v in value.values()} & {"meta", "disk"}:
+            raise ConfigError("model.device_map offloads layers to meta/disk; evalkit keeps each layer's cache on "
+                              "that layer's device, so every layer needs a GPU or cpu")
+        return {k: (v if isinstance(v, int) else str(v)) for k, v in value.items()}
+    raise ConfigError(f"model.device_map must be null, one of {list(DEVICE_MAPS)} or a mapping of module names to "
+                      f"devices, got {value!r}")
+
+
+def _check_device(device: str) -> None:
+    """A device this machine has, or one line saying why not (before any model loads)."""
+    import torch
+
+    if device in ("auto", "cpu"):
+        return
+    kind, _, index = device.partition(":")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device={device} but CUDA is not available on this machine (torch {torch.__version__}); "
+                              "use device=cpu or device=auto")
+        if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+            raise ConfigError(f"device={device} but this machine has {torch.cuda.device_count()} CUDA device(s)")
+        return
+    if kind == "mps" and not index:
+        if not torch.backends.mps.is_available():
+            raise ConfigError("device=mps but MPS is not available on this machine")
+        return
+    raise ConfigError(f"device must be auto, cpu, cuda, cuda:N or mps, got {device!r}")
+
+
+# SpecPrefill's own settings, with its defaults; the draft is named by draft_model, the decoding policy by `then`.
+SPEC_PREFILL_FIELDS = {f.name: f.default for f in dataclasses.fields(ec.SpecPrefill) if f.name not in ("draft", "draft_tokenizer")}
+
+
+def _spec_prefill_settings(method_cfg: dict) -> dict:
+    """Pop speculative prefill's own settings from ``method_cfg`` (what remains configures the decoding policy)."""
+    settings = {key: method_cfg.pop(key, default) for key, default in SPEC_PREFILL_FIELDS.items()}
+    try:
+        ec.SpecPrefill(draft=None, draft_tokenizer=None, **settings)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"method.{error}") from None
+    draft_model, then = method_cfg.pop("draft_model", None), method_cfg.pop("then", None) or "full"
+    if not draft_model:
+        raise ConfigError("method=spec_prefill needs method.draft_model=<hub id, local path or builtin:NAME>")
+    return {**settings, "draft_model": draft_model, "then": then}
+

@@ -1,7 +1,7 @@
 """``evalkit``: the Hydra entry point. Composition happens here; the work happens in :mod:`evalkit.run`.
 
     evalkit task=kv_retrieval                 # full-cache baseline
-    evalkit +budget=4x task=kv_retrieval      # same run, SnapStream at 4x
+    evalkit +budget=4x task=kv_retrieval      # same run, SnapStream at 4x (budget=4x alike)
     evalkit -m +budget=2x,4x,8x method=snapkv,snapstream task=kv_retrieval
 """
 
@@ -14,39 +14,37 @@ INTERRUPTED_EARLY = "evalkit: interrupted before the run started; nothing writte
 
 
 def _remember_interrupt(signum, frame) -> None:
-    # While the libraries load, Ctrl-C is only remembered: raised inside an import, a KeyboardInterrupt can be
-    # swallowed by a library's own bare ``except`` and the run would go on as if it had not been pressed.
+    # Until the run starts (the libraries loading, Hydra composing), Ctrl-C is only remembered: raised inside an
+    # import or a composition, a KeyboardInterrupt can be swallowed or turned into another error by a library's own
+    # ``except``, and the run would go on as if it had not been pressed (or report a bogus mistake).
     global _INTERRUPTED
     _INTERRUPTED = True
+
+
+def _stop_if_interrupted() -> None:
+    """Ctrl-C remembered so far: the interrupted line and exit status 130, nothing written."""
+    if _INTERRUPTED:
+        print(INTERRUPTED_EARLY, file=sys.stderr, flush=True)
+        sys.exit(130)
 
 
 _INTERRUPTED = False
 _PREVIOUS = signal.getsignal(signal.SIGINT)
 if _PREVIOUS is signal.default_int_handler:  # not where SIGINT is ignored (nohup, a background job): keep that
-    signal.signal(signal.SIGINT, _remember_interrupt)
-try:  # Ctrl-C while the libraries load is a line, not a traceback
+    signal.signal(signal.SIGINT, _remember_interrupt)  # Ctrl-C's own action returns in _runner(), as the run starts
+try:
     import hydra
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
     from omegaconf import DictConfig, OmegaConf
 
+    from evalkit.config import normalize_overrides
     from evalkit.paths import conf_dir
-    from evalkit.run import (
-        ConfigError,
-        Interrupted,
-        RunError,
-        completed_runs,
-        run,
-        summary,
-        validate,
-    )
+    from evalkit.run.errors import ConfigError, Interrupted, RunError
+    from evalkit.run.spec import precheck
 except KeyboardInterrupt:
     _INTERRUPTED = True
-finally:
-    signal.signal(signal.SIGINT, _PREVIOUS)
-if _INTERRUPTED:
-    print(INTERRUPTED_EARLY, file=sys.stderr, flush=True)
-    sys.exit(130)
+_stop_if_interrupted()
 
 
 def method_was_chosen(overrides: list[str]) -> bool:
@@ -60,8 +58,11 @@ def evaluate(cfg: DictConfig, overrides: list[str], sweeping: bool = False) -> N
     generated for the next start to resume."""
     try:
         plain = OmegaConf.to_container(cfg, resolve=True)
-        spec = validate(plain, method_explicit=method_was_chosen(overrides))
-        result = run(spec)
+        _stop_if_interrupted()
+        precheck(plain)  # a mistake in the config is answered before torch and transformers load
+        runner = _runner()
+        spec = runner.validate(plain, method_explicit=method_was_chosen(overrides))
+        result = runner.run(spec)
     except (ConfigError, RunError) as error:
         kind = "config error" if isinstance(error, ConfigError) else "error"
         if sweeping:
@@ -76,10 +77,22 @@ def evaluate(cfg: DictConfig, overrides: list[str], sweeping: bool = False) -> N
         print(INTERRUPTED_EARLY, file=sys.stderr, flush=True)
         sys.exit(130)
     if result is None:
-        done = completed_runs(spec.results_dir, spec)
+        done = runner.completed_runs(spec.results_dir, spec)
         print(f"skipped: this config already has results ({done[-1]}); resume=false runs it again")
         return
-    print(summary(result, spec))
+    print(runner.summary(result, spec))
+
+
+def _runner():
+    """:mod:`evalkit.run` with torch, transformers and lm-eval loaded (Ctrl-C remembered while they load); from here
+    on Ctrl-C has its own action again: an interrupted run keeps what it generated."""
+    import evalkit.compression  # noqa: F401  (torch and transformers: the seconds a start takes)
+    import evalkit.run as runner
+
+    if signal.getsignal(signal.SIGINT) is _remember_interrupt:
+        signal.signal(signal.SIGINT, _PREVIOUS)
+    _stop_if_interrupted()
+    return runner
 
 
 @hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")
@@ -157,11 +170,14 @@ def without_unknown_options(argv: list[str]) -> list[str]:
 
 def main() -> None:
     try:
+        sys.argv[1:] = normalize_overrides(sys.argv[1:])
         error = composition_error(sys.argv[1:])
+        _stop_if_interrupted()
         if error:
             print(f"evalkit: config error: {error}", file=sys.stderr)
             sys.exit(2)
         sys.argv[1:] = without_unknown_options(sys.argv[1:])
+        _stop_if_interrupted()
         _main()
     except KeyboardInterrupt:  # in Hydra's composition or launcher, outside any run
         print(INTERRUPTED_EARLY, file=sys.stderr, flush=True)

@@ -6,22 +6,18 @@ import pandas as pd
 import pytest
 import torch
 from helpers import evalkit
-from hydra import compose, initialize_config_dir
 from yaml import safe_load
 
 import evalkit.compression as ec
 from evalkit.cli import method_was_chosen
+from evalkit.config import compose as compose_config
 from evalkit.paths import conf_dir
 from evalkit.results import metrics_table, read_table, write_table
 from evalkit.run import ConfigError, validate
 
 
 def composed(*overrides: str) -> dict:
-    from omegaconf import OmegaConf
-
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        cfg = compose("config", overrides=list(overrides))
-    return OmegaConf.to_container(cfg, resolve=True)
+    return compose_config(*overrides)
 
 
 def spec_for(*overrides: str):
@@ -39,6 +35,32 @@ def test_plus_budget_compresses_with_snapstream():
     assert spec.method == "snapstream" and spec.budget == "4x"
     assert spec.policy.cache_capacity() == 256 // 4
     assert spec.flat_config()["capacity"] == 64 and spec.flat_config()["window"] == 32
+
+
+def test_budget_is_a_plain_key_and_the_appending_form_still_works():
+    plain, appended = spec_for("budget=4x", "task=kv_retrieval"), spec_for("+budget=4x", "task=kv_retrieval")
+    assert plain.flat_config() == appended.flat_config() and plain.policy.cache_capacity() == 64
+    assert spec_for("+budget=4x", "~budget").budget is None  # ~budget: no budget, the full-cache baseline
+    assert spec_for("budget=tokens_100").policy.cache_capacity() == 100
+    with pytest.raises(ConfigError, match="budget must look like '4x', '2.5x' or 'tokens_4096', got '3q'"):
+        spec_for("budget=3q")
+
+
+def test_a_config_error_is_answered_before_torch_loads(tmp_path):
+    """`evalkit budget=3q task=needle`: the one line and exit 2, and torch, transformers and lm-eval never imported
+    (Python's -X importtime lists every module a process imports)."""
+    import subprocess
+    import sys
+
+    for override in ("budget=3q", "+budget=3q", "limit=0", "device=tpu"):
+        result = subprocess.run([sys.executable, "-X", "importtime", "-m", "evalkit.cli", override, "task=needle",
+                                 f"results_dir={tmp_path / 'results'}"], cwd=tmp_path, capture_output=True, text=True,
+                                timeout=120)
+        errors = [line for line in result.stderr.splitlines() if line.startswith("evalkit:")]
+        assert result.returncode == 2 and len(errors) == 1 and "config error" in errors[0], result.stderr[-2000:]
+        imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+        assert "hydra" in imported and not imported & {"torch", "transformers", "lm_eval"}
+    assert not (tmp_path / "results").exists()
 
 
 def test_sweep_axes_reach_the_policy():

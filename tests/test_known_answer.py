@@ -7,11 +7,9 @@ StreamingLLM's recent window only holds late needles, SnapKV's observation windo
 from __future__ import annotations
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
+from evalkit.config import compose as compose_config
 from evalkit.lm import ASSETS
-from evalkit.paths import conf_dir
 from evalkit.run import run, validate
 
 pytestmark = [
@@ -28,9 +26,8 @@ def scores(tmp_path_factory):
             "snapkv": ["+budget=4x", "method=snapkv"], "snapstream": ["+budget=4x", "method=snapstream"]}
     out = {}
     for name, overrides in runs.items():
-        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-            cfg = compose("config", overrides=[*overrides, "limit=60", f"results_dir={results_dir}", "device=cpu"])
-        spec = validate(OmegaConf.to_container(cfg, resolve=True), method_explicit=name != "full")
+        cfg = compose_config(*overrides, "limit=60", f"results_dir={results_dir}", "device=cpu")
+        spec = validate(cfg, method_explicit=name != "full")
         metrics = run(spec).metrics
         exact = metrics[metrics["metric"] == "exact_match"].set_index("subset")["value"]
         out[name] = exact.to_dict()

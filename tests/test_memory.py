@@ -110,13 +110,9 @@ def test_unknown_deployment_names_the_available_ones():
 
 
 def _composed(*overrides):
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
+    from evalkit.config import compose
 
-    from evalkit.paths import conf_dir
-
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        return OmegaConf.to_container(compose("config", overrides=list(overrides)), resolve=True)
+    return compose(*overrides)
 
 
 R1 = "deployment=deepseek_r1_tp16_128k"

@@ -63,7 +63,7 @@ def test_experiment_presets_define_their_grids():
         quick = compose("config", overrides=["+experiment=quick_grid"], return_hydra_config=True)
     params = paper.hydra.sweeper.params
     assert params["task"] == "longbench_v2,aime24,livecodebench"
-    assert params["method"] == "full,streaming_llm,snapkv,snapstream" and params["+budget"] == "none,2x,4x,8x"
+    assert params["method"] == "full,streaming_llm,snapkv,snapstream" and params["budget"] == "none,2x,4x,8x"
     assert paper.model.name == "llama31_8b_instruct" and quick.model.name == "kv_retrieval_tiny"
 
 

@@ -1,16 +1,32 @@
 """One evaluation run: its config checked (:mod:`.spec`), its identity (:mod:`.digest`), its memory price
-(:mod:`.pricing`), its lm-eval task (:mod:`.tasks`) and the run itself (:mod:`.runner`)."""
+(:mod:`.pricing`), its lm-eval task (:mod:`.tasks`) and the run itself (:mod:`.runner`).
 
-from .digest import completed_runs, config_digest, identify, lcb_release_sources
-from .errors import ConfigError, Interrupted, InvalidCombination, RunError
-from .pricing import deployed_capacity, memory_rows
-from .runner import RunResult, remove_unfinished_tables, run, summary
-from .spec import METHOD_PARAMS, MODEL_KEYS, RUN_KEYS, TASK_OPTION_KEYS, RunSpec, check_known, validate
-from .tasks import task_with_options
+Names load with their module on first use, so that checking a config (:func:`precheck`) needs neither torch nor
+transformers.
+"""
 
-__all__ = [
-    "METHOD_PARAMS", "MODEL_KEYS", "RUN_KEYS", "TASK_OPTION_KEYS", "ConfigError", "Interrupted", "InvalidCombination",
-    "RunError", "RunResult", "RunSpec", "check_known", "completed_runs", "config_digest", "deployed_capacity",
-    "identify", "lcb_release_sources", "memory_rows", "remove_unfinished_tables", "run", "summary",
-    "task_with_options", "validate",
-]
+from __future__ import annotations
+
+import importlib
+
+_HOMES = {
+    "errors": ("ConfigError", "Interrupted", "InvalidCombination", "RunError"),
+    "spec": ("METHOD_PARAMS", "MODEL_KEYS", "RUN_KEYS", "TASK_OPTION_KEYS", "RunSpec", "check_known", "precheck",
+             "validate"),
+    "digest": ("completed_runs", "config_digest", "identify", "lcb_release_sources"),
+    "pricing": ("deployed_capacity", "memory_rows"),
+    "tasks": ("task_with_options",),
+    "runner": ("RunResult", "remove_unfinished_tables", "run", "summary"),
+}
+_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
+__all__ = sorted(_HOME_OF)
+
+
+def __getattr__(name: str):
+    if name not in _HOME_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOME_OF[name]}"), name)
+
+
+def __dir__():
+    return sorted({*globals(), *__all__})

@@ -7,16 +7,29 @@ import dataclasses
 import difflib
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import evalkit.compression as ec
-from evalkit import memory
+from evalkit import budget as budget_grammar
 from evalkit.paths import tasks_dir
 
 from .errors import ConfigError, InvalidCombination
-from .pricing import price_deployment
 
-# Each method's settings a config may give (its policy's fields but what the budget decides).
-METHOD_PARAMS = {name: ec.method_params(name) for name in ec.POLICIES}
+if TYPE_CHECKING:  # torch and the compression code load with the first validate(), not with this module
+    import evalkit.compression as ec
+    from evalkit import memory
+
+
+def _method_params() -> dict[str, tuple[str, ...]]:
+    """Each method's settings a config may give (its policy's fields but what the budget decides)."""
+    import evalkit.compression as ec
+
+    return {name: ec.method_params(name) for name in ec.POLICIES}
+
+
+def __getattr__(name: str):
+    if name == "METHOD_PARAMS":  # kept for callers of the former module-level table
+        return _method_params()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # conf/task/<name>.yaml beyond its name: `dataset` (arguments of the task's loader: hub id or path, release, ...),
@@ -133,42 +146,28 @@ def _require(section: dict, key: str, where: str):
     return section[key]
 
 
-def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
-    """Check a composed config (plain dict) and build the policy; raise ConfigError with one clear line."""
+def precheck(cfg: dict) -> dict:
+    """Everything about a composed config that needs neither torch nor a model (keys, the budget's grammar, numbers,
+    the task and its options, the device's spelling): the CLI answers these mistakes at once, before the libraries
+    load. Returns the values read, normalised; raises ConfigError with one line."""
     check_known(cfg, RUN_KEYS)
-    model, method_cfg, task = cfg.get("model") or {}, dict(cfg.get("method") or {}), cfg.get("task") or {}
+    model, task = cfg.get("model") or {}, cfg.get("task") or {}
     check_known(model, MODEL_KEYS, "model.")
     if isinstance(cfg.get("memory"), dict):
         check_known(cfg["memory"], ("enforce",), "memory.")
         _require_bool(cfg["memory"].get("enforce", False), "memory.enforce")
-    if isinstance(cfg.get("budget"), dict):
-        check_known(cfg["budget"], ("spec",), "budget.")
-    budget_cfg = cfg.get("budget")
-    budget = budget_cfg.get("spec") if isinstance(budget_cfg, dict) else budget_cfg
-    budget = None if budget in (None, "none") else str(budget)
-    method = method_cfg.pop("name", None)
-    spec_prefill, label = None, method
-    if method == "spec_prefill":
-        spec_prefill = _spec_prefill_settings(method_cfg)
-        method = spec_prefill.pop("then")
-        method_explicit = True  # the decoding policy was chosen explicitly (`then`)
-    if method not in METHOD_PARAMS:
-        raise ConfigError(f"unknown method {method!r}; choose one of {sorted([*METHOD_PARAMS, 'spec_prefill'])}")
-    if budget is None and method != "full":
-        if method_explicit:
-            raise InvalidCombination(f"method={method} needs a budget: add +budget=4x (or 2x, 8x, 16x, tokens_N)")
-        method, method_cfg = "full", {}  # `evalkit task=X` with no budget is the full-cache baseline
-    if budget is not None and method == "full":
-        raise InvalidCombination("method=full takes no budget; drop +budget or pick a compressing method")
-    check_known(method_cfg, METHOD_PARAMS[method], "method.")
-    max_context = _require(model, "max_context", "model")
-    if not isinstance(max_context, int) or max_context < 1:
-        raise ConfigError(f"model.max_context must be a positive integer, got {max_context!r}")
-    params = {key: value for key, value in method_cfg.items() if value is not None}
+    budget = cfg.get("budget")
+    if isinstance(budget, dict):  # the group form of earlier configs: {spec: 4x}
+        check_known(budget, ("spec",), "budget.")
+        budget = budget.get("spec")
+    budget = None if budget in budget_grammar.FULL else str(budget)
     try:
-        policy = ec.policy_from_budget(method, budget, max_context, **params)
-    except (ValueError, TypeError) as error:
+        budget_grammar.parse(budget)
+    except ValueError as error:
         raise ConfigError(str(error)) from None
+    max_context = _require(model, "max_context", "model")
+    if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 1:
+        raise ConfigError(f"model.max_context must be a positive integer, got {max_context!r}")
     for key in ("seed", "batch_size"):
         if not isinstance(cfg.get(key), int) or cfg[key] < (1 if key == "batch_size" else 0):
             raise ConfigError(f"{key} must be a {'positive' if key == 'batch_size' else 'non-negative'} integer, got {cfg.get(key)!r}")
@@ -193,21 +192,13 @@ def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
             raise ConfigError(f"task.generation.{key} must be a positive integer, got {value!r}")
     if "repeats" in options and (not isinstance(options["repeats"], int) or options["repeats"] < 1):
         raise ConfigError(f"task.repeats must be a positive integer, got {options['repeats']!r}")
-    apply_chat_template = _require_bool(model.get("apply_chat_template", False), "model.apply_chat_template")
-    if task_name == "livecodebench":
-        apply_chat_template = _livecodebench_style(options, apply_chat_template)
     scope = cfg.get("compression_scope", "prompt")
     if scope not in ("prompt", "context"):
         raise ConfigError(f"compression_scope must be prompt or context, got {scope!r}")
-    prefill_chunk, chunk_mode = cfg.get("prefill_chunk"), cfg.get("prefill_chunk_mode", "exact")
+    prefill_chunk = cfg.get("prefill_chunk")
     if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
                                       or prefill_chunk < 1):
         raise ConfigError(f"prefill_chunk must be a positive integer of tokens or null, got {prefill_chunk!r}")
-    # The mode is checked always; whether the method can take it, only when it applies (a chunk is set).
-    refusal = ec.chunk_mode_refusal(policy if prefill_chunk is not None else ec.Full(), chunk_mode)
-    if refusal:
-        raise ConfigError(refusal)
-    verdict = price_deployment(cfg, budget if method != "full" else None, policy)
     fidelity_tokens = cfg.get("fidelity_tokens", 0)
     if not isinstance(fidelity_tokens, int) or fidelity_tokens < 0:
         raise ConfigError(f"fidelity_tokens must be a non-negative integer, got {fidelity_tokens!r}")
@@ -215,43 +206,98 @@ def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
     if bad_rows not in ("error", "skip"):
         raise ConfigError(f"bad_rows must be error or skip, got {bad_rows!r}")
     device = str(cfg.get("device", "auto"))
-    _check_device(device)
+    kind, _, index = device.partition(":")
+    if device not in ("auto", "cpu", "mps") and not (kind == "cuda" and (not index or index.isdigit())):
+        raise ConfigError(f"device must be auto, cpu, cuda, cuda:N or mps, got {device!r}")
     threads = cfg.get("threads")
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise ConfigError(f"threads must be a positive integer or null, got {threads!r}")
+    return {
+        "budget": budget, "max_context": max_context, "limit": limit, "task": task_name, "options": options,
+        "apply_chat_template": _require_bool(model.get("apply_chat_template", False), "model.apply_chat_template"),
+        "scope": scope, "prefill_chunk": prefill_chunk, "fidelity_tokens": fidelity_tokens, "bad_rows": bad_rows,
+        "device": device, "threads": threads,
+        "resume": _require_bool(cfg.get("resume", True), "resume"),
+        "strict_budget": _require_bool(cfg.get("strict_budget", False), "strict_budget"),
+        "model_name": str(_require(model, "name", "model")),
+        "pretrained": str(_require(model, "pretrained", "model")),
+    }
+
+
+def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
+    """Check a composed config (plain dict) and build the policy; raise ConfigError with one clear line."""
+    import evalkit.compression as ec
+
+    from .pricing import price_deployment
+
+    checked = precheck(cfg)
+    budget, max_context, options = checked["budget"], checked["max_context"], checked["options"]
+    method_cfg = dict(cfg.get("method") or {})
+    method = method_cfg.pop("name", None)
+    spec_prefill, label = None, method
+    if method == "spec_prefill":
+        spec_prefill = _spec_prefill_settings(method_cfg)
+        method = spec_prefill.pop("then")
+        method_explicit = True  # the decoding policy was chosen explicitly (`then`)
+    method_params = _method_params()
+    if method not in method_params:
+        raise ConfigError(f"unknown method {method!r}; choose one of {sorted([*method_params, 'spec_prefill'])}")
+    if budget is None and method != "full":
+        if method_explicit:
+            raise InvalidCombination(f"method={method} needs a budget: add +budget=4x (or 2x, 8x, 16x, tokens_N)")
+        method, method_cfg = "full", {}  # `evalkit task=X` with no budget is the full-cache baseline
+    if budget is not None and method == "full":
+        raise InvalidCombination("method=full takes no budget; drop +budget or pick a compressing method")
+    check_known(method_cfg, method_params[method], "method.")
+    params = {key: value for key, value in method_cfg.items() if value is not None}
+    try:
+        policy = ec.policy_from_budget(method, budget, max_context, **params)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(str(error)) from None
+    apply_chat_template = checked["apply_chat_template"]
+    if checked["task"] == "livecodebench":
+        apply_chat_template = _livecodebench_style(options, apply_chat_template)
+    prefill_chunk, chunk_mode = checked["prefill_chunk"], cfg.get("prefill_chunk_mode", "exact")
+    # The mode is checked always; whether the method can take it, only when it applies (a chunk is set).
+    refusal = ec.chunk_mode_refusal(policy if prefill_chunk is not None else ec.Full(), chunk_mode)
+    if refusal:
+        raise ConfigError(refusal)
+    verdict = price_deployment(cfg, budget if method != "full" else None, policy)
+    _check_device(checked["device"])
     try:
         compile_with = ec.compile_backend(cfg.get("compile", False))
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    model = cfg.get("model") or {}
     return RunSpec(
         spec_prefill=spec_prefill,
         decode_method=method,
-        model_name=str(_require(model, "name", "model")),
-        pretrained=str(_require(model, "pretrained", "model")),
+        model_name=checked["model_name"],
+        pretrained=checked["pretrained"],
         max_context=max_context,
         dtype=str(model.get("dtype", "float32")),
         apply_chat_template=apply_chat_template,
-        task=task_name,
+        task=checked["task"],
         method=label if spec_prefill else method,
         budget=budget,
         policy=policy,
         seed=cfg["seed"],
-        limit=limit,
+        limit=checked["limit"],
         batch_size=cfg["batch_size"],
-        device=device,
+        device=checked["device"],
         results_dir=Path(cfg.get("results_dir", "results")),
         task_options=options,
-        compression_scope=scope,
+        compression_scope=checked["scope"],
         prefill_chunk=prefill_chunk,
         prefill_chunk_mode=chunk_mode,
         memory=verdict,
-        resume=_require_bool(cfg.get("resume", True), "resume"),
-        strict_budget=_require_bool(cfg.get("strict_budget", False), "strict_budget"),
-        fidelity_tokens=fidelity_tokens,
+        resume=checked["resume"],
+        strict_budget=checked["strict_budget"],
+        fidelity_tokens=checked["fidelity_tokens"],
         revision=model.get("revision"),
         device_map=_device_map(model.get("device_map")),
-        bad_rows=bad_rows,
-        threads=threads,
+        bad_rows=checked["bad_rows"],
+        threads=checked["threads"],
         compile=compile_with,
         own_deployment=model.get("deployment"),
     )
@@ -311,13 +357,13 @@ def _check_device(device: str) -> None:
     raise ConfigError(f"device must be auto, cpu, cuda, cuda:N or mps, got {device!r}")
 
 
-# SpecPrefill's own settings, with its defaults; the draft is named by draft_model, the decoding policy by `then`.
-SPEC_PREFILL_FIELDS = {f.name: f.default for f in dataclasses.fields(ec.SpecPrefill) if f.name not in ("draft", "draft_tokenizer")}
-
-
 def _spec_prefill_settings(method_cfg: dict) -> dict:
-    """Pop speculative prefill's own settings from ``method_cfg`` (what remains configures the decoding policy)."""
-    settings = {key: method_cfg.pop(key, default) for key, default in SPEC_PREFILL_FIELDS.items()}
+    """Pop speculative prefill's own settings from ``method_cfg`` (what remains configures the decoding policy):
+    SpecPrefill's fields with their defaults; the draft is named by draft_model, the decoding policy by `then`."""
+    import evalkit.compression as ec
+
+    fields = {f.name: f.default for f in dataclasses.fields(ec.SpecPrefill) if f.name not in ("draft", "draft_tokenizer")}
+    settings = {key: method_cfg.pop(key, default) for key, default in fields.items()}
     try:
         ec.SpecPrefill(draft=None, draft_tokenizer=None, **settings)
     except (ValueError, TypeError) as error:

@@ -1,0 +1,34 @@
+"""The run config as the ``evalkit`` command composes it, for Python callers (notebooks, tests): Hydra's composition
+of conf/ with the command line's overrides, as a plain dict for :func:`evalkit.run.validate`.
+
+``budget`` is a plain key (``budget=4x``, ``budget=tokens_4096``); the appending form ``+budget=4x`` of earlier
+releases is accepted everywhere a command line is, and ``~budget`` means no budget.
+"""
+
+from __future__ import annotations
+
+from evalkit.paths import conf_dir
+
+
+def normalize_overrides(overrides: list[str]) -> list[str]:
+    """The command line's overrides with ``+budget=X`` read as ``budget=X`` and ``~budget`` as ``budget=null``
+    (``budget`` has a default, so Hydra itself would refuse to append it)."""
+    out = []
+    for override in overrides:
+        if override.startswith("+budget=") and not override.startswith("++"):
+            override = override[1:]
+        elif override in ("~budget", "~budget=null"):
+            override = "budget=null"
+        out.append(override)
+    return out
+
+
+def compose(*overrides: str) -> dict:
+    """The run config for ``overrides`` (e.g. ``compose("budget=4x", "task=needle")``), resolved, as a plain dict."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = hydra_compose("config", overrides=normalize_overrides(list(overrides)))
+    return OmegaConf.to_container(cfg, resolve=True)

@@ -19,10 +19,10 @@ import numpy as np
 import pandas as pd
 
 from evalkit import budget as budget_grammar
+from evalkit import task_defs
 
 from .tables import read_table
 
-PRIMARY = {"kv_retrieval": "exact_match", "longbench_v2": "accuracy", "aime24": "pass@1", "livecodebench": "pass@1"}
 SECONDARY = {"realized_ratio_mean", "extraction_failed", "rows_skipped", "wall_seconds", "prefill_tokens_per_s",
              "decode_tokens_per_s", "slot_utilization", "kv_bytes_peak_mean", "kv_bytes_full_mean",
              "kv_bytes_reserved_mean", "memory_ratio_mean", "memory_freed", "kv_bytes_predicted_error_max", "over_budget",
@@ -56,8 +56,10 @@ def varying(runs: pd.DataFrame, columns: list[str]) -> list[str]:
 
 
 def primary_metric(task: str, metrics: pd.DataFrame) -> str:
-    if task in PRIMARY:
-        return PRIMARY[task]
+    """The task's declared primary metric (:func:`evalkit.task_defs.primary_metric`), else the first it reported."""
+    declared = task_defs.primary_metric(task)
+    if declared is not None:
+        return declared
     names = metrics[(metrics["task"] == task) & (metrics["subset"] == "all") & ~metrics["metric"].isin(SECONDARY)]
     if names.empty:
         raise ValueError(f"no metric for task {task!r} in the results")
@@ -312,46 +314,65 @@ def write_report(results_dir: str | Path, out: str | Path | None = None, iterati
         if drawn is not None:
             paths[name.removesuffix(".png")] = drawn
             text += [f"![{name.removesuffix('.png').replace('_', ' ')}]({name})", ""]
-    if (table["task"] == "needle").any():
-        paths["needle"] = needle_heatmaps(table[table["task"] == "needle"], samples, out / "needle_heatmap.png")
-        text += ["## Needle in a haystack: accuracy by depth and length", "", f"![needle]({paths['needle'].name})", ""]
+    for task in sorted(table["task"].unique()):  # tasks that declare a 2-D subset heatmap (needle: depth x length)
+        axes = task_defs.heatmap(task)
+        if axes is None:
+            continue
+        paths[task] = subset_heatmaps(table[table["task"] == task], samples, task, out / f"{task}_heatmap.png")
+        text += [f"## {task}: {primary_metric(task, metrics)} by {axes[0]} and {axes[1]}", "",
+                 f"![{task}]({paths[task].name})", ""]
     paths["markdown"].write_text("\n".join(text))
     return paths
 
 
-def needle_grid(samples: pd.DataFrame, run_id: str) -> pd.DataFrame:
-    """Accuracy of one needle run: rows the needle depth, columns the prompt length (its samples' subsets)."""
+def subset_grid(samples: pd.DataFrame, run_id: str, task: str) -> pd.DataFrame:
+    """Mean score of one run over the task's two heatmap fields (:func:`evalkit.task_defs.heatmap`): rows the first,
+    columns the second, read from the samples' subsets (numbers sorted as numbers)."""
+    rows_field, columns_field = task_defs.heatmap(task)
+    fields = task_defs.subset_fields(task)
     rows = samples[samples["run_id"] == run_id]
     parts = rows["subset"].str.split("/", expand=True)
-    frame = pd.DataFrame({"length": parts[0].astype(int), "depth": parts[1].astype(float), "score": rows["score"]})
-    return frame.pivot_table(index="depth", columns="length", values="score", aggfunc="mean").sort_index()
+
+    def column(field: str) -> pd.Series:
+        values = parts[fields.index(field)]
+        numeric = pd.to_numeric(values, errors="coerce")
+        return values if numeric.isna().any() else numeric
+
+    frame = pd.DataFrame({rows_field: column(rows_field), columns_field: column(columns_field), "score": rows["score"]})
+    return frame.pivot_table(index=rows_field, columns=columns_field, values="score", aggfunc="mean").sort_index()
 
 
-def needle_heatmaps(table: pd.DataFrame, samples: pd.DataFrame, path: Path) -> Path:
-    """The picture needle tests are read from: one depth x length accuracy heatmap per configuration (method x
-    budget x setting), the full cache first."""
+def needle_grid(samples: pd.DataFrame, run_id: str) -> pd.DataFrame:
+    """Accuracy of one needle run: rows the needle depth, columns the prompt length."""
+    return subset_grid(samples, run_id, "needle")
+
+
+def subset_heatmaps(table: pd.DataFrame, samples: pd.DataFrame, task: str, path: Path) -> Path:
+    """The picture needle-style tests are read from: one heatmap of the task's two subset fields per configuration
+    (method x budget x setting), the full cache first."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows_field, columns_field = task_defs.heatmap(task)
     runs = table.assign(factor=table["budget"].map(compression_factor)).sort_values(
         ["model", "factor", "method"], key=lambda c: c.fillna(math.inf) if c.name == "factor" else c)
     settings = _distinguishing(table)
     figure, axes = plt.subplots(1, len(runs), figsize=(3.2 * len(runs) + 1, 3.4), squeeze=False)
     for axis, (_, run) in zip(axes[0], runs.iterrows()):
-        grid = needle_grid(samples, run["run_id"])
+        grid = subset_grid(samples, run["run_id"], task)
         image = axis.imshow(grid.to_numpy(), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         axis.set_xticks(range(len(grid.columns)), [str(c) for c in grid.columns])
-        axis.set_yticks(range(len(grid.index)), [f"{d:.0%}" for d in grid.index])
+        axis.set_yticks(range(len(grid.index)), [f"{d:.0%}" if isinstance(d, float) else str(d) for d in grid.index])
         for (row, column), value in pd.DataFrame(grid.to_numpy()).stack().items():
             axis.text(column, row, f"{value:.2f}", ha="center", va="center", fontsize=7)
         extra = " ".join(f"{c}={_label(run[c])}" for c in settings if _label(run[c]) != "-")
         title = "full cache" if run["method"] == "full" else f"{run['method']} {run['budget']}"
         axis.set_title(f"{title}\n{extra}".strip(), fontsize=9)
-        axis.set_xlabel("prompt length (tokens)")
-    axes[0][0].set_ylabel("needle depth")
-    figure.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="exact match")
+        axis.set_xlabel(columns_field)
+    axes[0][0].set_ylabel(rows_field)
+    figure.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label=task_defs.primary_metric(task) or "score")
     figure.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(figure)
     return path

@@ -11,7 +11,7 @@ import uuid
 from importlib import metadata
 from pathlib import Path
 
-from evalkit import identity
+from evalkit import identity, task_defs
 from evalkit.paths import tasks_dir
 
 from .errors import ConfigError, RunError, model_unavailable
@@ -53,11 +53,14 @@ def identify(spec: RunSpec) -> dict:
             raise RunError(f"{label}: {error}") from None
 
     dataset = task_with_options(spec.task, spec.task_options).get("dataset_kwargs") or {}
-    data_source = dataset.get("path") or (lcb_release_sources(dataset["release"]) if dataset.get("release") else None)
-    if spec.task == "needle":  # built at run time from the Python docs: their version is the data's identity
-        from evalkit.scoring import needle
-
-        generated = needle.source()
+    data_source, generated = dataset.get("path"), None
+    try:  # the task's own hooks (tasks/<name>/utils.py): its hub files, or the identity of data it builds
+        if not data_source and task_defs.hook(spec.task, "dataset_sources"):
+            data_source = task_defs.hook(spec.task, "dataset_sources")(dataset)
+        if not data_source and task_defs.hook(spec.task, "dataset_identity"):
+            generated = task_defs.hook(spec.task, "dataset_identity")(dataset)
+    except ValueError as error:
+        raise ConfigError(f"task.{error}") from None
     draft = (spec.spec_prefill or {}).get("draft_model")
     spec.identity = {
         "model_source": source("model.pretrained", _resolved(resolve_pretrained, spec.pretrained), revision=spec.revision),
@@ -65,7 +68,7 @@ def identify(spec: RunSpec) -> dict:
         "stop_token_ids": json.dumps(_stop_ids(spec)),
         "draft_source": source("method.draft_model", _resolved(resolve_pretrained, draft)) if draft else None,
         "dataset_source": (source("task.dataset.path", data_source, "dataset", dataset.get("revision")) if data_source
-                           else generated if spec.task == "needle" else None),
+                           else generated),
         "task_definition": identity.fingerprint([tasks_dir() / spec.task]),
         "device_class": resolve_device(spec.device).split(":")[0],
     }

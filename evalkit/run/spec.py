@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from evalkit import budget as budget_grammar
+from evalkit import task_defs
 from evalkit.paths import tasks_dir
 
 from .errors import ConfigError, InvalidCombination
@@ -255,8 +256,12 @@ def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
     except (ValueError, TypeError) as error:
         raise ConfigError(str(error)) from None
     apply_chat_template = checked["apply_chat_template"]
-    if checked["task"] == "livecodebench":
-        apply_chat_template = _livecodebench_style(options, apply_chat_template)
+    adjust = task_defs.hook(checked["task"], "adjust_options")  # the task's own option rules (tasks/<name>/utils.py)
+    if adjust is not None:
+        try:
+            apply_chat_template = adjust(options, apply_chat_template)
+        except ValueError as error:
+            raise ConfigError(f"task.{error}") from None
     prefill_chunk, chunk_mode = checked["prefill_chunk"], cfg.get("prefill_chunk_mode", "exact")
     # The mode is checked always; whether the method can take it, only when it applies (a chunk is set).
     refusal = ec.chunk_mode_refusal(policy if prefill_chunk is not None else ec.Full(), chunk_mode)
@@ -301,22 +306,6 @@ def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
         compile=compile_with,
         own_deployment=model.get("deployment"),
     )
-
-
-def _livecodebench_style(options: dict, apply_chat_template: bool) -> bool:
-    """LiveCodeBench's ``prompt_style`` sets the system turn, the stop strings and whether the chat template wraps
-    the prompt (the DeepSeek-R1 style is a raw prompt with R1's own tokens); explicit options win."""
-    from evalkit.scoring.livecodebench import PROMPT_STYLES
-
-    name = (options.get("dataset") or {}).get("prompt_style") or "generic"
-    if name not in PROMPT_STYLES:
-        raise ConfigError(f"task.dataset.prompt_style must be one of {sorted(PROMPT_STYLES)}, got {name!r}")
-    style = PROMPT_STYLES[name]
-    if "system_instruction" not in options and style.system_instruction:
-        options["system_instruction"] = style.system_instruction
-    generation = options.setdefault("generation", {})
-    generation.setdefault("until", list(style.until))
-    return apply_chat_template and style.chat_template
 
 
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")

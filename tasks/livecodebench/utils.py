@@ -7,6 +7,31 @@ from evalkit.scoring import livecodebench as lcb
 from evalkit.scoring.data import DataError, checked_rows, load_rows
 
 
+def dataset_sources(dataset_kwargs):
+    """The release's hub files (for the run's identity) when no local path is given."""
+    release = dataset_kwargs.get("release")
+    if not release:
+        return None
+    try:
+        return lcb.release_sources(release)
+    except ValueError as error:
+        raise ValueError(f"dataset.release: {error}") from None
+
+
+def adjust_options(options, apply_chat_template):
+    """LiveCodeBench's ``prompt_style`` sets the system turn, the stop strings and whether the chat template wraps
+    the prompt (the DeepSeek-R1 style is a raw prompt with R1's own tokens); explicit options win."""
+    name = (options.get("dataset") or {}).get("prompt_style") or "generic"
+    if name not in lcb.PROMPT_STYLES:
+        raise ValueError(f"dataset.prompt_style must be one of {sorted(lcb.PROMPT_STYLES)}, got {name!r}")
+    style = lcb.PROMPT_STYLES[name]
+    if "system_instruction" not in options and style.system_instruction:
+        options["system_instruction"] = style.system_instruction
+    generation = options.setdefault("generation", {})
+    generation.setdefault("until", list(style.until))
+    return apply_chat_template and style.chat_template
+
+
 def load(release="release_v6", path=None, start_date=None, end_date=None, timeout_s=6, prompt_style="generic",
          memory_mb=None, bad_rows="error", **_options):
     if memory_mb is not None and (isinstance(memory_mb, bool) or not isinstance(memory_mb, int) or memory_mb < 1):

@@ -1,0 +1,95 @@
+"""What the harness reads from a task's own folder (``tasks/<name>/``), so that no other module names a task.
+
+A task is its folder: the lm-eval YAML (the official protocol, once) and ``utils.py``. Beyond what lm-eval reads,
+the YAML's ``metadata`` may declare
+
+- ``primary_metric``: the metric the report pivots on (default: the first of ``metric_list``);
+- ``subset_field``: the document fields a sample's subset is made of (``[length, depth]``);
+- ``heatmap: {rows: FIELD, columns: FIELD}``: two of the subset fields the report draws accuracy over;
+
+and ``utils.py`` may define these hooks (each optional):
+
+- ``dataset_sources(dataset_kwargs) -> str | list[str] | None``: where the data comes from when no
+  ``dataset.path`` is given (hub files), for the run's identity;
+- ``dataset_identity(dataset_kwargs) -> str``: the identity of data built at run time (no files to fingerprint);
+- ``adjust_options(options, apply_chat_template) -> bool``: the run's task options adjusted in place before the run
+  (a prompt style's system turn and stop strings), returning whether the chat template applies.
+
+A hook that refuses its input raises ValueError; the run reports it as a config error naming ``task.``.
+Reading the YAML needs neither torch nor lm-eval (``!function`` tags are left unresolved).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from pathlib import Path
+
+import yaml
+
+from evalkit.paths import tasks_dir
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML with lm-eval's ``!function module.name`` tags read as their text."""
+
+
+_Loader.add_constructor("!function", lambda loader, node: loader.construct_scalar(node))
+
+
+def task_names() -> list[str]:
+    """Every task evalkit ships (a folder under tasks/ holding ``<name>.yaml``)."""
+    return sorted(p.name for p in tasks_dir().iterdir() if (p / f"{p.name}.yaml").is_file())
+
+
+@functools.cache
+def definition(name: str) -> dict:
+    """The task's lm-eval YAML as a dict (``!function`` references as text); {} for a task evalkit does not ship."""
+    path = tasks_dir() / name / f"{name}.yaml"
+    return yaml.load(path.read_text(), Loader=_Loader) if path.is_file() else {}
+
+
+def metadata(name: str) -> dict:
+    return definition(name).get("metadata") or {}
+
+
+def primary_metric(name: str) -> str | None:
+    """The metric a report reads first: ``metadata.primary_metric``, else the first of ``metric_list``."""
+    declared = metadata(name).get("primary_metric")
+    metrics = [entry["metric"] for entry in definition(name).get("metric_list") or []]
+    return declared or (metrics[0] if metrics else None)
+
+
+def subset_fields(name: str) -> list[str]:
+    fields = metadata(name).get("subset_field") or []
+    return [fields] if isinstance(fields, str) else list(fields)
+
+
+def heatmap(name: str) -> tuple[str, str] | None:
+    """(rows, columns): the two subset fields the report draws a heatmap over; None when the task declares none."""
+    declared = metadata(name).get("heatmap")
+    if not declared:
+        return None
+    fields = subset_fields(name)
+    rows, columns = declared.get("rows"), declared.get("columns")
+    if rows not in fields or columns not in fields:
+        raise ValueError(f"task {name}: metadata.heatmap names {rows!r} x {columns!r}; both must be in its "
+                         f"subset_field {fields}")
+    return rows, columns
+
+
+@functools.cache
+def _utils(name: str):
+    path = Path(tasks_dir() / name / "utils.py")
+    if not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location(f"evalkit_task_{name}_utils", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def hook(name: str, hook_name: str):
+    """The task's ``utils.<hook_name>`` function, or None when it defines none."""
+    module = _utils(name)
+    return getattr(module, hook_name, None) if module is not None else None

@@ -2,12 +2,26 @@
 of conf/ with the command line's overrides, as a plain dict for :func:`evalkit.run.validate`.
 
 ``budget`` is a plain key (``budget=4x``, ``budget=tokens_4096``); the appending form ``+budget=4x`` of earlier
-releases is accepted everywhere a command line is, and ``~budget`` means no budget.
+releases is accepted everywhere a command line is, and ``~budget`` means no budget. Importing this module registers
+the ``${evalkit_methods:}`` resolver the presets use.
 """
 
 from __future__ import annotations
 
+from omegaconf import OmegaConf
+
 from evalkit.paths import conf_dir
+
+
+def registered_methods() -> str:
+    """Every method evalkit knows (the compression registry), comma-separated: ``${evalkit_methods:}`` in a preset's
+    sweep, so that a new method joins the grids without an edit. Loads torch (a sweep's start pays it once)."""
+    import evalkit.compression as ec
+
+    return ",".join(sorted(ec.POLICIES, key=lambda name: (name != "full", name)))
+
+
+OmegaConf.register_new_resolver("evalkit_methods", registered_methods, replace=True)
 
 
 def normalize_overrides(overrides: list[str]) -> list[str]:

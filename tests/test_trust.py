@@ -203,7 +203,7 @@ def test_ctrl_c_keeps_generations_and_the_restart_resumes(tmp_path, random_model
 def sweep_jobs(preset: str) -> list[list[str]]:
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = compose("config", overrides=[f"+experiment={preset}"], return_hydra_config=True)
-    params = OmegaConf.to_container(cfg.hydra.sweeper.params)
+    params = OmegaConf.to_container(cfg.hydra.sweeper.params, resolve=True)
     jobs = [[]]
     for key, values in params.items():
         jobs = [job + [f"{key}={value}"] for job in jobs for value in str(values).split(",")]

@@ -3,25 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import pkgutil
+from pathlib import Path
 
 from evalkit import budget as budget_grammar
 
-from . import (  # noqa: F401  (each module registers its method)
-    adakv,
-    decoding_snapkv,
-    expected_attention,
-    full,
-    h2o,
-    knorm,
-    observed_attention,
-    pyramidkv,
-    random_baseline,
-    snapkv,
-    snapstream,
-    streaming_llm,
-    tova,
-)
 from .base import REGISTRY, Policy
+
+# Every module of this package is imported, so that each method's file registers its class (Policy.__init_subclass__):
+# a new method is its file, nothing else to list.
+for _module in pkgutil.iter_modules([str(Path(__file__).parent)]):
+    importlib.import_module(f"{__package__}.{_module.name}")
 
 POLICIES: dict[str, type[Policy]] = REGISTRY  # every method by name
 

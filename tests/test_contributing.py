@@ -1,0 +1,167 @@
+"""CONTRIBUTING.md's checklists stay true: the files they name exist for their examples, and a throwaway method and a
+throwaway task, each added as the checklist says and nothing else, run through the CLI."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from helpers import evalkit
+
+ROOT = Path(__file__).resolve().parents[1]
+GUIDE = ROOT / "CONTRIBUTING.md"
+EXAMPLES = {"A new compression method": "snapkv", "A new task": "needle", "A new model family": "gemma3_4b_it"}
+
+
+def sections() -> dict[str, str]:
+    parts = re.split(r"^## ", GUIDE.read_text(), flags=re.M)[1:]
+    return {part.splitlines()[0].strip(): part for part in parts}
+
+
+def named_paths(text: str) -> set[str]:
+    """The repository paths a text names in backticks (``evalkit/x.py``, ``tasks/<name>/utils.py``)."""
+    return {p for p in re.findall(r"`([\w<>./-]+/[\w<>.-]+)`", text) if not p.startswith(("http", "hydra/"))}
+
+
+def test_every_file_the_checklists_name_exists_for_their_examples():
+    found = sections()
+    assert set(EXAMPLES) <= set(found)
+    for title, example in EXAMPLES.items():
+        paths = named_paths(found[title])
+        assert any("<name>" in p for p in paths), title
+        for path in paths:
+            assert (ROOT / path.replace("<name>", example)).exists(), (title, path)
+
+
+def _added(files: dict[Path, str]):
+    for path, text in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+
+
+def _removed(files: dict[Path, str]) -> None:
+    for path in files:
+        path.unlink(missing_ok=True)
+        if path.parent.is_dir() and path.parent.parent == ROOT / "tasks":
+            shutil.rmtree(path.parent, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_a_method_is_its_file_and_its_yaml(tmp_path, random_model_dir):
+    """The method checklist: a policy file in evalkit/compression/ and its YAML; the CLI runs it, the rows name it
+    and the cache held its budget, and the baselines grid lists it."""
+    name = f"probe_{uuid.uuid4().hex[:8]}"
+    files = {
+        ROOT / "evalkit" / "compression" / f"{name}.py": f'''
+            """A throwaway method: keeps the most recent prompt tokens (a test of the contributing checklist)."""
+            import dataclasses
+            from typing import ClassVar
+
+            from .base import PromptScoring
+
+
+            @dataclasses.dataclass
+            class Probe(PromptScoring):
+                name: ClassVar[str] = "{name}"
+
+                def prefill_queries(self):
+                    return 0
+
+                def score(self, view):
+                    return view.positions.float()[:, None, :].expand(view.keys.shape[:-1])
+            ''',
+        ROOT / "conf" / "method" / f"{name}.yaml": f"name: {name}\n",
+    }
+    try:
+        _added(files)
+        grid = subprocess.run([sys.executable, "-c", "from evalkit.config import registered_methods as m; print(m())"],
+                              capture_output=True, text=True, timeout=300)
+        assert name in grid.stdout.split(","), grid.stderr[-2000:]
+        results = tmp_path / "results"
+        result = evalkit(f"method={name}", "budget=4x", "task=kv_retrieval", f"model.pretrained={random_model_dir}",
+                         "limit=2", f"results_dir={results}", cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+        samples = pd.read_parquet(results / "samples")
+        assert set(samples["method"]) == {name} and (samples["kept_prompt_tokens"] <= 64).all()
+        assert (samples["realized_ratio"] > 1).all()
+    finally:
+        _removed(files)
+
+
+@pytest.mark.slow
+def test_a_task_is_its_folder_and_its_yaml(tmp_path, random_model_dir):
+    """The task checklist: tasks/<name>/ (YAML + utils.py) and conf/task/<name>.yaml; the CLI runs it, the rows
+    carry its subsets, and the report reads its declared primary metric and heatmap."""
+    from evalkit import task_defs
+
+    name = f"probe_task_{uuid.uuid4().hex[:8]}"
+    files = {
+        ROOT / "tasks" / name / f"{name}.yaml": f"""
+            task: {name}
+            custom_dataset: !function utils.load
+            test_split: test
+            output_type: generate_until
+            doc_to_text: !function utils.doc_to_text
+            doc_to_target: answer
+            generation_kwargs:
+              until: []
+              max_gen_toks: 4
+              do_sample: false
+            process_results: !function utils.process_results
+            metric_list:
+              - metric: contains
+                aggregation: mean
+                higher_is_better: true
+            metadata:
+              version: 1.0
+              subset_field: [size, kind]
+              heatmap: {{rows: kind, columns: size}}
+            """,
+        ROOT / "tasks" / name / "utils.py": """
+            import datasets
+
+
+            def load(**_options):
+                rows = [{"id": str(i), "question": f"Repeat {i}:", "answer": str(i), "size": 1 + i % 2,
+                         "kind": "ab"[i % 2]} for i in range(4)]
+                return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
+
+
+            def doc_to_text(doc):
+                return doc["question"]
+
+
+            def process_results(doc, results):
+                return {"contains": float(doc["answer"] in results[0])}
+
+
+            def dataset_identity(dataset_kwargs):
+                return "probe@1"
+            """,
+        ROOT / "conf" / "task" / f"{name}.yaml": f"name: {name}\n",
+    }
+    try:
+        _added(files)
+        results = tmp_path / "results"
+        result = evalkit(f"task={name}", f"model.pretrained={random_model_dir}", "limit=4", f"results_dir={results}",
+                         cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+        samples, metrics = pd.read_parquet(results / "samples"), pd.read_parquet(results / "metrics")
+        assert len(samples) == 4 and set(samples["subset"]) == {"1/a", "2/b"} and (samples["dataset_source"] == "probe@1").all()
+        assert "contains" in set(metrics["metric"])
+        task_defs.definition.cache_clear()
+        assert task_defs.primary_metric(name) == "contains" and task_defs.heatmap(name) == ("kind", "size")
+        report = subprocess.run([sys.executable, "-m", "evalkit.results.report", str(results)], capture_output=True,
+                                text=True, timeout=300)
+        assert report.returncode == 0, report.stderr[-2000:]
+        assert (results / "report" / f"{name}_heatmap.png").is_file()
+    finally:
+        _removed(files)
+        task_defs.definition.cache_clear()

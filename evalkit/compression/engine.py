@@ -26,26 +26,19 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
-from transformers import AttentionInterface
-from transformers.cache_utils import Cache, DynamicLayer
-from transformers.masking_utils import (
-    ALL_MASK_ATTENTION_FUNCTIONS,
-    AttentionMaskInterface,
-)
 
-from .base import Policy, attention_sinks
+from .base import Policy
 from .cache import (
     additive_mask,
     attention_implementation,
     check_hookable,
-    evict_after_step,
-    family_eager,
     layer_devices,
 )
-from .generate import _eos_ids, _stop_criteria, prefill, stop_token_ids
+from .generate import prefill
+from .sampling import choose_tokens
 from .sliding_window import SlidingWindow, layer_policies
-
-_MASK32 = 0xFFFFFFFF
+from .slots import ACTIVE_SLOTS, DECODE_ATTENTION, OUT_RING, Resident, SlotCache, cache_geometry
+from .stopping import eos_ids, stop_criteria, stop_token_ids
 
 
 @dataclasses.dataclass
@@ -91,18 +84,6 @@ class Completion:
     stats: dict  # as generate()'s stats, plus reserved_cache_tokens (the slot's allocation)
 
 
-def cache_geometry(config) -> tuple[tuple[int, int, int], int]:
-    """((cached heads, key width, value width), query width) of a model's cache. A latent (MLA) cache holds one shared
-    head: the compressed KV (``kv_lora_rank``) as keys and the shared RoPE key part as values, which attention
-    expands to per-head keys of ``qk_nope_head_dim + qk_rope_head_dim``."""
-    if getattr(config, "kv_lora_rank", None):
-        query = config.qk_nope_head_dim + config.qk_rope_head_dim
-        return (1, config.kv_lora_rank, config.qk_rope_head_dim), query
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return (kv_heads, head_dim, head_dim), head_dim
-
-
 def compile_backend(value) -> str | None:
     """The ``compile`` setting as a torch.compile backend: off (false) is None, true is inductor; a backend name
     (``eager``, ``aot_eager``: graph capture without code generation) is itself."""
@@ -114,173 +95,6 @@ def compile_backend(value) -> str | None:
     if not isinstance(value, str) or value not in backends:
         raise ValueError(f"compile must be true, false or a torch.compile backend in {backends}, got {value!r}")
     return value
-
-
-# -- per-request random streams ----------------------------------------------------------------------------------
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mix (xorshift-multiply) on int64 tensors holding values in [0, 2**32)."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x4C8E9CF5) & _MASK32
-    return x ^ (x >> 16)
-
-
-def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise ``[rows, vocab]`` that depends only on each row's (seed, step) and the vocabulary index:
-    the same request draws the same noise in any slot, next to any neighbours."""
-    lo, hi = seeds & _MASK32, (seeds >> 32) & _MASK32
-    base = _hash32(_hash32(lo ^ _hash32(hi + 0x3C6EF372)) ^ _hash32(steps & _MASK32))
-    index = torch.arange(vocab, device=seeds.device)
-    bits = _hash32(_hash32((base[:, None] + index[None, :] * 0x9E3779B1) & _MASK32) ^ base[:, None])
-    uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0 or 1
-    return -torch.log(-torch.log(uniform))
-
-
-def choose_tokens(logits, greedy_only: bool, seeds, steps, do_sample, temperature, top_p, use_top_p: bool):
-    """Next token per row: argmax for greedy rows; for sampling rows, temperature, then top-p (transformers'
-    ``TopPLogitsWarper`` rule, per row), then a draw by the Gumbel-max trick with the row's own noise."""
-    greedy = logits.argmax(dim=-1)
-    if greedy_only:
-        return greedy
-    scores = logits / temperature[:, None]
-    if use_top_p:
-        ordered, order = scores.sort(dim=-1)
-        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
-        remove = cumulative <= (1 - top_p[:, None])
-        remove[:, -1] = False
-        scores = scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))
-    sampled = (scores + gumbel_noise(seeds, steps, scores.shape[-1])).argmax(dim=-1)
-    return torch.where(do_sample, sampled, greedy)
-
-
-# -- the decode step's attention -----------------------------------------------------------------------------------
-def _decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-    """sdpa for one query token per row, the query heads of a KV group packed as that group's queries (what
-    transformers' sdpa does when not compiled). Compiled, transformers would copy the whole cache to every query
-    head instead; this keeps the same arithmetic, compiled or not. A per-head layout masks each KV head by its own
-    validity, and a decode-time eviction policy then frees the slots it names."""
-    layer = _ACTIVE_SLOTS[0].layers[module.layer_idx] if _ACTIVE_SLOTS[0] is not None else None
-    if layer is not None and layer.valid is not None:
-        attention_mask = layer.valid[:, :, None, :]  # [B, Hkv, 1, T]: broadcast over the packed group queries
-    groups = query.shape[1] // key.shape[1]
-    batch, _, _, dim = query.shape
-    sinks = attention_sinks(module)
-    if sinks is not None:  # learned sinks (gpt-oss): the family's own eager attention
-        mask = attention_mask.repeat_interleave(query.shape[1] // attention_mask.shape[1], dim=1)
-        output, _ = family_eager(module, None)(module, query, key, value, additive_mask(mask, query.dtype),
-                                               dropout=dropout, scaling=scaling, **kwargs)
-    else:
-        packed = query.reshape(batch, key.shape[1], groups, dim) if groups > 1 else query
-        output = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask,
-                                                                  scale=scaling)
-        output = output.reshape(batch, -1, 1, value.shape[-1]).transpose(1, 2).contiguous()
-    if layer is not None and layer.valid is not None:
-        layer.after_attention(query, key, scaling, sinks)
-    return output, None
-
-
-OUT_RING = 256  # columns of the engine's generated-token ring (at least 2 x (sync_every + 1))
-_ACTIVE_SLOTS: list = [None]  # the slot cache of the step running now (a plain list: compiled steps read it too)
-_DECODE_ATTENTION = "evalkit_decode"
-AttentionInterface.register(_DECODE_ATTENTION, _decode_attention)
-AttentionMaskInterface.register(_DECODE_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-
-
-# -- the static per-slot cache ------------------------------------------------------------------------------------
-class _SlotLayer(DynamicLayer):
-    is_compileable = True
-
-    def __init__(self, step: dict, keys: torch.Tensor, values: torch.Tensor, heads: dict | None, policy: Policy):
-        super().__init__()
-        # ``step``: this step's per-slot bookkeeping on this layer's device (see _SlotCache).
-        self.step, self.keys, self.values, self.policy = step, keys, values, policy
-        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
-        heads = heads or {}
-        # Per-head layouts: validity, text positions, running scores, recent queries and peak per slot and KV head.
-        self.valid, self.positions = heads.get("valid"), heads.get("positions")
-        self.scores, self.queries, self.peak = heads.get("scores"), heads.get("queries"), heads.get("peak")
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        # keys[row, :, write_slot[row]] = the row's new key: an in-place index_put_, which a compiled graph keeps
-        # in place (a scatter_ there becomes a copy of the whole cache every step).
-        step = self.step
-        rows, heads = step["rows"], step["all_heads"]
-        if self.valid is None:
-            slots = step["write_slot"][:, None]
-        else:  # each head's first free slot
-            slots = (~self.valid).to(torch.uint8).argmax(dim=-1)  # [slots, kv_heads]
-        self.keys.index_put_((rows, heads, slots), key_states[:, :, 0])
-        self.values.index_put_((rows, heads, slots), value_states[:, :, 0])
-        if self.valid is not None:
-            self.valid.index_put_((rows, heads, slots), torch.ones_like(slots, dtype=torch.bool))
-            self.positions.index_put_((rows, heads, slots), step["position"][:, None].expand_as(slots))
-            if self.scores is not None:
-                self.scores.index_put_((rows, heads, slots), torch.zeros_like(slots, dtype=self.scores.dtype))
-            held = self.valid.sum(dim=-1)
-            self.peak.copy_(torch.where(step["active"][:, None], torch.maximum(self.peak, held), self.peak))
-        return self.keys, self.values
-
-    def after_attention(self, query: torch.Tensor, keys: torch.Tensor, scaling: float, sinks=None) -> None:
-        """Hand this step's attention to a decode-time eviction policy and free the slots it names (in place)."""
-        policy = self.policy
-        if self.queries is not None:
-            self.queries.copy_(torch.cat([self.queries[:, :, 1:], query], dim=2))
-        if policy.evicts_while_decoding:
-            evict_after_step(self, policy, query, keys, self.step["position"], self.step["steps"], scaling, sinks)
-
-    def get_seq_length(self) -> int:
-        return self.keys.shape[-2]
-
-
-class _SlotCache(Cache):
-    """``step``: per slot, where this step's token goes (``write_slot``, row layouts), its text ``position``, the
-    tokens generated so far (``steps``) and whether it is ``active`` (``[slots]`` each, on the engine's device). A
-    model spread over devices gets a mirror of them on every other layer device, refreshed by :meth:`sync` once per
-    step: the caches never move."""
-
-    def __init__(self, layers: list[tuple], policies: list[Policy], step: dict[str, torch.Tensor]):
-        super().__init__(layers=[])
-        device = step["write_slot"].device
-        step = {**step, "rows": torch.arange(len(step["write_slot"]), device=device)[:, None],  # [slots, 1]
-                "all_heads": torch.arange(layers[0][0].shape[1], device=device)[None, :]}  # [1, kv_heads]
-        self.mirrors = {device: step}
-        for keys, _, _ in layers:
-            if keys.device not in self.mirrors:
-                self.mirrors[keys.device] = {name: tensor.to(keys.device) for name, tensor in step.items()}
-        self.step = step
-        self.layers = [_SlotLayer(self.mirrors[keys.device], keys, values, heads, policy)
-                       for (keys, values, heads), policy in zip(layers, policies)]
-
-    def sync(self) -> None:
-        """Copy this step's bookkeeping to the other layer devices (nothing to do on one device)."""
-        for mirror in self.mirrors.values():
-            if mirror is not self.step:
-                for name in ("write_slot", "position", "steps", "active"):
-                    mirror[name].copy_(self.step[name], non_blocking=True)
-
-    def state_tensors(self) -> list[torch.Tensor]:
-        return [tensor for mirror in self.mirrors.values() for tensor in mirror.values()]
-
-    @property
-    def is_compileable(self) -> bool:
-        return True
-
-
-@dataclasses.dataclass
-class _Resident:
-    """Host-side record of the request a slot serves."""
-
-    index: int
-    request: Request
-    stats: dict
-    written_at_start: int  # cache writes before the first decode step (to size a growing cache)
-    held_at_start: int  # tokens the cache held after prefill
-    limit: int  # most tokens the cache can hold (fixed + ring)
-    ended_at_once: bool  # its first token ended it
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    stop: object | None = None
-    admitted_at: float = 0.0  # host clock when its first token was chosen (end of its admission)
 
 
 class Engine:
@@ -316,7 +130,7 @@ class Engine:
                              "instead of grow")
         self.model, self.policy, self.slots = model, policy, slots
         self.tokenizer, self.grow, self.sync_every = tokenizer, grow, sync_every
-        self.eos = _eos_ids(stop_token_ids(model, tokenizer) if eos_token_id is None else eos_token_id)
+        self.eos = eos_ids(stop_token_ids(model, tokenizer) if eos_token_id is None else eos_token_id)
         self.eos_device = self.eos.to(model.device) if self.eos is not None else None
         self.requested_slot_tokens = slot_tokens
         self.eager = model.config._attn_implementation == "eager"
@@ -367,7 +181,7 @@ class Engine:
         self.temperature = torch.ones(self.slots, device=device)
         self.top_p = torch.ones(self.slots, device=device)
         self.active = torch.zeros(self.slots, dtype=torch.bool, device=device)
-        self.cache = _SlotCache(layers, self.layer_policies, {"write_slot": self.write_slot, "position": self.seq_len,
+        self.cache = SlotCache(layers, self.layer_policies, {"write_slot": self.write_slot, "position": self.seq_len,
                                                               "steps": self.generated, "active": self.active})
         self.slot_tokens = size
         if self.compile:
@@ -448,11 +262,11 @@ class Engine:
         if strings not in self._stops:
             if self.tokenizer is None:
                 raise ValueError("stop_strings need the engine's tokenizer")
-            self._stops[strings] = _stop_criteria(self.tokenizer, list(strings), 0)
+            self._stops[strings] = stop_criteria(self.tokenizer, list(strings), 0)
         return self._stops[strings]
 
     @torch.no_grad()
-    def _admit(self, slot: int, index: int, request: Request) -> _Resident:
+    def _admit(self, slot: int, index: int, request: Request) -> Resident:
         """Prefill and compress ``request`` alone, copy its cache into ``slot`` and choose its first token."""
         device = self.model.device
         ids = request.input_ids[None].to(device)
@@ -484,7 +298,7 @@ class Engine:
                     layer.scores[slot, :, :used] = heads.scores[0, :, :used]
                 if layer.queries is not None:
                     layer.queries[slot] = heads.queries[0]
-        self.valid[slot] = self.policy.per_head  # per-head layouts mask by their own validity (see _SlotLayer)
+        self.valid[slot] = self.policy.per_head  # per-head layouts mask by their own validity (see SlotLayer)
         if not self.policy.per_head:
             self.valid[slot, : state.slots] = state.valid[0]
         self.seq_len[slot] = int(state.seq_len[0])
@@ -514,7 +328,7 @@ class Engine:
                  "compressed_layers": realized["compressed_layers"], "prefill_seconds": seconds}
         stop = self._stop_checker(request.stop_strings) if request.stop_strings else None
         held, limit = int(state.valid[0].sum()), int(state.fixed[0]) + int(state.ring[0])
-        return _Resident(index, request, stats, int(state.written[0]), held, limit, done, stop=stop)
+        return Resident(index, request, stats, int(state.written[0]), held, limit, done, stop=stop)
 
     # -- the loop --------------------------------------------------------------------------------------------------
     def run(self, requests: Iterable[Request], on_finish: Callable[[Completion], None] | None = None) -> list[Completion]:
@@ -527,7 +341,7 @@ class Engine:
         self._prepare(stream)
         waiting = deque(enumerate(stream))
         started = time.perf_counter()
-        residents: dict[int, _Resident] = {}
+        residents: dict[int, Resident] = {}
         done: dict[int, Completion] = {}
         step_fn = self._compiled_step()
         while waiting or residents:
@@ -549,14 +363,14 @@ class Engine:
             greedy_only = not any(r.request.do_sample for r in residents.values())
             use_top_p = any(r.request.top_p is not None for r in residents.values())
             # Row layouts keep an eager model's own attention; per-head layouts need the engine's masks.
-            implementation = None if self.eager and not self.head_layouts else _DECODE_ATTENTION
-            _ACTIVE_SLOTS[0] = self.cache
+            implementation = None if self.eager and not self.head_layouts else DECODE_ATTENTION
+            ACTIVE_SLOTS[0] = self.cache
             try:
                 with attention_implementation(self.model, implementation):
                     for _ in range(self.sync_every):
                         step_fn(greedy_only, use_top_p)
             finally:
-                _ACTIVE_SLOTS[0] = None
+                ACTIVE_SLOTS[0] = None
             self.counters["decode_steps"] += self.sync_every
             self.counters["busy_slot_steps"] += self.sync_every * len(residents)
             self._collect(residents, done, on_finish)
@@ -583,13 +397,13 @@ class Engine:
                 torch._dynamo.mark_static_address(self.out)
         self.finished.fill_(True)
 
-    def _grow_for(self, residents: dict[int, _Resident]) -> None:
+    def _grow_for(self, residents: dict[int, Resident]) -> None:
         generated = self.generated.tolist()
         needed = max(r.written_at_start + generated[slot] - 1 + self.sync_every for slot, r in residents.items())
         if needed > self.slot_tokens:
             self._grow_to(needed)
 
-    def _collect(self, residents: dict[int, _Resident], done: dict[int, Completion], on_finish) -> None:
+    def _collect(self, residents: dict[int, Resident], done: dict[int, Completion], on_finish) -> None:
         """The host's look at the slots: new tokens, stop strings, finished requests out."""
         if not residents:
             return
@@ -616,7 +430,7 @@ class Engine:
             if on_finish is not None:
                 on_finish(completion)
 
-    def _stop_at(self, resident: _Resident, start: int) -> int | None:
+    def _stop_at(self, resident: Resident, start: int) -> int | None:
         """Length of the generated tokens once the first stop string appears among those from ``start`` on."""
         tokens, stop = resident.tokens, resident.stop
         if len(tokens) == start:
@@ -630,7 +444,7 @@ class Engine:
                 return length
         return None
 
-    def _complete(self, slot: int, resident: _Resident) -> Completion:
+    def _complete(self, slot: int, resident: Resident) -> Completion:
         generated = len(resident.tokens)
         # Every token fed back takes a new slot until the ring is full; the count never drops, so the end is the peak.
         # (Read off the request's own tokens: the device may have run a few steps past a stop string.)

@@ -11,10 +11,10 @@ from transformers.generation.logits_process import (
     TemperatureLogitsWarper,
     TopPLogitsWarper,
 )
-from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .base import Policy
 from .session import CompressionSession
+from .stopping import eos_ids, stop_criteria, stop_token_ids  # noqa: F401  (stop_token_ids: public here too)
 
 
 @dataclasses.dataclass
@@ -22,44 +22,6 @@ class GenerationOutput:
     sequences: torch.LongTensor  # [batch, prompt + new]
     logits: torch.FloatTensor | None  # [batch, new, vocab]: next-token logits at each generated step (before sampling)
     stats: list[dict]  # per sample, see `generate`
-
-
-def stop_token_ids(model, tokenizer=None) -> list[int]:
-    """The token ids that end a generation, as transformers' ``generate`` and vLLM stop: every id of the model's
-    ``generation_config.eos_token_id`` (a list for Llama-3.1: 128001/128008/128009, Qwen3: 151645/151643; Gemma-3's
-    turn end ``<end_of_turn>`` is not its tokenizer's EOS) and the tokenizer's ``eos_token_id``."""
-    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-    return sorted({int(i) for i in [*ids, getattr(tokenizer, "eos_token_id", None)] if i is not None})
-
-
-def _eos_ids(eos_token_id) -> torch.Tensor | None:
-    if eos_token_id is None:
-        return None
-    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    return torch.tensor(ids, dtype=torch.long) if ids else None
-
-
-class _DecodedStop:
-    """Stop strings found by decoding the generated tail, for tokenizers transformers' ``StopStringCriteria`` cannot
-    index (word-level vocabularies without a prefix-space convention). Looks at generated tokens only."""
-
-    def __init__(self, tokenizer, stop_strings: list[str], prompt_length: int):
-        self.tokenizer, self.stop_strings, self.prompt_length = tokenizer, stop_strings, prompt_length
-        self.window = max(len(text) for text in stop_strings) + 1  # every token holds at least one character
-
-    def __call__(self, sequences: torch.Tensor, scores) -> torch.Tensor:
-        tails = sequences[:, max(self.prompt_length, sequences.shape[1] - self.window):]
-        texts = self.tokenizer.batch_decode(tails, skip_special_tokens=True)
-        return torch.tensor([any(stop in text for stop in self.stop_strings) for text in texts])
-
-
-def _stop_criteria(tokenizer, stop_strings: str | list[str], prompt_length: int):
-    stop_strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
-    try:
-        return StopStringCriteria(tokenizer, stop_strings)
-    except ValueError:  # its vocabulary index needs a tokenizer that can spell a prefix it adds
-        return _DecodedStop(tokenizer, stop_strings, prompt_length)
 
 
 def _validate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_p, stop_strings, tokenizer):
@@ -151,7 +113,7 @@ def generate(
     every chunk: a different method); see :meth:`CompressionSession.prefill`.
     """
     _validate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_p, stop_strings, tokenizer)
-    eos = _eos_ids(stop_token_ids(model, tokenizer) if eos_token_id is None else eos_token_id)
+    eos = eos_ids(stop_token_ids(model, tokenizer) if eos_token_id is None else eos_token_id)
     if pad_token_id is None:
         pad_token_id = int(eos[0]) if eos is not None else 0
     warpers = LogitsProcessorList()
@@ -159,7 +121,7 @@ def generate(
         warpers.append(TemperatureLogitsWarper(temperature))
     if do_sample and top_p is not None:
         warpers.append(TopPLogitsWarper(top_p))
-    stop = _stop_criteria(tokenizer, stop_strings, input_ids.shape[1]) if stop_strings else None
+    stop = stop_criteria(tokenizer, stop_strings, input_ids.shape[1]) if stop_strings else None
     generator = None
     if do_sample:
         generator = torch.Generator(device=input_ids.device)

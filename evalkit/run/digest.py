@@ -44,7 +44,7 @@ def identify(spec: RunSpec) -> dict:
     """
     if spec.identity is not None:
         return spec.identity
-    from evalkit.lm import resolve_device, resolve_pretrained
+    from evalkit.models import resolve_device, resolve_pretrained
 
     def source(label: str, name: str, repo_type: str = "model", revision: str | None = None) -> str:
         try:
@@ -76,7 +76,7 @@ def identify(spec: RunSpec) -> dict:
 
 
 def _stop_ids(spec: RunSpec) -> list[int]:
-    from evalkit.lm import stop_token_ids_of
+    from evalkit.models import stop_token_ids_of
 
     try:
         return stop_token_ids_of(spec.pretrained, spec.revision)

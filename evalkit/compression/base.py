@@ -22,6 +22,8 @@ from typing import ClassVar
 
 import torch
 
+from .model_spec import attention_sinks  # noqa: F401  (also its former home: kept for callers)
+
 UNBOUNDED = 1 << 62  # ring size of a cache that only grows
 
 # Every method by its name: a subclass of :class:`Policy` that names itself (``name = "..."``) registers here when its
@@ -186,11 +188,6 @@ class Policy:
     def config(self) -> dict:
         """Flat description of the policy, for result tables."""
         return {"method": self.name, "capacity": self.cache_capacity(), **dataclasses.asdict(self)}
-
-
-def attention_sinks(module) -> torch.Tensor | None:
-    """The learned attention-sink logits of an attention module (gpt-oss: one per query head), else None."""
-    return getattr(module, "sinks", None)
 
 
 def attention_probabilities(queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scaling: float,

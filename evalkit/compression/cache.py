@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import sys
 import weakref
 
 import torch
@@ -41,13 +40,18 @@ from .base import (
     Policy,
     PrefillView,
     attention_probabilities,
-    attention_sinks,
     causal_attention_sums,
     reduce_groups,
     slots_visible,
 )
+from .model_spec import (  # noqa: F401  (check_hookable, layer_devices: their former home, kept for callers)
+    SUPPORTED_ATTENTION,
+    attention_sinks,
+    check_hookable,
+    family_eager,
+    layer_devices,
+)
 
-SUPPORTED_ATTENTION = ("sdpa", "eager")
 _ACTIVE: contextvars.ContextVar[CompressedCache | None] = contextvars.ContextVar("evalkit_cache", default=None)
 
 
@@ -55,25 +59,6 @@ def on_device(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``tensor`` on ``like``'s device: a model spread over devices (``device_map``) keeps each layer's cache on that
     layer's device, and the step's row bookkeeping (made on the input's device) goes to it, never the cache."""
     return tensor if tensor.device == like.device else tensor.to(like.device, non_blocking=True)
-
-
-def layer_devices(model) -> list[torch.device]:
-    """The device of each decoder layer's attention: one device, or several for a model loaded with a device map.
-    Layers offloaded to ``meta``/disk are refused (their weights move in at every step; their cache would have no
-    device)."""
-    devices: dict[int, torch.device] = {}
-    for module in model.modules():
-        index = getattr(module, "layer_idx", None)
-        if index is None or index in devices or not type(module).__name__.endswith("Attention"):
-            continue
-        parameter = next(module.parameters(), None)
-        if parameter is not None:
-            devices[index] = parameter.device
-    offloaded = sorted(i for i, device in devices.items() if device.type == "meta")
-    if offloaded:
-        raise ValueError(f"layers {offloaded} are offloaded (their weights are on 'meta'); evalkit needs every layer "
-                         "on a device: give device_map only GPUs and cpu, or more GPU memory (max_memory)")
-    return [devices.get(i, model.device) for i in range(model.config.num_hidden_layers)]
 
 
 @dataclasses.dataclass
@@ -451,11 +436,6 @@ class CompressedCache(Cache):
         return mask
 
 
-def family_eager(module, default):
-    """The model family's own eager attention (gpt-oss adds its sinks, Gemma-2 its soft-capping), else Llama's."""
-    return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", default)
-
-
 MASK_CELLS = 1 << 22  # a later prefill chunk's attention: query rows per call so that its mask stays this small
 
 
@@ -525,34 +505,6 @@ def _register_hooks() -> None:
 
 
 _register_hooks()
-
-
-def check_hookable(model) -> None:
-    """Fail before any compute if this model's attention cannot go through the hook."""
-    config = model.config
-    implementation = config._attn_implementation
-    if implementation not in SUPPORTED_ATTENTION:
-        raise ValueError(
-            f"attention implementation {implementation!r} cannot be compressed; load the model with "
-            f"attn_implementation in {list(SUPPORTED_ATTENTION)}"
-        )
-    attention_modules = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
-    if not attention_modules or any(getattr(m, "layer_idx", None) is None for m in attention_modules):
-        raise ValueError(f"{type(model).__name__} has no attention modules with a layer_idx; it cannot be hooked")
-    layer_types = getattr(config, "layer_types", None) or []
-    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
-    if unknown:
-        raise ValueError(
-            f"{type(model).__name__} has {unknown} layers; evalkit compresses full-attention layers and keeps "
-            "sliding-window layers as they are, and knows no other kind"
-        )
-    if "sliding_attention" in layer_types and not getattr(config, "sliding_window", None):
-        raise ValueError(f"{type(model).__name__} has sliding-window layers but no sliding_window in its config")
-    if implementation != "eager" and any(attention_sinks(m) is not None for m in attention_modules):
-        raise ValueError(
-            f"{type(model).__name__} has learned attention sinks, which sdpa does not compute; load it with "
-            "attn_implementation='eager'"
-        )
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -28,16 +28,12 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from .base import Policy
-from .cache import (
-    additive_mask,
-    attention_implementation,
-    check_hookable,
-    layer_devices,
-)
+from .cache import additive_mask, attention_implementation
 from .generate import prefill
+from .model_spec import cache_geometry, check_hookable, layer_devices
 from .sampling import choose_tokens
 from .sliding_window import SlidingWindow, layer_policies
-from .slots import ACTIVE_SLOTS, DECODE_ATTENTION, OUT_RING, Resident, SlotCache, cache_geometry
+from .slots import ACTIVE_SLOTS, DECODE_ATTENTION, OUT_RING, Resident, SlotCache
 from .stopping import eos_ids, stop_criteria, stop_token_ids
 
 

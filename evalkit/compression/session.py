@@ -17,7 +17,8 @@ def chunk_mode_refusal(policy: Policy, chunk_mode: str) -> str | None:
         return (f"prefill_chunk_mode=compress needs one budget for every layer and head; {policy.name} allocates "
                 "per layer or head (use prefill_chunk_mode=exact)")
     return None
-from .cache import CompressedCache, RowState, additive_mask, check_hookable, hooked
+from .cache import CompressedCache, RowState, additive_mask, hooked
+from .model_spec import check_hookable
 from .sliding_window import layer_policies
 
 

@@ -8,6 +8,7 @@ from typing import ClassVar
 import torch
 
 from .base import DecodeView, Policy, free_lowest, require_int
+from .model_spec import layer_kinds
 
 
 @dataclasses.dataclass
@@ -45,7 +46,5 @@ class SlidingWindow(Policy, register=False):
 def layer_policies(model, policy: Policy) -> list[Policy]:
     """The policy of each layer: ``policy`` on full-attention layers (compressed), :class:`SlidingWindow` on a hybrid
     model's sliding-window layers (left as the model defines them)."""
-    config = model.config
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    return [SlidingWindow(window=config.sliding_window) if kind == "sliding_attention" else policy
-            for kind in layer_types]
+    return [SlidingWindow(window=model.config.sliding_window) if kind == "sliding_attention" else policy
+            for kind in layer_kinds(model.config)]

@@ -11,8 +11,9 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from .base import Policy, attention_sinks
-from .cache import additive_mask, evict_after_step, family_eager
+from .base import Policy
+from .cache import additive_mask, evict_after_step
+from .model_spec import attention_sinks, cache_geometry, family_eager  # noqa: F401  (cache_geometry: also here)
 
 
 def decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
@@ -125,18 +126,6 @@ class SlotCache(Cache):
     @property
     def is_compileable(self) -> bool:
         return True
-
-
-def cache_geometry(config) -> tuple[tuple[int, int, int], int]:
-    """((cached heads, key width, value width), query width) of a model's cache. A latent (MLA) cache holds one shared
-    head: the compressed KV (``kv_lora_rank``) as keys and the shared RoPE key part as values, which attention
-    expands to per-head keys of ``qk_nope_head_dim + qk_rope_head_dim``."""
-    if getattr(config, "kv_lora_rank", None):
-        query = config.qk_nope_head_dim + config.qk_rope_head_dim
-        return (1, config.kv_lora_rank, config.qk_rope_head_dim), query
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return (kv_heads, head_dim, head_dim), head_dim
 
 
 @dataclasses.dataclass

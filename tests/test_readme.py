@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-NEEDS_NETWORK = ("llama31_8b_instruct", "llama31_70b_instruct", "meta-llama/", "/models/", "/data/", "release_v5")
+NEEDS_NETWORK = ("llama31_8b_instruct", "llama31_70b_instruct", "meta-llama/", "/models/", "/data/", "release_v5",
+                 "task.name=gsm8k")
 
 
 def readme_commands() -> list[str]:

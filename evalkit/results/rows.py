@@ -24,8 +24,15 @@ def tidy_rows(
     subset_fields = (task_config.get("metadata") or {}).get("subset_field") or []
     subset_fields = [subset_fields] if isinstance(subset_fields, str) else list(subset_fields)
     metric_names = [entry["metric"] for entry in task_config.get("metric_list", [])]
+    # A task with several filters (gsm8k: strict-match, flexible-extract) logs each document once per filter: the
+    # samples are the first filter's; the metrics keep every filter, named as lm-eval reports them (metric,filter).
+    filters = list(dict.fromkeys(key.split(",", 1)[1] for key in results["results"][task] if "," in key
+                                 and "_stderr" not in key))
+    logged = results["samples"][task]
+    if len(filters) > 1:
+        logged = [sample for sample in logged if sample.get("filter", filters[0]) == filters[0]]
     samples = []
-    for sample in results["samples"][task]:
+    for sample in logged:
         predictions = all_responses(sample.get("filtered_resps") or sample.get("resps") or [])
         metric = metric_names[0] if metric_names else None
         for repeat, prediction in enumerate(predictions):
@@ -66,8 +73,9 @@ def tidy_rows(
     for key, value in results["results"][task].items():
         if "," not in key or "_stderr" in key or not isinstance(value, (int, float)):
             continue
-        name = key.split(",")[0]
-        stderr = results["results"][task].get(key.replace(name, f"{name}_stderr", 1))
+        metric_name = key.split(",")[0]
+        name = key if len(filters) > 1 else metric_name
+        stderr = results["results"][task].get(key.replace(metric_name, f"{metric_name}_stderr", 1))
         metrics.append({"subset": "all", "metric": name, "value": float(value),
                         "stderr": float(stderr) if isinstance(stderr, (int, float)) else None, "n": n})
     if subset_fields and samples:

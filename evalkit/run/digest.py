@@ -16,7 +16,7 @@ from evalkit.paths import tasks_dir
 
 from .errors import ConfigError, RunError, model_unavailable
 from .spec import RunSpec
-from .tasks import task_with_options
+from .tasks import LM_EVAL, registry_yaml, task_with_options
 
 
 def versions() -> dict:
@@ -52,8 +52,17 @@ def identify(spec: RunSpec) -> dict:
         except (identity.MissingSource, FileNotFoundError) as error:
             raise RunError(f"{label}: {error}") from None
 
-    dataset = task_with_options(spec.task, spec.task_options).get("dataset_kwargs") or {}
+    config = task_with_options(spec.task, spec.task_options)
+    dataset = config.get("dataset_kwargs") or {}
     data_source, generated = dataset.get("path"), None
+    definition, label = [tasks_dir() / spec.task], "task.dataset.path"
+    if spec.task_options.get("source") == LM_EVAL:  # lm-eval's own task: its YAML's folder, its data files or hub id
+        definition = [registry_yaml(spec.task).parent]
+        files = dataset.get("data_files")
+        files = list(files.values()) if isinstance(files, dict) else files
+        data_source = ([str(f) for f in ([files] if isinstance(files, str) else files)] if files
+                       else config.get("dataset_path"))
+        label = "task.dataset.kwargs.data_files" if files else label
     try:  # the task's own hooks (tasks/<name>/utils.py): its hub files, or the identity of data it builds
         if not data_source and task_defs.hook(spec.task, "dataset_sources"):
             data_source = task_defs.hook(spec.task, "dataset_sources")(dataset)
@@ -67,9 +76,9 @@ def identify(spec: RunSpec) -> dict:
         # The ids generation stops on (the generation config's and the tokenizer's EOS), as a JSON list.
         "stop_token_ids": json.dumps(_stop_ids(spec)),
         "draft_source": source("method.draft_model", _resolved(resolve_pretrained, draft)) if draft else None,
-        "dataset_source": (source("task.dataset.path", data_source, "dataset", dataset.get("revision")) if data_source
+        "dataset_source": (source(label, data_source, "dataset", dataset.get("revision")) if data_source
                            else generated),
-        "task_definition": identity.fingerprint([tasks_dir() / spec.task]),
+        "task_definition": identity.fingerprint(definition),
         "device_class": resolve_device(spec.device).split(":")[0],
     }
     return spec.identity

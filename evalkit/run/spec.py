@@ -36,7 +36,9 @@ def __getattr__(name: str):
 # conf/task/<name>.yaml beyond its name: `dataset` (arguments of the task's loader: hub id or path, release, ...),
 # `generation` (overrides of the task's generation_kwargs), `repeats` (samples per prompt), `system_instruction`.
 # `gen_prefix`: text the assistant turn starts with (AIME's "<think>\n" switch).
-TASK_OPTION_KEYS = ("dataset", "generation", "repeats", "system_instruction", "gen_prefix")
+# `source: lm_eval`: a task of lm-eval's own registry (conf/task/lm_eval.yaml), with `num_fewshot` and `metadata`.
+TASK_OPTION_KEYS = ("dataset", "generation", "repeats", "system_instruction", "gen_prefix", "source", "num_fewshot",
+                    "metadata")
 
 
 @dataclasses.dataclass
@@ -176,7 +178,12 @@ def precheck(cfg: dict) -> dict:
     if limit is not None and (not isinstance(limit, int) or limit < 1):
         raise ConfigError(f"limit must be a positive integer or null, got {limit!r}")
     task_name = _require(task, "name", "task")
-    if not (tasks_dir() / task_name).is_dir():
+    source = task.get("source")
+    if task_name == "???":  # conf/task/lm_eval.yaml leaves the name to the command line
+        raise ConfigError("task.name is required: the lm-eval task to run (task=lm_eval task.name=gsm8k)")
+    if source not in (None, "lm_eval"):
+        raise ConfigError(f"task.source must be lm_eval (a task of lm-eval's registry) or absent, got {source!r}")
+    if source is None and not (tasks_dir() / task_name).is_dir():
         available = sorted(p.name for p in tasks_dir().iterdir() if p.is_dir() and not p.name.startswith(("_", ".")))
         raise ConfigError(f"unknown task {task_name!r}; available: {available}")
     options = {key: task.get(key) for key in TASK_OPTION_KEYS if task.get(key) is not None}
@@ -191,6 +198,11 @@ def precheck(cfg: dict) -> dict:
         value = options.get("generation", {}).get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"task.generation.{key} must be a positive integer, got {value!r}")
+    if "num_fewshot" in options and (isinstance(options["num_fewshot"], bool) or not isinstance(options["num_fewshot"], int)
+                                     or options["num_fewshot"] < 0):
+        raise ConfigError(f"task.num_fewshot must be a non-negative integer, got {options['num_fewshot']!r}")
+    if not isinstance(options.get("metadata", {}), dict):
+        raise ConfigError(f"task.metadata must be a mapping, got {options['metadata']!r}")
     if "repeats" in options and (not isinstance(options["repeats"], int) or options["repeats"] < 1):
         raise ConfigError(f"task.repeats must be a positive integer, got {options['repeats']!r}")
     scope = cfg.get("compression_scope", "prompt")

@@ -12,13 +12,17 @@ from evalkit.paths import tasks_dir
 from evalkit.results.rows import doc_key
 from evalkit.scoring import all_responses
 
-from .errors import RunError
+from .errors import RunError, one_line
+
+LM_EVAL = "lm_eval"  # task.source of a task from lm-eval's own registry (conf/task/lm_eval.yaml)
 
 
 def task_with_options(task: str, options: dict, bad_rows: str = "error") -> dict:
     """The task's lm-eval YAML as a dict, with the run's dataset/generation/repeats options applied."""
     from lm_eval.tasks._yaml_loader import load_yaml
 
+    if options.get("source") == LM_EVAL:
+        return registry_task(task, options)
     config = load_yaml(tasks_dir() / task / f"{task}.yaml", resolve_func=True)
     config["dataset_kwargs"] = {**(config.get("dataset_kwargs") or {}), **options.get("dataset", {}), "bad_rows": bad_rows}
     config["generation_kwargs"] = {**(config.get("generation_kwargs") or {}), **options.get("generation", {})}
@@ -26,6 +30,67 @@ def task_with_options(task: str, options: dict, bad_rows: str = "error") -> dict
         config["repeats"] = options["repeats"]
     if options.get("gen_prefix"):
         config["gen_prefix"] = options["gen_prefix"]
+    return config
+
+
+@functools.lru_cache(maxsize=1)
+def registry():
+    """lm-eval's whole task index (thousands of tasks: seconds to build, so only when a run asks for one of them)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager()
+
+
+def registry_yaml(task: str) -> Path:
+    """The YAML file of lm-eval's task ``task``; a ConfigError naming the nearest names for an unknown one, and for
+    a group (not run through evalkit yet: its subtasks one by one are)."""
+    import difflib
+
+    from .errors import ConfigError
+
+    entry = registry().task_index.get(task)
+    if entry is None:
+        near = difflib.get_close_matches(task, registry().all_tasks, n=3, cutoff=0.6)
+        raise ConfigError(f"lm-eval knows no task {task!r}" + (f"; did you mean {', '.join(near)}?" if near else ""))
+    if entry.kind.name not in ("TASK", "PY_TASK") or entry.yaml_path is None:
+        subtasks = [name for name in registry().all_subtasks if name.startswith(task)][:5]
+        raise ConfigError(f"{task} is an lm-eval {entry.kind.name.lower()}; run its tasks one at a time "
+                          f"(task.name=... e.g. {', '.join(subtasks) or 'one of its tasks'})")
+    return Path(entry.yaml_path)
+
+
+def registry_task(task: str, options: dict) -> dict:
+    """lm-eval's own config of ``task`` (its official YAML, includes resolved) with the run's options: ``dataset``
+    (``path``, ``name``, ``kwargs``: where its data is, e.g. local files), ``generation`` (over its
+    generation_kwargs), ``num_fewshot``, ``metadata`` (lm-eval's task metadata), ``repeats``."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    from .errors import ConfigError
+
+    config = load_yaml(registry_yaml(task), resolve_func=True)
+    if config.get("output_type") == "loglikelihood_rolling":
+        raise ConfigError(f"{task} is a perplexity task (loglikelihood_rolling), which has no compressed meaning in "
+                          "evalkit: a compressed cache is scored by the tokens it generates or the choices it ranks")
+    dataset = options.get("dataset") or {}
+    if dataset.get("path") is not None:  # another source: its own config name (none unless given)
+        config["dataset_path"], config["dataset_name"] = dataset["path"], dataset.get("name")
+    elif dataset.get("name") is not None:
+        config["dataset_name"] = dataset["name"]
+    if dataset.get("kwargs"):
+        config["dataset_kwargs"] = {**(config.get("dataset_kwargs") or {}), **dataset["kwargs"]}
+        files = dataset["kwargs"].get("data_files")
+        if isinstance(files, dict):  # local files per split: the task's splits that have none are not there
+            for field in ("training_split", "validation_split", "test_split", "fewshot_split"):
+                if config.get(field) is not None and config[field] not in files:
+                    config[field] = None
+    generation = {key: value for key, value in (options.get("generation") or {}).items() if value is not None}
+    if generation:
+        config["generation_kwargs"] = {**(config.get("generation_kwargs") or {}), **generation}
+    for key in ("num_fewshot", "repeats"):
+        if key in options:
+            config[key] = options[key]
+    if options.get("metadata"):
+        config["metadata"] = {**(config.get("metadata") or {}), **options["metadata"]}
     return config
 
 
@@ -55,6 +120,11 @@ def load_task(config: dict):
             task = task_object(config)
         except DataError as error:
             raise RunError(f"data: {error}") from None
+        except (ConnectionError, FileNotFoundError) as error:  # a hub dataset that is not here and cannot be fetched
+            raise RunError(f"data of task {config.get('task')}: dataset {config.get('dataset_path')} cannot be loaded "
+                           f"here ({one_line(error)}); load it once where the hub can be reached (HF_DATASETS_CACHE "
+                           "sets where it is kept) or point task.dataset.path (and task.dataset.kwargs.data_files) at "
+                           "local files") from None
     return task, skipped
 
 

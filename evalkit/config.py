@@ -41,7 +41,6 @@ def compose(*overrides: str) -> dict:
     """The run config for ``overrides`` (e.g. ``compose("budget=4x", "task=needle")``), resolved, as a plain dict."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
-    from omegaconf import OmegaConf
 
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = hydra_compose("config", overrides=normalize_overrides(list(overrides)))

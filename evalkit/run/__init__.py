@@ -13,7 +13,7 @@ _HOMES = {
     "errors": ("ConfigError", "Interrupted", "InvalidCombination", "RunError"),
     "spec": ("METHOD_PARAMS", "MODEL_KEYS", "RUN_KEYS", "TASK_OPTION_KEYS", "RunSpec", "check_known", "precheck",
              "validate"),
-    "digest": ("completed_runs", "config_digest", "identify", "lcb_release_sources"),
+    "digest": ("completed_runs", "config_digest", "identify"),
     "pricing": ("deployed_capacity", "memory_rows"),
     "tasks": ("task_with_options",),
     "runner": ("RunResult", "remove_unfinished_tables", "run", "summary"),

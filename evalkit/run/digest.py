@@ -15,8 +15,8 @@ from evalkit import identity, task_defs
 from evalkit.paths import tasks_dir
 
 from .errors import ConfigError, RunError, model_unavailable
-from .spec import RunSpec
-from .tasks import LM_EVAL, registry_yaml, task_with_options
+from .spec import LM_EVAL, RunSpec
+from .tasks import registry_yaml, task_with_options
 
 
 def versions() -> dict:
@@ -63,13 +63,14 @@ def identify(spec: RunSpec) -> dict:
         data_source = ([str(f) for f in ([files] if isinstance(files, str) else files)] if files
                        else config.get("dataset_path"))
         label = "task.dataset.kwargs.data_files" if files else label
-    try:  # the task's own hooks (tasks/<name>/utils.py): its hub files, or the identity of data it builds
-        if not data_source and task_defs.hook(spec.task, "dataset_sources"):
-            data_source = task_defs.hook(spec.task, "dataset_sources")(dataset)
-        if not data_source and task_defs.hook(spec.task, "dataset_identity"):
-            generated = task_defs.hook(spec.task, "dataset_identity")(dataset)
-    except ValueError as error:
-        raise ConfigError(f"task.{error}") from None
+    elif not data_source:  # an evalkit task's own hooks (tasks/<name>/utils.py): its hub files, or built data's identity
+        try:
+            if task_defs.hook(spec.task, "dataset_sources"):
+                data_source = task_defs.hook(spec.task, "dataset_sources")(dataset)
+            if not data_source and task_defs.hook(spec.task, "dataset_identity"):
+                generated = task_defs.hook(spec.task, "dataset_identity")(dataset)
+        except ValueError as error:
+            raise ConfigError(f"task.{error}") from None
     draft = (spec.spec_prefill or {}).get("draft_model")
     spec.identity = {
         "model_source": source("model.pretrained", _resolved(resolve_pretrained, spec.pretrained), revision=spec.revision),
@@ -98,15 +99,6 @@ def _resolved(resolve, name: str) -> str:
         return resolve(name)
     except FileNotFoundError as error:
         raise RunError(str(error)) from None
-
-
-def lcb_release_sources(release: str) -> list[str]:
-    from evalkit.scoring.livecodebench import release_sources
-
-    try:
-        return release_sources(release)
-    except ValueError as error:
-        raise ConfigError(f"task.dataset.release: {error}") from None
 
 
 def config_digest(spec: RunSpec) -> str:

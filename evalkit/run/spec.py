@@ -37,6 +37,7 @@ def __getattr__(name: str):
 # `generation` (overrides of the task's generation_kwargs), `repeats` (samples per prompt), `system_instruction`.
 # `gen_prefix`: text the assistant turn starts with (AIME's "<think>\n" switch).
 # `source: lm_eval`: a task of lm-eval's own registry (conf/task/lm_eval.yaml), with `num_fewshot` and `metadata`.
+LM_EVAL = "lm_eval"  # task.source of a task from lm-eval's own registry (conf/task/lm_eval.yaml)
 TASK_OPTION_KEYS = ("dataset", "generation", "repeats", "system_instruction", "gen_prefix", "source", "num_fewshot",
                     "metadata")
 
@@ -181,7 +182,7 @@ def precheck(cfg: dict) -> dict:
     source = task.get("source")
     if task_name == "???":  # conf/task/lm_eval.yaml leaves the name to the command line
         raise ConfigError("task.name is required: the lm-eval task to run (task=lm_eval task.name=gsm8k)")
-    if source not in (None, "lm_eval"):
+    if source not in (None, LM_EVAL):
         raise ConfigError(f"task.source must be lm_eval (a task of lm-eval's registry) or absent, got {source!r}")
     if source is None and not (tasks_dir() / task_name).is_dir():
         available = sorted(p.name for p in tasks_dir().iterdir() if p.is_dir() and not p.name.startswith(("_", ".")))

@@ -13,8 +13,7 @@ from evalkit.results.rows import doc_key
 from evalkit.scoring import all_responses
 
 from .errors import RunError, one_line
-
-LM_EVAL = "lm_eval"  # task.source of a task from lm-eval's own registry (conf/task/lm_eval.yaml)
+from .spec import LM_EVAL
 
 
 def task_with_options(task: str, options: dict, bad_rows: str = "error") -> dict:

@@ -189,6 +189,15 @@ def test_pickled_tests_that_would_run_code_are_a_data_error_and_run_nothing(tmp_
 
 
 # -- the grader's death ---------------------------------------------------------------------------------------------
+def _cmdline(pid: int) -> bytes:
+    """A process's command line; empty for one that has ended since it was listed (a short-lived helper)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return handle.read()
+    except OSError:
+        return b""
+
+
 def _descendants(root: int) -> set[int]:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
@@ -223,7 +232,7 @@ def test_killing_the_grader_kills_its_sandboxes_and_the_next_start_removes_their
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         program = [pid for pid in _descendants(grader.pid)
-                   if open(f"/proc/{pid}/cmdline", "rb").read().endswith(b"/dev/fd/3\0")]
+                   if _cmdline(pid).endswith(b"/dev/fd/3\0")]
         if program:
             break
         time.sleep(0.1)

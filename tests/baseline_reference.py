@@ -147,22 +147,62 @@ def kept_snapkv_budgets(run, budgets, window, kernel_size, pooling, scaling):
 
 
 def kept_adakv(run, capacity, window, kernel_size, pooling, alpha, scaling):
+    def snapkv(layer, r):
+        scores = plain_snapkv_scores(r["query"], r["key"], window, kernel_size, pooling, "mean", scaling).tolist()
+        return [head + [float("inf")] * window for head in scores]
+
+    return allocate_over_heads(run, capacity, alpha, snapkv)
+
+
+def allocate_over_heads(run, capacity, alpha, head_scores):
+    """AdaKV's allocation of ``capacity`` tokens per head on average: each head's own top ``int(capacity * alpha)``
+    first, then the layer's best across heads. ``head_scores(layer, r)``: per KV head, a score per prompt position
+    (``inf`` where the scorer forces the token)."""
     kept = {}
     for layer, r in run.items():
         kv_heads, n = r["key"].shape[:2]
-        scores = plain_snapkv_scores(r["query"], r["key"], window, kernel_size, pooling, "mean", scaling).tolist()
+        scores = head_scores(layer, r)
         safe = int(capacity * alpha)
         candidates = []
         for h in range(kv_heads):
-            full = scores[h] + [float("inf")] * window
-            protected = top(full, safe)
-            candidates += [(float("inf") if j in protected else full[j], h, j) for j in range(n)]
+            protected = top(scores[h], safe)
+            candidates += [(float("inf") if j in protected else scores[h][j], h, j) for j in range(n)]
         candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
         heads = [set() for _ in range(kv_heads)]
         for _, h, j in candidates[: kv_heads * capacity]:
             heads[h].add(j)
         kept[layer] = heads
     return kept
+
+
+def scorer_head_scores(scorer: dict, scaling):
+    """``head_scores`` of a wrapper's scorer, by its definition: KNorm (``-||k||``), ObservedAttention (attention
+    received over the queries that see the key) or H2O (attention received, summed), the forced tokens at ``inf``."""
+    name, sink = scorer["name"], scorer.get("sink", 0)
+    window = scorer.get("recent") if name == "h2o" else scorer.get("window", 0)
+
+    def head_scores(layer, r):
+        n = r["key"].shape[1]
+        if name == "knorm":
+            scores = [(-k.norm(dim=-1)).tolist() for k in r["key"]]
+        elif name == "observed_attention":
+            def observed(query_head, kv_head):
+                p = causal_probabilities(r["query"][query_head], r["key"][kv_head], scaling)
+                return [float(p[:, j].sum()) / (n - j) for j in range(n)]
+            scores = [score.tolist() for score in group_mean(r, observed)]
+        elif name == "h2o":
+            scores = h2o_prefill_scores(r, scaling)
+        else:
+            raise TypeError(name)
+        forced = set(range(sink)) | set(range(n - window, n))
+        return [[float("inf") if j in forced else head[j] for j in range(n)] for head in scores]
+
+    return head_scores
+
+
+def kept_budgets_over(run, budgets, head_scores):
+    """Each layer keeps its budget of best tokens per head (PyramidKV over any scorer)."""
+    return {layer: [top(head, budgets[layer]) for head in head_scores(layer, r)] for layer, r in run.items()}
 
 
 def h2o_prefill_scores(r, scaling) -> list[list[float]]:
@@ -197,6 +237,9 @@ def kept_prompt(model, policy, prompt) -> dict[int, list[set[int]]]:
         return kept_tova(run, policy.capacity, scaling)
     if isinstance(policy, ec.H2O):
         return kept_h2o(run, policy.capacity, policy.recent, scaling)
+    if isinstance(policy, ec.AdaKV) and policy.scorer is not None:
+        return allocate_over_heads(run, policy.capacity, policy.alpha_safeguard,
+                                   scorer_head_scores(policy.scorer, scaling))
     if isinstance(policy, ec.AdaKV):
         return kept_adakv(run, policy.capacity, policy.window, policy.kernel_size, policy.pooling,
                           policy.alpha_safeguard, scaling)

@@ -7,12 +7,13 @@ from typing import ClassVar
 
 import torch
 
-from .snapkv import SnapKV
+from .scorer import OverScorer
 
 
 @dataclasses.dataclass
-class AdaKV(SnapKV):
-    """SnapKV's scores with each layer's budget shared among its KV heads by score.
+class AdaKV(OverScorer):
+    """SnapKV's scores (or any ``scorer``'s, see :mod:`.scorer`) with each layer's budget shared among its KV heads
+    by score.
 
     Per row and layer, ``capacity`` tokens per KV head on average: every head first keeps its own top
     ``int(capacity * alpha_safeguard)`` tokens (the observation window ranks first), then the layer keeps its

@@ -185,9 +185,35 @@ class Policy:
         """Slots to free after this decode step, ``[B, Hkv, S]`` bool, or None."""
         return None
 
+    def unused_fields(self) -> tuple[str, ...]:
+        """Fields this instance ignores (a wrapper's own scoring settings once it takes another scorer's): the tables
+        leave them out rather than show a setting that did nothing."""
+        return ()
+
     def config(self) -> dict:
         """Flat description of the policy, for result tables."""
-        return {"method": self.name, "capacity": self.cache_capacity(), **dataclasses.asdict(self)}
+        return {"method": self.name, "capacity": self.cache_capacity(), **recorded_fields(self)}
+
+
+def recorded_fields(policy: Policy) -> dict:
+    """A policy's settings as the result tables record them: its fields, a scorer as its own settings (name first).
+    A field added to a method after runs were recorded (``metadata={"recorded_when_set": True}``) is left out while
+    it holds its default, so that those runs keep their config digest."""
+    out = {}
+    for field in dataclasses.fields(policy):
+        value = getattr(policy, field.name)
+        if field.metadata.get("recorded_when_set") and value == field.default or field.name in policy.unused_fields():
+            continue
+        out[field.name] = scorer_settings(value) if isinstance(value, Policy) else value
+    return out
+
+
+def scorer_settings(scorer: Policy) -> dict:
+    """``{"name": ..., setting: value}``: what builds ``scorer`` again under a wrapper (its capacity is the wrapper's)."""
+    fields = recorded_fields(scorer)
+    for name in scorer.budget_fields:
+        fields.pop(name, None)
+    return {"name": scorer.name, **fields}
 
 
 def attention_probabilities(queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scaling: float,

@@ -8,12 +8,13 @@ from typing import ClassVar
 import torch
 
 from .base import require_int
-from .snapkv import SnapKV
+from .scorer import OverScorer
 
 
 @dataclasses.dataclass
-class PyramidKV(SnapKV):
-    """SnapKV's scores with budgets that decrease linearly with depth and keep the same total.
+class PyramidKV(OverScorer):
+    """SnapKV's scores (or any ``scorer``'s, see :mod:`.scorer`) with budgets that decrease linearly with depth and
+    keep the same total.
 
     ``capacity`` is SnapKV's prompt capacity C on average over layers. For a prompt of n tokens, as
     KVCache-Factory's ``PyramidKVCluster`` (integer arithmetic included), with window w and L layers:
@@ -44,10 +45,10 @@ class PyramidKV(SnapKV):
         return torch.tensor([self._budget(layer_idx, num_layers, int(n)) for n in real_len.tolist()])
 
     def prompt_slots(self, n: int, kv_heads: int) -> int:
-        return min(n, 2 * self.capacity - self.window)  # the first layer's largest budget
+        return min(n, 2 * self.capacity - self.kept_window())  # the first layer's largest budget
 
     def _budget(self, layer_idx: int, num_layers: int, n: int) -> int:
-        capacity, window = self.capacity, self.window
+        capacity, window = self.capacity, self.kept_window()  # SnapKV's window, or the tokens the scorer forces
         if n < capacity:
             return n
         if n < (capacity - window) * 2 or num_layers == 1:

@@ -79,7 +79,9 @@ class RunSpec:
     identity: dict | None = None  # filled by identify(): resolved sources, fingerprints
 
     def flat_config(self) -> dict:
-        params = dataclasses.asdict(self.policy)
+        from evalkit.compression.base import recorded_fields
+
+        params = recorded_fields(self.policy)
         return {
             "model": self.model_name,
             "model_pretrained": self.pretrained,

@@ -40,6 +40,21 @@ def test_every_file_the_checklists_name_exists_for_their_examples():
             assert (ROOT / path.replace("<name>", example)).exists(), (title, path)
 
 
+def test_every_task_folder_says_its_source_official_code_and_deviations():
+    """Each task's README names its data, its official code (with the commit checked, where one exists) and its
+    deviations, and the main README points to it."""
+    readme = (ROOT / "README.md").read_text()
+    folders = sorted(p for p in (ROOT / "tasks").iterdir() if (p / f"{p.name}.yaml").exists())
+    assert len(folders) >= 5
+    for folder in folders:
+        text = (folder / "README.md").read_text()
+        assert text.startswith(f"# {folder.name}:"), folder.name
+        assert "**Data**" in text and "**Official code**" in text and "\n## Deviations\n" in text, folder.name
+        if "**Official code**: none" not in text:
+            assert re.search(r"`[0-9a-f]{40}`", text), f"{folder.name}: the official code's commit"
+        assert f"tasks/{folder.name}/README.md" in readme, folder.name
+
+
 def _added(files: dict[Path, str]):
     for path, text in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,13 @@ and ``utils.py`` may define these hooks (each optional):
   (a prompt style's system turn and stop strings), returning whether the chat template applies.
 
 A hook that refuses its input raises ValueError; the run reports it as a config error naming ``task.``.
+
+Tasks of lm-eval's own registry (``task=lm_eval``) keep lm-eval's YAML; where a family needs more than its YAML says
+(RULER's per-length metrics), ``tasks/lm_eval/<folder>.py`` (the folder of lm-eval's YAML, e.g. ``ruler``) may define
+
+- ``sample_metric(sample, metric_names) -> str | None``: the metric that scores a sample (default: the first);
+- ``sample_subset(doc) -> str``: a sample's subset;
+- ``metric_applies(name, value) -> bool``: False drops a metric row (a value that means "nothing measured").
 Reading the YAML needs neither torch nor lm-eval (``!function`` tags are left unresolved).
 """
 
@@ -78,15 +85,25 @@ def heatmap(name: str) -> tuple[str, str] | None:
     return rows, columns
 
 
-@functools.cache
 def _utils(name: str):
-    path = Path(tasks_dir() / name / "utils.py")
+    return _module(tasks_dir() / name / "utils.py", f"evalkit_task_{name}_utils")
+
+
+@functools.cache
+def _module(path: Path, module_name: str):
     if not path.is_file():
         return None
-    spec = importlib.util.spec_from_file_location(f"evalkit_task_{name}_utils", path)
+    spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def family_hooks(folder: str) -> dict:
+    """The hooks evalkit keeps for the lm-eval task family in ``folder`` (``tasks/lm_eval/<folder>.py``): {} if none."""
+    module = _module(tasks_dir() / "lm_eval" / f"{folder}.py", f"evalkit_lm_eval_{folder}")
+    names = ("sample_metric", "sample_subset", "metric_applies")
+    return {name: getattr(module, name) for name in names if hasattr(module, name)} if module else {}
 
 
 def hook(name: str, hook_name: str):

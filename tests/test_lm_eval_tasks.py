@@ -77,3 +77,29 @@ def test_what_cannot_run_is_one_line_before_the_model_loads(tmp_path, overrides,
     assert result.returncode == 2 and len(errors) == 1 and message in errors[0], result.stderr[-2000:]
     assert "Traceback" not in result.stderr and "Loading weights" not in result.stderr
     assert not (results / "metrics").exists()
+
+
+@pytest.mark.slow
+def test_ruler_builds_its_data_with_the_runs_tokenizer_and_scores_each_sample_at_its_length(tmp_path):
+    """RULER's niah_single_1 (a repeated-sentence haystack: nothing to download) at a length given in the task's
+    metadata, built with the run's own tokenizer as lm-eval's CLI passes it, seeded as lm-eval seeds: each sample
+    scored at its own length (its subset), the lengths RULER was not asked for (its -1) leave no row."""
+    results = tmp_path / "results"
+
+    def run(*extra):
+        return evalkit("budget=4x", "task=lm_eval", "task.name=niah_single_1", *extra, "limit=2",
+                       f"results_dir={results}", "resume=false", cwd=tmp_path)
+
+    for _ in range(2):
+        result = run("task.metadata.max_seq_lengths=[200]")
+        assert result.returncode == 0, result.stderr[-3000:]
+    samples, metrics = pd.read_parquet(results / "samples"), pd.read_parquet(results / "metrics")
+    assert set(samples["subset"]) == {"200"} and samples["score"].notna().all()
+    scored = metrics[(metrics["subset"] == "all") & metrics["metric"].str.fullmatch(r"\d+")]
+    assert set(scored["metric"]) == {"200"}  # not 4096, RULER's default that was not built
+    first, second = (group.sort_values("doc_id")["target"].tolist() for _, group in samples.groupby("run_id"))
+    assert first == second and len(first) == 2  # the same documents in both runs: seeded before they are built
+    assert (samples["kept_prompt_tokens"] < samples["prompt_tokens"]).all()  # compressed
+    result = run("task.metadata.max_seq_lengths=[100]")  # no room for the template and its 128 answer tokens
+    errors = [line for line in result.stderr.splitlines() if line.startswith("evalkit:")]
+    assert result.returncode == 2 and len(errors) == 1 and "could not build its data" in errors[0], result.stderr[-2000:]

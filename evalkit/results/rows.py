@@ -15,11 +15,13 @@ def doc_key(doc: dict) -> str:
 
 
 def tidy_rows(
-    results: dict, task: str, stats: dict[tuple, dict], reasoning: dict[str, str] | None = None
+    results: dict, task: str, stats: dict[tuple, dict], reasoning: dict[str, str] | None = None,
+    hooks: dict | None = None,
 ) -> tuple[list[dict], list[dict]]:
     """Metrics and sample rows from lm-eval's results dict (with ``log_samples``) and the adapter's stats, keyed by
     request: ``(task, doc_id, repeat)`` (see :func:`evalkit.lm.stats_keys`); ``reasoning``: the first call's text per
-    document, for two-call protocols."""
+    document, for two-call protocols; ``hooks``: an lm-eval task family's (:func:`evalkit.task_defs.family_hooks`)."""
+    hooks = hooks or {}
     task_config = results.get("configs", {}).get(task, {})
     subset_fields = (task_config.get("metadata") or {}).get("subset_field") or []
     subset_fields = [subset_fields] if isinstance(subset_fields, str) else list(subset_fields)
@@ -35,6 +37,11 @@ def tidy_rows(
     for sample in logged:
         predictions = all_responses(sample.get("filtered_resps") or sample.get("resps") or [])
         metric = metric_names[0] if metric_names else None
+        if "sample_metric" in hooks:
+            metric = hooks["sample_metric"](sample, metric_names)
+        subset = "/".join(str(sample.get("doc", {}).get(f)) for f in subset_fields) or None
+        if "sample_subset" in hooks:
+            subset = hooks["sample_subset"](sample.get("doc") or {})
         for repeat, prediction in enumerate(predictions):
             row_stats = stats.get((task, sample.get("doc_id"), repeat), {})
             kept = row_stats.get("kept_prompt_tokens")
@@ -42,7 +49,7 @@ def tidy_rows(
                 {
                     "doc_id": sample.get("doc_id"),
                     "sample_id": str(sample.get("doc", {}).get("id", sample.get("doc_id"))),
-                    "subset": "/".join(str(sample.get("doc", {}).get(f)) for f in subset_fields) or None,
+                    "subset": subset,
                     "repeat": repeat,
                     "prediction": prediction if isinstance(prediction, str) else json.dumps(prediction, default=str),
                     "reasoning": reasoning.get(doc_key(sample.get("doc", {}))) if reasoning else None,
@@ -74,6 +81,8 @@ def tidy_rows(
         if "," not in key or "_stderr" in key or not isinstance(value, (int, float)):
             continue
         metric_name = key.split(",")[0]
+        if "metric_applies" in hooks and not hooks["metric_applies"](metric_name, value):
+            continue
         name = key if len(filters) > 1 else metric_name
         stderr = results["results"][task].get(key.replace(metric_name, f"{metric_name}_stderr", 1))
         metrics.append({"subset": "all", "metric": name, "value": float(value),

@@ -27,7 +27,15 @@ from .digest import chat_template_sha, completed_runs, config_digest, git_output
 from .errors import Interrupted, RunError, model_unavailable, one_line
 from .pricing import memory_rows
 from .spec import RunSpec
-from .tasks import load_task, reasoning_pass, stats_of_reasoning_pass, task_manager, task_object, task_with_options
+from .tasks import (
+    family_hooks,
+    load_task,
+    reasoning_pass,
+    stats_of_reasoning_pass,
+    task_manager,
+    task_object,
+    task_with_options,
+)
 
 
 @dataclasses.dataclass
@@ -134,7 +142,8 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None) -> RunResult:
         print(f"resuming: {progress.resumed} generations already done ({progress_path})", flush=True)
     started = dt.datetime.now(dt.timezone.utc)
     run_id = run_id_for(spec, started)
-    task_config = task_with_options(spec.task, spec.task_options, spec.bad_rows)
+    task_config = task_with_options(spec.task, spec.task_options, spec.bad_rows, model_path(spec.pretrained))
+    seed_everything(spec.seed)  # as lm-eval seeds before it builds tasks: data built at run time (RULER) is the same
     task, skipped_rows = load_task(task_config)  # bad data fails here, before the model loads
     if spec.threads:
         import torch
@@ -185,7 +194,7 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None) -> RunResult:
         raise Interrupted(len(Progress(progress_path).done)) from None
     if reasoning is not None:
         stats = stats_of_reasoning_pass(results, spec.task, stats)
-    metrics, samples = tidy_rows(results, spec.task, stats, reasoning)
+    metrics, samples = tidy_rows(results, spec.task, stats, reasoning, family_hooks(spec.task, spec.task_options))
     metrics += lm.throughput.rows()
     metrics += budget_check(spec, samples)
     if skipped_rows:
@@ -202,6 +211,29 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None) -> RunResult:
     progress.remove()
     progress_path.with_name(f"{progress_path.stem}-reasoning.jsonl").unlink(missing_ok=True)
     return RunResult(run_id, pd.DataFrame(metrics), pd.DataFrame(samples), paths)
+
+
+def seed_everything(seed: int) -> None:
+    """The seeds lm-eval's ``simple_evaluate`` sets (Python, NumPy, torch), set before the task is built."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def model_path(pretrained: str) -> str:
+    """Where the run's model (and its tokenizer) is: a hub id or local path as given; a built-in or GGUF model's
+    folder."""
+    from evalkit.models import resolve_pretrained
+
+    try:
+        return resolve_pretrained(pretrained)
+    except (OSError, ValueError) as error:
+        raise RunError(model_unavailable(pretrained, error)) from None
 
 
 def _check_writable(results_dir: Path) -> None:

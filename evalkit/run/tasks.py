@@ -16,12 +16,14 @@ from .errors import RunError, one_line
 from .spec import LM_EVAL
 
 
-def task_with_options(task: str, options: dict, bad_rows: str = "error") -> dict:
-    """The task's lm-eval YAML as a dict, with the run's dataset/generation/repeats options applied."""
+def task_with_options(task: str, options: dict, bad_rows: str = "error", pretrained: str | None = None) -> dict:
+    """The task's lm-eval YAML as a dict, with the run's dataset/generation/repeats options applied. ``pretrained``
+    (the run's model, a local path or hub id) reaches an lm-eval task's metadata as lm-eval's CLI passes its model
+    arguments: tasks that build their data with the model's tokenizer (RULER) read it there."""
     from lm_eval.tasks._yaml_loader import load_yaml
 
     if options.get("source") == LM_EVAL:
-        return registry_task(task, options)
+        return registry_task(task, options, pretrained)
     config = load_yaml(tasks_dir() / task / f"{task}.yaml", resolve_func=True)
     config["dataset_kwargs"] = {**(config.get("dataset_kwargs") or {}), **options.get("dataset", {}), "bad_rows": bad_rows}
     config["generation_kwargs"] = {**(config.get("generation_kwargs") or {}), **options.get("generation", {})}
@@ -58,7 +60,7 @@ def registry_yaml(task: str) -> Path:
     return Path(entry.yaml_path)
 
 
-def registry_task(task: str, options: dict) -> dict:
+def registry_task(task: str, options: dict, pretrained: str | None = None) -> dict:
     """lm-eval's own config of ``task`` (its official YAML, includes resolved) with the run's options: ``dataset``
     (``path``, ``name``, ``kwargs``: where its data is, e.g. local files), ``generation`` (over its
     generation_kwargs), ``num_fewshot``, ``metadata`` (lm-eval's task metadata), ``repeats``."""
@@ -66,7 +68,10 @@ def registry_task(task: str, options: dict) -> dict:
 
     from .errors import ConfigError
 
-    config = load_yaml(registry_yaml(task), resolve_func=True)
+    try:
+        config = load_yaml(registry_yaml(task), resolve_func=True)
+    except ImportError as error:  # the task's own code needs a package lm-eval does not install (RULER: nltk)
+        raise RunError(f"lm-eval's task {task} needs a package that is not installed: {one_line(error)}") from None
     if config.get("output_type") == "loglikelihood_rolling":
         raise ConfigError(f"{task} is a perplexity task (loglikelihood_rolling), which has no compressed meaning in "
                           "evalkit: a compressed cache is scored by the tokens it generates or the choices it ranks")
@@ -88,9 +93,19 @@ def registry_task(task: str, options: dict) -> dict:
     for key in ("num_fewshot", "repeats"):
         if key in options:
             config[key] = options[key]
-    if options.get("metadata"):
-        config["metadata"] = {**(config.get("metadata") or {}), **options["metadata"]}
+    model = {"pretrained": pretrained} if pretrained else {}
+    metadata = {key: value for key, value in (options.get("metadata") or {}).items() if value is not None}
+    if model or metadata:
+        config["metadata"] = {**model, **(config.get("metadata") or {}), **metadata}
     return config
+
+
+def family_hooks(task: str, options: dict) -> dict:
+    """What evalkit adds to the lm-eval task family of ``task`` (:func:`evalkit.task_defs.family_hooks`); {} for
+    evalkit's own tasks."""
+    from evalkit import task_defs
+
+    return task_defs.family_hooks(registry_yaml(task).parent.name) if options.get("source") == LM_EVAL else {}
 
 
 @functools.lru_cache(maxsize=1)
@@ -119,6 +134,8 @@ def load_task(config: dict):
             task = task_object(config)
         except DataError as error:
             raise RunError(f"data: {error}") from None
+        except (ValueError, AssertionError, ImportError) as error:  # a task that builds its data refused (RULER)
+            raise RunError(f"task {config.get('task')} could not build its data: {one_line(error)}") from None
         except (ConnectionError, FileNotFoundError) as error:  # a hub dataset that is not here and cannot be fetched
             raise RunError(f"data of task {config.get('task')}: dataset {config.get('dataset_path')} cannot be loaded "
                            f"here ({one_line(error)}); load it once where the hub can be reached (HF_DATASETS_CACHE "

@@ -137,10 +137,10 @@ def load_task(config: dict):
         except (ValueError, AssertionError, ImportError) as error:  # a task that builds its data refused (RULER)
             raise RunError(f"task {config.get('task')} could not build its data: {one_line(error)}") from None
         except (ConnectionError, FileNotFoundError) as error:  # a hub dataset that is not here and cannot be fetched
-            raise RunError(f"data of task {config.get('task')}: dataset {config.get('dataset_path')} cannot be loaded "
-                           f"here ({one_line(error)}); load it once where the hub can be reached (HF_DATASETS_CACHE "
-                           "sets where it is kept) or point task.dataset.path (and task.dataset.kwargs.data_files) at "
-                           "local files") from None
+            source = f"dataset {config['dataset_path']}" if config.get("dataset_path") else "the data it is built from"
+            raise RunError(f"data of task {config.get('task')}: {source} cannot be loaded here ({one_line(error)}); "
+                           "load it once where the hub can be reached (HF_DATASETS_CACHE sets where it is kept) or "
+                           "point task.dataset.path (and task.dataset.kwargs.data_files) at local files") from None
     return task, skipped
 
 

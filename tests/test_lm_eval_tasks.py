@@ -67,7 +67,6 @@ def test_a_multiple_choice_task_is_scored_against_the_compressed_context(tmp_pat
     (["task.name=gsm8k"], "dataset openai/gsm8k cannot be loaded here"),
     (["task.name=wikitext"], "perplexity task"),
     (["task.name=gsm8kk"], "lm-eval knows no task 'gsm8kk'; did you mean gsm8k"),
-    (["task.name=ruler"], "ruler is an lm-eval group; run its tasks one at a time"),
     ([], "task.name is required"),
 ])
 def test_what_cannot_run_is_one_line_before_the_model_loads(tmp_path, overrides, message):
@@ -103,3 +102,64 @@ def test_ruler_builds_its_data_with_the_runs_tokenizer_and_scores_each_sample_at
     result = run("task.metadata.max_seq_lengths=[100]")  # no room for the template and its 128 answer tokens
     errors = [line for line in result.stderr.splitlines() if line.startswith("evalkit:")]
     assert result.returncode == 2 and len(errors) == 1 and "could not build its data" in errors[0], result.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_group_runs_its_tasks_together_with_each_task_a_subset_and_the_groups_aggregate(tmp_path):
+    """kormedmcqa (an lm-eval group of four generation tasks, aggregated by exact_match weighted by size), its data
+    pointed at one local file in its schema for all four: one run, each task's rows under its name, the group's
+    aggregate as lm-eval defines it."""
+    rows = [{"question": f"Which is {i}?", "A": str(i), "B": "x", "C": "y", "D": "z", "E": "w", "answer": 1}
+            for i in range(4)]
+    data = write_jsonl(tmp_path / "kormedmcqa.jsonl", rows)
+    results = tmp_path / "results"
+    result = evalkit("budget=4x", "task=lm_eval", "task.name=kormedmcqa", "task.dataset.path=json",
+                     f"task.dataset.kwargs={{data_files:{{test:{data}}}}}", "task.generation.max_gen_toks=4",
+                     "limit=2", f"results_dir={results}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    samples, metrics = pd.read_parquet(results / "samples"), pd.read_parquet(results / "metrics")
+    members = ["kormedmcqa_doctor", "kormedmcqa_nurse", "kormedmcqa_pharm", "kormedmcqa_dentist"]
+    assert sorted(samples["subset"]) == sorted(members * 2) and set(samples["task"]) == {"kormedmcqa"}
+    per_task = metrics[metrics["subset"].isin(members) & (metrics["metric"] == "exact_match")]
+    assert len(per_task) == 4 and set(per_task["n"]) == {2}
+    (group,) = metrics[(metrics["subset"] == "all") & (metrics["metric"] == "exact_match")].itertuples()
+    assert group.n == 8 and group.value == pytest.approx(samples["score"].mean())
+    assert samples["kept_prompt_tokens"].notna().all()
+
+
+def test_group_rows_aggregate_as_lm_eval_defines_it():
+    """The group's aggregate over its tasks' rows: weighted by size (the mean over all documents) or not (the mean of
+    the tasks' means), with lm-eval's pooled or unweighted standard error; a task without the metric (a RULER length
+    it did not build) is left out."""
+    from lm_eval.api.metrics import pooled_sample_stderr
+
+    from evalkit.results.rows import group_rows
+
+    scores = {"a": [1.0, 0.0, 1.0, 1.0], "b": [0.0, 0.0]}
+
+    def task(name):
+        values = scores[name]
+        mean = sum(values) / len(values)
+        stderr = (sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values)) ** 0.5
+        return ({"acc,none": mean, "acc_stderr,none": stderr},
+                [{"doc_id": i, "doc": {"id": f"{name}{i}"}, "target": "t", "resps": [["x"]], "filtered_resps": ["x"],
+                  "acc": v} for i, v in enumerate(values)])
+
+    built = {name: task(name) for name in scores}
+    results = {"results": {n: r for n, (r, _) in built.items()}, "samples": {n: s for n, (_, s) in built.items()},
+               "configs": {n: {"metric_list": [{"metric": "acc"}]} for n in scores}}
+    for by_size, expected in ((True, 3 / 6), (False, (3 / 4 + 0) / 2)):
+        metrics, samples = group_rows(results, ["a", "b"], {}, {}, [{"metric": "acc", "weight_by_size": by_size}])
+        (row,) = [m for m in metrics if m["subset"] == "all" and m["metric"] == "acc"]
+        assert row["value"] == pytest.approx(expected) and row["n"] == 6
+        assert sorted(s["subset"] for s in samples) == ["a"] * 4 + ["b"] * 2
+        assert {m["subset"] for m in metrics if m["metric"] == "acc"} == {"a", "b", "all"}
+    stderrs = [results["results"][n]["acc_stderr,none"] for n in scores]
+    (weighted,) = [m for m in group_rows(results, ["a", "b"], {}, {}, [{"metric": "acc"}])[0]
+                   if m["subset"] == "all" and m["metric"] == "acc"]
+    assert weighted["stderr"] == pytest.approx(pooled_sample_stderr(stderrs, [4, 2]))
+    results["results"]["b"] = {"acc,none": -1.0}
+    hooks = {"b": {"metric_applies": lambda name, value: value != -1.0}}
+    (only_a,) = [m for m in group_rows(results, ["a", "b"], {}, hooks, [{"metric": "acc"}])[0]
+                 if m["subset"] == "all" and m["metric"] == "acc"]
+    assert only_a["value"] == pytest.approx(3 / 4) and only_a["n"] == 4

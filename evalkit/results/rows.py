@@ -21,6 +21,43 @@ def tidy_rows(
     """Metrics and sample rows from lm-eval's results dict (with ``log_samples``) and the adapter's stats, keyed by
     request: ``(task, doc_id, repeat)`` (see :func:`evalkit.lm.stats_keys`); ``reasoning``: the first call's text per
     document, for two-call protocols; ``hooks``: an lm-eval task family's (:func:`evalkit.task_defs.family_hooks`)."""
+    metrics, samples = task_rows(results, task, stats, reasoning, hooks)
+    return metrics + summary_rows(samples), samples
+
+
+def group_rows(results: dict, members: list[str], stats: dict[tuple, dict], hooks: dict[str, dict],
+               aggregates: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The rows of a group (or tag) of lm-eval tasks run together: each task's metrics with the task as their subset
+    (``niah_single_1``; a task's own subsets below it: ``niah_single_1/4096``), every sample with its task in its
+    subset likewise, the statistics over all samples, and the group's aggregates (its ``aggregate_metric_list``, as
+    lm-eval computes them: the mean over tasks, weighted by their sizes when ``weight_by_size``) with subset ``all``."""
+    from lm_eval.api.metrics import aggregate_subtask_metrics, pooled_sample_stderr, unweighted_mean_stderr
+
+    metrics, samples = [], []
+    for name in members:
+        task_metrics, task_samples = task_rows(results, name, stats, None, hooks.get(name))
+        for row in task_metrics + task_samples:
+            row["subset"] = name if row["subset"] in (None, "all") else f"{name}/{row['subset']}"
+        metrics += task_metrics
+        samples += task_samples
+    for aggregate in aggregates:
+        metric, kind = str(aggregate["metric"]), aggregate.get("filter_list", "none")
+        parts = [row for row in metrics if row["subset"] in members and row["metric"] in (metric, f"{metric},{kind}")]
+        if not parts:
+            continue
+        by_size = aggregate.get("weight_by_size", True)
+        values, sizes, stderrs = [r["value"] for r in parts], [r["n"] for r in parts], [r["stderr"] for r in parts]
+        stderr = None
+        if None not in stderrs and all(size > 1 for size in sizes):
+            stderr = float(pooled_sample_stderr(stderrs, sizes) if by_size else unweighted_mean_stderr(stderrs))
+        metrics.append({"subset": "all", "metric": parts[0]["metric"], "stderr": stderr, "n": sum(sizes),
+                        "value": float(aggregate_subtask_metrics(values, sizes, by_size))})
+    return metrics + summary_rows(samples), samples
+
+
+def task_rows(results: dict, task: str, stats: dict[tuple, dict], reasoning: dict[str, str] | None = None,
+              hooks: dict | None = None) -> tuple[list[dict], list[dict]]:
+    """One task's score metrics (overall and per subset) and its sample rows."""
     hooks = hooks or {}
     task_config = results.get("configs", {}).get(task, {})
     subset_fields = (task_config.get("metadata") or {}).get("subset_field") or []
@@ -98,15 +135,20 @@ def tidy_rows(
                 stderr = float(per_doc.std(ddof=1) / len(per_doc) ** 0.5) if len(per_doc) > 1 else None
                 metrics.append({"subset": subset, "metric": metric_names[0], "value": float(per_doc.mean()),
                                 "stderr": stderr, "n": len(per_doc)})
+    return metrics, samples
+
+
+def summary_rows(samples: list[dict]) -> list[dict]:
+    """What the samples measured, over all of them: KV bytes, realized compression, fidelity."""
     frame = pd.DataFrame(samples)
-    metrics += byte_rows(frame)
+    metrics = byte_rows(frame)
     for column, name in (("realized_ratio", "realized_ratio_mean"), ("token_agreement", "token_agreement_mean"),
                          ("kl_mean", "kl_mean")):
         values = frame[column].dropna() if column in frame else pd.Series(dtype=float)
         if len(values):
             stderr = float(values.std(ddof=1) / len(values) ** 0.5) if len(values) > 1 and name != "realized_ratio_mean" else None
             metrics.append({"subset": "all", "metric": name, "value": float(values.mean()), "stderr": stderr, "n": len(values)})
-    return metrics, samples
+    return metrics
 
 
 BYTE_COLUMNS = ("kv_bytes_peak", "kv_bytes_reserved", "kv_bytes_full", "kv_bytes_predicted", "memory_ratio")

@@ -16,7 +16,7 @@ from evalkit.paths import tasks_dir
 
 from .errors import ConfigError, RunError, model_unavailable
 from .spec import LM_EVAL, RunSpec
-from .tasks import registry_yaml, task_with_options
+from .tasks import registry_yaml, task_members, task_with_options
 
 
 def versions() -> dict:
@@ -52,16 +52,22 @@ def identify(spec: RunSpec) -> dict:
         except (identity.MissingSource, FileNotFoundError) as error:
             raise RunError(f"{label}: {error}") from None
 
-    config = task_with_options(spec.task, spec.task_options)
+    members = task_members(spec.task, spec.task_options)  # the task, or an lm-eval group's tasks
+    configs = [task_with_options(name, spec.task_options) for name in members]
+    config = configs[0]
     dataset = config.get("dataset_kwargs") or {}
     data_source, generated = dataset.get("path"), None
     definition, label = [tasks_dir() / spec.task], "task.dataset.path"
-    if spec.task_options.get("source") == LM_EVAL:  # lm-eval's own task: its YAML's folder, its data files or hub id
-        definition = [registry_yaml(spec.task).parent]
+    if spec.task_options.get("source") == LM_EVAL:  # lm-eval's own tasks: their YAML folders, data files or hub ids
+        own = registry_yaml(spec.task)  # a group's own YAML (a tag has none)
+        definition = sorted({registry_yaml(name).parent for name in members} | ({own.parent} if own else set()))
         files = dataset.get("data_files")
         files = list(files.values()) if isinstance(files, dict) else files
+        hub = sorted({c.get("dataset_path") for c in configs if c.get("dataset_path")})
         data_source = ([str(f) for f in ([files] if isinstance(files, str) else files)] if files
-                       else config.get("dataset_path"))
+                       else hub[0] if len(hub) == 1 else None)
+        if len(hub) > 1 and not files:  # a group over several hub datasets: each one's commit
+            generated = "; ".join(source("task", name, "dataset") for name in hub)
         label = "task.dataset.kwargs.data_files" if files else label
     elif not data_source:  # an evalkit task's own hooks (tasks/<name>/utils.py): its hub files, or built data's identity
         try:

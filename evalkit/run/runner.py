@@ -21,7 +21,7 @@ import pandas as pd
 
 from evalkit.progress import Progress
 from evalkit.results import metrics_table, samples_table, write_table
-from evalkit.results.rows import tidy_rows
+from evalkit.results.rows import group_rows, tidy_rows
 
 from .digest import chat_template_sha, completed_runs, config_digest, git_output, identify, run_id_for, versions
 from .errors import Interrupted, RunError, model_unavailable, one_line
@@ -29,10 +29,12 @@ from .pricing import memory_rows
 from .spec import RunSpec
 from .tasks import (
     family_hooks,
+    group_aggregates,
     load_task,
     reasoning_pass,
     stats_of_reasoning_pass,
     task_manager,
+    task_members,
     task_object,
     task_with_options,
 )
@@ -142,9 +144,12 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None) -> RunResult:
         print(f"resuming: {progress.resumed} generations already done ({progress_path})", flush=True)
     started = dt.datetime.now(dt.timezone.utc)
     run_id = run_id_for(spec, started)
-    task_config = task_with_options(spec.task, spec.task_options, spec.bad_rows, model_path(spec.pretrained))
+    members = task_members(spec.task, spec.task_options)  # the task, or an lm-eval group's tasks
+    configs = [task_with_options(name, spec.task_options, spec.bad_rows, model_path(spec.pretrained)) for name in members]
     seed_everything(spec.seed)  # as lm-eval seeds before it builds tasks: data built at run time (RULER) is the same
-    task, skipped_rows = load_task(task_config)  # bad data fails here, before the model loads
+    loaded = [load_task(config) for config in configs]  # bad data fails here, before the model loads
+    tasks, skipped_rows = [task for task, _ in loaded], [row for _, skipped in loaded for row in skipped]
+    task_config = configs[0]
     if spec.threads:
         import torch
 
@@ -169,10 +174,10 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None) -> RunResult:
 
     lm_eval.evaluator.get_git_commit_hash = functools.partial(git_output, "describe", "--always")
 
-    def evaluate(config) -> dict:  # a task config, or the task already built from one
+    def evaluate(config) -> dict:  # a task config, or the tasks already built
         return lm_eval.simple_evaluate(
             model=lm,
-            tasks=[task_object(config) if isinstance(config, dict) else config],
+            tasks=[task_object(config)] if isinstance(config, dict) else config,
             task_manager=task_manager(),
             system_instruction=spec.task_options.get("system_instruction"),
             limit=spec.limit,
@@ -189,12 +194,16 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None) -> RunResult:
         stats, reasoning = lm.request_stats, None
         if (task_config.get("dataset_kwargs") or {}).get("cot"):
             task_config, stats, reasoning = reasoning_pass(evaluate, task_config, lm.request_stats, progress_path)
-        results = evaluate(task_config if reasoning is not None else task)
+        results = evaluate(task_config if reasoning is not None else tasks)
     except KeyboardInterrupt:
         raise Interrupted(len(Progress(progress_path).done)) from None
     if reasoning is not None:
         stats = stats_of_reasoning_pass(results, spec.task, stats)
-    metrics, samples = tidy_rows(results, spec.task, stats, reasoning, family_hooks(spec.task, spec.task_options))
+    if members == [spec.task]:
+        metrics, samples = tidy_rows(results, spec.task, stats, reasoning, family_hooks(spec.task, spec.task_options))
+    else:
+        hooks = {name: family_hooks(name, spec.task_options) for name in members}
+        metrics, samples = group_rows(results, members, stats, hooks, group_aggregates(spec.task, spec.task_options))
     metrics += lm.throughput.rows()
     metrics += budget_check(spec, samples)
     if skipped_rows:

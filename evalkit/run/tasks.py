@@ -42,9 +42,9 @@ def registry():
     return TaskManager()
 
 
-def registry_yaml(task: str) -> Path:
-    """The YAML file of lm-eval's task ``task``; a ConfigError naming the nearest names for an unknown one, and for
-    a group (not run through evalkit yet: its subtasks one by one are)."""
+def registry_entry(task: str):
+    """lm-eval's index entry of ``task`` (a task, group or tag); a ConfigError naming the nearest names for an unknown
+    one."""
     import difflib
 
     from .errors import ConfigError
@@ -53,11 +53,41 @@ def registry_yaml(task: str) -> Path:
     if entry is None:
         near = difflib.get_close_matches(task, registry().all_tasks, n=3, cutoff=0.6)
         raise ConfigError(f"lm-eval knows no task {task!r}" + (f"; did you mean {', '.join(near)}?" if near else ""))
-    if entry.kind.name not in ("TASK", "PY_TASK") or entry.yaml_path is None:
-        subtasks = [name for name in registry().all_subtasks if name.startswith(task)][:5]
-        raise ConfigError(f"{task} is an lm-eval {entry.kind.name.lower()}; run its tasks one at a time "
-                          f"(task.name=... e.g. {', '.join(subtasks) or 'one of its tasks'})")
-    return Path(entry.yaml_path)
+    return entry
+
+
+def registry_yaml(task: str) -> Path | None:
+    """The YAML file of lm-eval's task or group ``task`` (None for a tag, which has none of its own)."""
+    entry = registry_entry(task)
+    return Path(entry.yaml_path) if entry.yaml_path is not None else None
+
+
+def task_members(task: str, options: dict) -> list[str]:
+    """The tasks a run of ``task`` evaluates: the task itself, or the tasks of an lm-eval group or tag (nested groups
+    expanded, in the group's order)."""
+    from .errors import ConfigError
+
+    if options.get("source") != LM_EVAL:
+        return [task]
+    entry = registry_entry(task)
+    if entry.kind.name in ("TASK", "PY_TASK"):
+        return [task]
+    names = sorted(entry.tags) if entry.kind.name == "TAG" else list((entry.cfg or {}).get("task") or [])
+    members: list[str] = []
+    for name in names:
+        if not isinstance(name, str):
+            raise ConfigError(f"lm-eval group {task} defines a task inline; evalkit runs groups of named tasks "
+                              "(run the group's named tasks one at a time)")
+        members += [leaf for leaf in task_members(name, options) if leaf not in members]
+    return members
+
+
+def group_aggregates(task: str, options: dict) -> list[dict]:
+    """The ``aggregate_metric_list`` of lm-eval group ``task`` ([] for a task, a tag or an evalkit task)."""
+    if options.get("source") != LM_EVAL:
+        return []
+    entry = registry_entry(task)
+    return list((entry.cfg or {}).get("aggregate_metric_list") or []) if entry.kind.name == "GROUP" else []
 
 
 def registry_task(task: str, options: dict, pretrained: str | None = None) -> dict:
@@ -105,7 +135,9 @@ def family_hooks(task: str, options: dict) -> dict:
     evalkit's own tasks."""
     from evalkit import task_defs
 
-    return task_defs.family_hooks(registry_yaml(task).parent.name) if options.get("source") == LM_EVAL else {}
+    if options.get("source") != LM_EVAL:
+        return {}
+    return task_defs.family_hooks(registry_yaml(task).parent.name)
 
 
 @functools.lru_cache(maxsize=1)

@@ -85,7 +85,8 @@ def identify(spec: RunSpec) -> dict:
         "draft_source": source("method.draft_model", _resolved(resolve_pretrained, draft)) if draft else None,
         "dataset_source": (source(label, data_source, "dataset", dataset.get("revision")) if data_source
                            else generated),
-        "task_definition": identity.fingerprint(definition),
+        # What runs: the task's YAML and code, not its documentation (a README edit does not make runs new).
+        "task_definition": identity.fingerprint(definition, skip_suffixes=(".md",)),
         "device_class": resolve_device(spec.device).split(":")[0],
     }
     return spec.identity

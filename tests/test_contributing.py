@@ -55,6 +55,23 @@ def test_every_task_folder_says_its_source_official_code_and_deviations():
         assert f"tasks/{folder.name}/README.md" in readme, folder.name
 
 
+def test_a_task_readme_is_documentation_not_identity(tmp_path):
+    """Editing a task's README leaves the task's fingerprint (so every run's digest) as it was; editing its YAML or code
+    does not."""
+    from evalkit.identity import fingerprint
+
+    folder = tmp_path / "mytask"
+    folder.mkdir()
+    (folder / "mytask.yaml").write_text("task: mytask\n")
+    (folder / "README.md").write_text("# mytask: first words\n")
+    before = fingerprint([folder], skip_suffixes=(".md",))
+    (folder / "README.md").write_text("# mytask: other words\n")
+    assert fingerprint([folder], skip_suffixes=(".md",)) == before
+    assert fingerprint([folder]) != fingerprint([folder], skip_suffixes=(".md",))
+    (folder / "mytask.yaml").write_text("task: mytask\nrepeats: 2\n")
+    assert fingerprint([folder], skip_suffixes=(".md",)) != before
+
+
 def _added(files: dict[Path, str]):
     for path, text in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -84,8 +84,9 @@ def test_snapstream_compresses_only_the_full_attention_layers(family):
                                                               / len(model.config.layer_types))
 
 
-@pytest.mark.parametrize("family", sorted(MODELS))
-@pytest.mark.parametrize("name", ["snapstream", "h2o", "snapkv"])
+@pytest.mark.parametrize("family, name", [  # Gemma-3's cases are the slowest: the slow tier
+    pytest.param(family, name, id=f"{name}-{family}", marks=pytest.mark.slow if family == "gemma3" else ())
+    for name in ["snapstream", "h2o", "snapkv"] for family in sorted(MODELS)])
 def test_roomy_budgets_equal_full_batches_equal_alone_and_the_engine_agrees(family, name):
     from test_compression import assert_batch_equals_alone, assert_engine_equals_alone
 

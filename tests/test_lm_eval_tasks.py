@@ -65,8 +65,8 @@ def test_a_multiple_choice_task_is_scored_against_the_compressed_context(tmp_pat
 
 @pytest.mark.parametrize("overrides, message", [
     (["task.name=gsm8k"], "dataset openai/gsm8k cannot be loaded here"),
-    (["task.name=wikitext"], "perplexity task"),
-    (["task.name=gsm8kk"], "lm-eval knows no task 'gsm8kk'; did you mean gsm8k"),
+    pytest.param(["task.name=wikitext"], "perplexity task", marks=pytest.mark.slow),
+    pytest.param(["task.name=gsm8kk"], "lm-eval knows no task 'gsm8kk'; did you mean gsm8k", marks=pytest.mark.slow),
     ([], "task.name is required"),
 ])
 def test_what_cannot_run_is_one_line_before_the_model_loads(tmp_path, overrides, message):

@@ -143,6 +143,7 @@ def _check_full_disk_outcome(out, results, reason):
     assert samples.groupby("run_id")["doc_id"].apply(lambda ids: ids.is_unique).all()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not shutil.which("unshare"), reason="needs util-linux unshare")
 def test_a_full_disk_is_one_line_and_loses_nothing(tmp_path, random_model_dir):
     import os
@@ -164,6 +165,7 @@ def test_a_full_disk_is_one_line_and_loses_nothing(tmp_path, random_model_dir):
     _check_full_disk_outcome(out, results, "No space left on device")
 
 
+@pytest.mark.slow
 def test_a_file_size_limit_is_one_line_and_loses_nothing(tmp_path, random_model_dir):
     """Under a file-size limit (``ulimit -f``) the tables cannot be written (EFBIG): the same outcome as a full disk."""
     import os

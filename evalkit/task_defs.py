@@ -22,7 +22,8 @@ Tasks of lm-eval's own registry (``task=lm_eval``) keep lm-eval's YAML; where a 
 
 - ``sample_metric(sample, metric_names) -> str | None``: the metric that scores a sample (default: the first);
 - ``sample_subset(doc) -> str``: a sample's subset;
-- ``metric_applies(name, value) -> bool``: False drops a metric row (a value that means "nothing measured").
+- ``metric_applies(name, value) -> bool``: False drops a metric row (a value that means "nothing measured");
+- ``doc_to_text(doc) -> str``: the prompt in place of the YAML's (RULER's, with the end of its context marked).
 Reading the YAML needs neither torch nor lm-eval (``!function`` tags are left unresolved).
 """
 
@@ -51,9 +52,35 @@ def task_names() -> list[str]:
 
 @functools.cache
 def definition(name: str) -> dict:
-    """The task's lm-eval YAML as a dict (``!function`` references as text); {} for a task evalkit does not ship."""
+    """The task's lm-eval YAML as a dict (``!function`` references as text; ``include:`` merged as lm-eval merges it,
+    the including file's keys winning); {} for a task evalkit does not ship."""
     path = tasks_dir() / name / f"{name}.yaml"
-    return yaml.load(path.read_text(), Loader=_Loader) if path.is_file() else {}
+    return _read(path) if path.is_file() else {}
+
+
+def _read(path: Path) -> dict:
+    own = yaml.load(path.read_text(), Loader=_Loader)
+    merged = {}
+    for include in _includes(own.pop("include", None)):
+        merged.update(_read((path.parent / include).resolve()))
+    return {**merged, **own}
+
+
+def _includes(value) -> list[str]:
+    return [] if not value else [value] if isinstance(value, str) else list(value)
+
+
+def folders(name: str) -> list[Path]:
+    """The folders that define task ``name``: its own, and those of the YAML files it includes."""
+    found, pending = [], [tasks_dir() / name / f"{name}.yaml"]
+    while pending:
+        path = pending.pop()
+        if not path.is_file() or path.parent in found:
+            continue
+        found.append(path.parent)
+        include = yaml.load(path.read_text(), Loader=_Loader).get("include")
+        pending += [(path.parent / item).resolve() for item in _includes(include)]
+    return found
 
 
 def metadata(name: str) -> dict:
@@ -99,10 +126,14 @@ def _module(path: Path, module_name: str):
     return module
 
 
+def family_file(folder: str) -> Path:
+    return tasks_dir() / "lm_eval" / f"{folder}.py"
+
+
 def family_hooks(folder: str) -> dict:
     """The hooks evalkit keeps for the lm-eval task family in ``folder`` (``tasks/lm_eval/<folder>.py``): {} if none."""
-    module = _module(tasks_dir() / "lm_eval" / f"{folder}.py", f"evalkit_lm_eval_{folder}")
-    names = ("sample_metric", "sample_subset", "metric_applies")
+    module = _module(family_file(folder), f"evalkit_lm_eval_{folder}")
+    names = ("sample_metric", "sample_subset", "metric_applies", "doc_to_text")
     return {name: getattr(module, name) for name in names if hasattr(module, name)} if module else {}
 
 

@@ -32,6 +32,13 @@ def aime_rows_h4() -> list[dict]:
             {"id": 61, "problem": "Find $10 \\cdot 10$.", "solution": "100", "answer": "100", "url": "u", "year": "2024"}]
 
 
+def math500_rows() -> list[dict]:  # HuggingFaceH4/MATH-500's schema
+    return [{"problem": "Simplify $\\frac{6}{4}$.", "solution": "...", "answer": "\\frac{3}{2}", "subject": "Algebra",
+             "level": 2, "unique_id": "test/algebra/1.json"},
+            {"problem": "Find $3 \\cdot 4$.", "solution": "...", "answer": "12", "subject": "Prealgebra", "level": 1,
+             "unique_id": "test/prealgebra/2.json"}]
+
+
 def aime_rows_maxwell() -> list[dict]:
     return [{"ID": "2024-I-1", "Problem": "Find $2+2$.", "Solution": "4", "Answer": 4}]
 
@@ -233,7 +240,7 @@ def write_json_list(path, rows):
     return path
 
 
-@pytest.mark.slow
+# A few real end-to-end runs in the fast tier (CI): every official task through the CLI on the tiny model.
 @pytest.mark.parametrize(
     "task, make_file, extra, subsets, per_doc",
     [
@@ -246,6 +253,10 @@ def write_json_list(path, rows):
          ["task.repeats=2", "+budget=2x", "fidelity_tokens=4"], {"all"}, 2),
         ("livecodebench", lambda p: write_jsonl(p / "test6.jsonl", lcb_rows()), ["task.repeats=2"],
          {"all", "easy", "medium"}, 2),
+        ("aime25", lambda p: write_jsonl(p / "aime25.jsonl", aime_rows_h4()), ["task.repeats=2", "budget=2x"],
+         {"all"}, 2),
+        ("math500", lambda p: write_jsonl(p / "math500.jsonl", math500_rows()), ["task.repeats=2", "budget=2x"],
+         {"all", "1", "2"}, 2),
     ],
 )
 def test_task_runs_end_to_end_through_the_cli(tmp_path, random_model_dir, task, make_file, extra, subsets, per_doc):
@@ -271,6 +282,10 @@ def test_task_runs_end_to_end_through_the_cli(tmp_path, random_model_dir, task, 
         assert samples["reasoning"].notna().all() == ("task.dataset.cot=true" in extra)
     else:
         assert set(metrics["metric"]) >= {"pass@1", "extraction_failed"}
+    if task in ("aime25", "math500"):  # AIME24's protocol under its own name, its data identified as the file
+        assert set(samples["task"]) == {task} and samples["dataset_source"].str.startswith("local:sha256:").all()
+    if task == "math500":  # MATH-500's ids and levels came through
+        assert set(samples["sample_id"]) == {"test/algebra/1.json", "test/prealgebra/2.json"}
     if task == "aime24":  # fidelity against the full cache, on the same prompts
         assert {"token_agreement_mean", "kl_mean"} <= set(metrics["metric"])
         assert samples["token_agreement"].between(0, 1).all() and samples["kl_mean"].ge(0).all()

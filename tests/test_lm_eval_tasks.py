@@ -163,3 +163,25 @@ def test_group_rows_aggregate_as_lm_eval_defines_it():
     (only_a,) = [m for m in group_rows(results, ["a", "b"], {}, hooks, [{"metric": "acc"}])[0]
                  if m["subset"] == "all" and m["metric"] == "acc"]
     assert only_a["value"] == pytest.approx(3 / 4) and only_a["n"] == 4
+
+
+def test_rulers_prompts_mark_where_their_context_ends():
+    """For compression_scope=context: every RULER template of the installed lm-eval (niah in both wordings, vt, cwe,
+    fwe, qa) gets the mark right after its context, before its question; the prompt is otherwise RULER's."""
+    import importlib
+
+    from evalkit import task_defs
+    from evalkit.prompts import CONTEXT_END
+
+    mark = task_defs.family_hooks("ruler")["doc_to_text"]
+    templates = {"niah": importlib.import_module("lm_eval.tasks.ruler.niah_utils").TEMPLATE}
+    for name in ("vt", "cwe", "fwe", "qa"):
+        pytest.importorskip("wonderwords")
+        config = importlib.import_module(f"lm_eval.tasks.ruler.{name}_utils").CONFIG
+        templates[name] = config.get("variable_tracking", config)["template"]
+    one = templates["niah"].replace("Some", "A").replace("are all", "is").replace("are", "is")  # prepare_niah's
+    for name, template in {**templates, "niah_one": one}.items():
+        text = template.format(context="CONTEXT-BODY", query="QUERY", type_needle_v="numbers", num_v=1)
+        marked = mark({"input": text})
+        head, tail = marked.split(CONTEXT_END)
+        assert head + tail == text and head.rstrip().endswith("CONTEXT-BODY") and "CONTEXT-BODY" not in tail, name

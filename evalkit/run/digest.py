@@ -57,10 +57,13 @@ def identify(spec: RunSpec) -> dict:
     config = configs[0]
     dataset = config.get("dataset_kwargs") or {}
     data_source, generated = dataset.get("path"), None
-    definition, label = [tasks_dir() / spec.task], "task.dataset.path"
+    definition, label = task_defs.folders(spec.task) or [tasks_dir() / spec.task], "task.dataset.path"
     if spec.task_options.get("source") == LM_EVAL:  # lm-eval's own tasks: their YAML folders, data files or hub ids
         own = registry_yaml(spec.task)  # a group's own YAML (a tag has none)
-        definition = sorted({registry_yaml(name).parent for name in members} | ({own.parent} if own else set()))
+        folders = {registry_yaml(name).parent for name in members} | ({own.parent} if own else set())
+        # and what evalkit adds to a family (tasks/lm_eval/<folder>.py: prompts, scoring per length)
+        hooks = {task_defs.family_file(folder.name) for folder in folders}
+        definition = sorted(folders | {path for path in hooks if path.is_file()})
         files = dataset.get("data_files")
         files = list(files.values()) if isinstance(files, dict) else files
         hub = sorted({c.get("dataset_path") for c in configs if c.get("dataset_path")})

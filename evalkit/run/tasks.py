@@ -123,6 +123,9 @@ def registry_task(task: str, options: dict, pretrained: str | None = None) -> di
     for key in ("num_fewshot", "repeats"):
         if key in options:
             config[key] = options[key]
+    text = family_hooks(task, options).get("doc_to_text")
+    if text is not None:  # evalkit's prompt for the family (RULER's, its context's end marked)
+        config["doc_to_text"] = text
     model = {"pretrained": pretrained} if pretrained else {}
     metadata = {key: value for key, value in (options.get("metadata") or {}).items() if value is not None}
     if model or metadata:

@@ -21,7 +21,8 @@ THINK_END = "</think>"
 
 
 def normalize_row(row: dict) -> dict:
-    """Both hub schemas (problem/answer and Problem/Answer) to ``problem``, ``answer`` (a string) and ``id``."""
+    """Both hub schemas (problem/answer and Problem/Answer) to ``problem``, ``answer`` (a string) and ``id`` (the row's
+    ``id``, ``url`` or MATH-500's ``unique_id``, else the problem's start)."""
     lower = {key.lower(): value for key, value in row.items()}
     for field in ("problem", "answer"):
         if lower.get(field) is None:
@@ -30,8 +31,9 @@ def normalize_row(row: dict) -> dict:
         raise RowError("problem", f"must be a string, got {type(lower['problem']).__name__}")
     if not isinstance(lower["answer"], (str, int)) or isinstance(lower["answer"], bool):
         raise RowError("answer", f"must be a string or an integer, got {type(lower['answer']).__name__}")
-    identifier = lower.get("id", lower.get("url", lower["problem"][:40]))
-    return {"id": str(identifier), "problem": lower["problem"], "answer": str(lower["answer"]).strip()}
+    identifier = lower.get("id", lower.get("url", lower.get("unique_id", lower["problem"][:40])))
+    extra = {key: str(lower[key]) for key in ("level", "subject") if lower.get(key) is not None}  # MATH-500's
+    return {"id": str(identifier), "problem": lower["problem"], "answer": str(lower["answer"]).strip(), **extra}
 
 
 # lighteval src/lighteval/tasks/default_prompts.py `aime_prompt_fn` (at d3da6b9, open-r1's pin), after .format().

@@ -6,12 +6,12 @@ from evalkit.scoring import aime, all_responses, keep_all_samples  # noqa: F401 
 from evalkit.scoring.data import DataError, checked_rows, load_rows
 
 
-def load(path=aime.HUB_IDS[0], prompt_style="r1", extraction="open_r1", bad_rows="error", **_options):
+def load(path=aime.HUB_IDS[0], prompt_style="r1", extraction="open_r1", bad_rows="error", split="train", **_options):
     for name, value, choices in (("prompt_style", prompt_style, aime.PROMPT_STYLES),
                                  ("extraction", extraction, aime.EXTRACTIONS)):
         if value not in choices:
             raise DataError(f"task.dataset.{name} must be one of {list(choices)}, got {value!r}")
-    rows = checked_rows(load_rows(path, split="train"), path, aime.normalize_row, bad_rows)
+    rows = checked_rows(load_rows(path, split=split), path, aime.normalize_row, bad_rows)
     rows = [{**row, "prompt_style": prompt_style, "extraction": extraction} for row in rows]
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
 

@@ -4,7 +4,8 @@ RULER builds its documents at run time with the model's tokenizer (the run passe
 metadata ``pretrained``; ``task.metadata.tokenizer`` names another), one set per length in
 ``task.metadata.max_seq_lengths``. Its metrics are named by length (``"4096"``): a document scores at its own
 length and reports ``-1`` at every other one, and a length with no documents aggregates to ``-1``. Here each sample
-scores at its own length, its subset is that length, and lengths that were not built leave no metric row.
+scores at its own length, its subset is that length, and lengths that were not built leave no metric row. The
+prompt marks where the context ends (:func:`doc_to_text`), for ``compression_scope=context``.
 """
 
 NOT_BUILT = -1.0  # RULER's value for "no document of this length"
@@ -23,3 +24,26 @@ def sample_subset(doc: dict) -> str:
 def metric_applies(name: str, value: float) -> bool:
     """False for a length RULER was not asked to build (it aggregates to -1)."""
     return value != NOT_BUILT
+
+
+# Where each RULER template's question begins (after its context): niah (both of its wordings), vt, cwe, fwe, qa
+# (lm_eval/tasks/ruler/*.py).
+QUESTION_LEADS = (
+    "\nWhat are all the special magic",
+    "\nWhat is the special magic",  # one needle, one value: prepare_niah rewrites "are all" to "is"
+    "\nQuestion: Find all variables",
+    "\nQuestion: What are the 10 most common words",
+    "\nQuestion: Do not provide any explanation.",
+    "\n\nAnswer the question based on the given documents.",
+)
+
+
+def doc_to_text(doc: dict) -> str:
+    """RULER's prompt (its ``{{input}}``) with evalkit's end-of-document mark before the question, so that
+    ``compression_scope=context`` compresses the context alone (query-agnostic, as kvpress' RULER leaderboard splits
+    context and question); with ``prompt`` (the default) the mark is dropped and the prompt is RULER's, unchanged."""
+    from evalkit.prompts import CONTEXT_END
+
+    text = doc["input"]
+    start = max(text.rfind(lead) for lead in QUESTION_LEADS)
+    return text if start < 0 else text[:start] + CONTEXT_END + text[start:]

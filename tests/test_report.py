@@ -142,3 +142,20 @@ def test_needle_runs_get_depth_by_length_heatmaps(tmp_path):
     assert grid.loc[0.5].tolist() == [0.0, 0.0] and grid.loc[1.0].tolist() == [1.0, 1.0]
     paths = write_report(tmp_path, iterations=100)
     assert paths["needle"].read_bytes()[:4] == b"\x89PNG" and "needle_heatmap.png" in paths["markdown"].read_text()
+
+
+def test_a_task_of_lm_evals_registry_is_not_taken_for_evalkits_task_of_the_same_name():
+    """lm-eval's aime25 (exact_match) and evalkit's aime25 (pass@1, declared in tasks/aime25): each run's primary metric
+    is its own task's."""
+    import pandas as pd
+
+    from evalkit.results.report import primary_metric
+
+    ours, registry = '{"repeats": 64}', '{"name": "aime25", "source": "lm_eval"}'
+    metrics = pd.DataFrame([
+        {"run_id": "a", "task": "aime25", "task_options": ours, "subset": "all", "metric": "pass@1", "value": 0.5},
+        {"run_id": "b", "task": "aime25", "task_options": registry, "subset": "all", "metric": "exact_match",
+         "value": 0.25},
+    ])
+    assert primary_metric("aime25", metrics, ours) == "pass@1"
+    assert primary_metric("aime25", metrics, registry) == "exact_match"

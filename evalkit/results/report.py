@@ -12,6 +12,7 @@ and, where runs measured them, accuracy_vs_memory.png and accuracy_vs_speed.png 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 
@@ -55,12 +56,24 @@ def varying(runs: pd.DataFrame, columns: list[str]) -> list[str]:
     return [c for c in columns if runs[c].map(_label).nunique() > 1]
 
 
-def primary_metric(task: str, metrics: pd.DataFrame) -> str:
-    """The task's declared primary metric (:func:`evalkit.task_defs.primary_metric`), else the first it reported."""
-    declared = task_defs.primary_metric(task)
+def from_lm_eval(task_options) -> bool:
+    """Whether a run's task came from lm-eval's registry (``task=lm_eval``), not from evalkit's tasks/ (a name can be
+    both: lm-eval's ``aime25`` is not evalkit's)."""
+    try:
+        return json.loads(task_options or "{}").get("source") == "lm_eval"
+    except (TypeError, ValueError):
+        return False
+
+
+def primary_metric(task: str, metrics: pd.DataFrame, task_options: str | None = None) -> str:
+    """The primary metric of evalkit's task (:func:`evalkit.task_defs.primary_metric`); for a task of lm-eval's
+    registry (``task_options`` says so), or without a declaration, the first metric it reported."""
+    declared = None if from_lm_eval(task_options) else task_defs.primary_metric(task)
     if declared is not None:
         return declared
     names = metrics[(metrics["task"] == task) & (metrics["subset"] == "all") & ~metrics["metric"].isin(SECONDARY)]
+    if task_options is not None and "task_options" in metrics:
+        names = names[names["task_options"] == task_options]
     if names.empty:
         raise ValueError(f"no metric for task {task!r} in the results")
     return names["metric"].iloc[0]
@@ -101,7 +114,7 @@ def summarize(metrics: pd.DataFrame, samples: pd.DataFrame, iterations: int = 20
     matched = [c for c in columns if c not in METHOD_COLUMNS]
     rows = []
     for _, run in runs.iterrows():
-        metric = primary_metric(run["task"], metrics)
+        metric = primary_metric(run["task"], metrics, run.get("task_options"))
         own = metrics[(metrics["run_id"] == run["run_id"])]
         primary = own[(own["subset"] == "all") & (own["metric"] == metric)]
         realized = own[own["metric"] == "realized_ratio_mean"]["value"]
@@ -314,11 +327,13 @@ def write_report(results_dir: str | Path, out: str | Path | None = None, iterati
         if drawn is not None:
             paths[name.removesuffix(".png")] = drawn
             text += [f"![{name.removesuffix('.png').replace('_', ' ')}]({name})", ""]
-    for task in sorted(table["task"].unique()):  # tasks that declare a 2-D subset heatmap (needle: depth x length)
+    registry_runs = set(metrics.loc[metrics["task_options"].map(from_lm_eval), "run_id"]) if "task_options" in metrics else set()
+    own = table[~table["run_id"].isin(registry_runs)]
+    for task in sorted(own["task"].unique()):  # evalkit tasks that declare a 2-D subset heatmap (needle: depth x length)
         axes = task_defs.heatmap(task)
         if axes is None:
             continue
-        paths[task] = subset_heatmaps(table[table["task"] == task], samples, task, out / f"{task}_heatmap.png")
+        paths[task] = subset_heatmaps(own[own["task"] == task], samples, task, out / f"{task}_heatmap.png")
         text += [f"## {task}: {primary_metric(task, metrics)} by {axes[0]} and {axes[1]}", "",
                  f"![{task}]({paths[task].name})", ""]
     paths["markdown"].write_text("\n".join(text))

@@ -159,3 +159,29 @@ def test_a_task_of_lm_evals_registry_is_not_taken_for_evalkits_task_of_the_same_
     ])
     assert primary_metric("aime25", metrics, ours) == "pass@1"
     assert primary_metric("aime25", metrics, registry) == "exact_match"
+
+
+def test_a_ruler_group_run_gets_a_task_by_length_heatmap(tmp_path):
+    """A RULER run of lm-eval's registry (its samples' subsets: task/length): the report draws accuracy by task and
+    length, one panel per configuration."""
+    from evalkit.results.report import heatmap_axes, subset_grid
+
+    options = '{"name": "ruler", "source": "lm_eval"}'
+    for method, budget, lost in (("full", None, set()), ("snapkv", "4x", {("niah_single_2", 8192)})):
+        run_id = f"ruler-{method}"
+        config = {"run_id": run_id, "model": "m", "task": "ruler", "method": method, "budget": budget,
+                  "task_options": options}
+        cells = [(task, length) for task in ("niah_single_1", "niah_single_2") for length in (4096, 8192)]
+        samples = [{"doc_id": i, "sample_id": str(i), "subset": f"{task}/{length}", "repeat": 0,
+                    "score": 0.0 if (task, length) in lost else 1.0} for i, (task, length) in enumerate(cells)]
+        metrics = [{"subset": "all", "metric": "4096", "value": 1.0, "stderr": None, "n": 2}]
+        write_table(samples_table(samples, config), tmp_path, "samples", run_id)
+        write_table(metrics_table(metrics, config), tmp_path, "metrics", run_id)
+    samples = pd.read_parquet(tmp_path / "samples")
+    axes = heatmap_axes("ruler", samples, registry=True)
+    assert axes == (("task", "subset"), ["task", "subset"])
+    grid = subset_grid(samples, "ruler-snapkv", "ruler", axes)
+    assert list(grid.columns) == [4096, 8192] and grid.loc["niah_single_2"].tolist() == [1.0, 0.0]
+    paths = write_report(tmp_path, iterations=100)
+    assert paths["ruler"].read_bytes()[:4] == b"\x89PNG" and "ruler_heatmap.png" in paths["markdown"].read_text()
+    assert heatmap_axes("ruler", samples.assign(subset="niah_single_1"), registry=True) is None  # one level: none

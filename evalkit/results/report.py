@@ -328,23 +328,41 @@ def write_report(results_dir: str | Path, out: str | Path | None = None, iterati
             paths[name.removesuffix(".png")] = drawn
             text += [f"![{name.removesuffix('.png').replace('_', ' ')}]({name})", ""]
     registry_runs = set(metrics.loc[metrics["task_options"].map(from_lm_eval), "run_id"]) if "task_options" in metrics else set()
-    own = table[~table["run_id"].isin(registry_runs)]
-    for task in sorted(own["task"].unique()):  # evalkit tasks that declare a 2-D subset heatmap (needle: depth x length)
-        axes = task_defs.heatmap(task)
-        if axes is None:
-            continue
-        paths[task] = subset_heatmaps(own[own["task"] == task], samples, task, out / f"{task}_heatmap.png")
-        text += [f"## {task}: {primary_metric(task, metrics)} by {axes[0]} and {axes[1]}", "",
-                 f"![{task}]({paths[task].name})", ""]
+    # 2-D heatmaps: evalkit tasks that declare one (needle: depth x length), lm-eval groups with subsets below their
+    # tasks (RULER: task x length)
+    for registry in (False, True):
+        runs = table[table["run_id"].isin(registry_runs) == registry]
+        for task in sorted(runs["task"].unique()):
+            chosen = runs[runs["task"] == task]
+            axes = heatmap_axes(task, samples[samples["run_id"].isin(chosen["run_id"])], registry)
+            if axes is None:
+                continue
+            name = f"{task}_registry" if registry and task in task_defs.task_names() else task
+            label = "score" if registry else primary_metric(task, metrics)  # a registry group's: each task's own
+            paths[name] = subset_heatmaps(chosen, samples, task, out / f"{name}_heatmap.png", axes, label)
+            (rows_field, columns_field), _ = axes
+            text += [f"## {task}: {label} by {rows_field} and {columns_field}", "", f"![{task}]({paths[name].name})", ""]
     paths["markdown"].write_text("\n".join(text))
     return paths
 
 
-def subset_grid(samples: pd.DataFrame, run_id: str, task: str) -> pd.DataFrame:
-    """Mean score of one run over the task's two heatmap fields (:func:`evalkit.task_defs.heatmap`): rows the first,
-    columns the second, read from the samples' subsets (numbers sorted as numbers)."""
-    rows_field, columns_field = task_defs.heatmap(task)
-    fields = task_defs.subset_fields(task)
+def heatmap_axes(task: str, samples: pd.DataFrame | None = None, registry: bool = False):
+    """``((rows, columns), fields)``: what a heatmap of ``task`` shows and how its samples' subsets are made. An
+    evalkit task declares it (:func:`evalkit.task_defs.heatmap`); a group of lm-eval's registry whose samples carry a
+    subset below their task (RULER: ``niah_single_1/4096``) is drawn task x that subset. None: no heatmap."""
+    if not registry:
+        axes = task_defs.heatmap(task)
+        return (axes, task_defs.subset_fields(task)) if axes else None
+    subsets = samples["subset"].dropna().astype(str) if samples is not None and len(samples) else pd.Series(dtype=str)
+    if subsets.empty or not subsets.str.count("/").eq(1).all():
+        return None
+    return ("task", "subset"), ["task", "subset"]
+
+
+def subset_grid(samples: pd.DataFrame, run_id: str, task: str, axes=None) -> pd.DataFrame:
+    """Mean score of one run over the task's two heatmap fields (:func:`heatmap_axes`): rows the first, columns the
+    second, read from the samples' subsets (numbers sorted as numbers)."""
+    (rows_field, columns_field), fields = axes or heatmap_axes(task)
     rows = samples[samples["run_id"] == run_id]
     parts = rows["subset"].str.split("/", expand=True)
 
@@ -362,7 +380,8 @@ def needle_grid(samples: pd.DataFrame, run_id: str) -> pd.DataFrame:
     return subset_grid(samples, run_id, "needle")
 
 
-def subset_heatmaps(table: pd.DataFrame, samples: pd.DataFrame, task: str, path: Path) -> Path:
+def subset_heatmaps(table: pd.DataFrame, samples: pd.DataFrame, task: str, path: Path, axes=None,
+                    label: str | None = None) -> Path:
     """The picture needle-style tests are read from: one heatmap of the task's two subset fields per configuration
     (method x budget x setting), the full cache first."""
     import matplotlib
@@ -370,13 +389,14 @@ def subset_heatmaps(table: pd.DataFrame, samples: pd.DataFrame, task: str, path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows_field, columns_field = task_defs.heatmap(task)
+    axes_fields = axes or heatmap_axes(task)
+    (rows_field, columns_field), _ = axes_fields
     runs = table.assign(factor=table["budget"].map(compression_factor)).sort_values(
         ["model", "factor", "method"], key=lambda c: c.fillna(math.inf) if c.name == "factor" else c)
     settings = _distinguishing(table)
     figure, axes = plt.subplots(1, len(runs), figsize=(3.2 * len(runs) + 1, 3.4), squeeze=False)
     for axis, (_, run) in zip(axes[0], runs.iterrows()):
-        grid = subset_grid(samples, run["run_id"], task)
+        grid = subset_grid(samples, run["run_id"], task, axes_fields)
         image = axis.imshow(grid.to_numpy(), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         axis.set_xticks(range(len(grid.columns)), [str(c) for c in grid.columns])
         axis.set_yticks(range(len(grid.index)), [f"{d:.0%}" if isinstance(d, float) else str(d) for d in grid.index])
@@ -387,7 +407,7 @@ def subset_heatmaps(table: pd.DataFrame, samples: pd.DataFrame, task: str, path:
         axis.set_title(f"{title}\n{extra}".strip(), fontsize=9)
         axis.set_xlabel(columns_field)
     axes[0][0].set_ylabel(rows_field)
-    figure.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label=task_defs.primary_metric(task) or "score")
+    figure.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label=label or task_defs.primary_metric(task) or "score")
     figure.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(figure)
     return path

@@ -185,3 +185,38 @@ def test_rulers_prompts_mark_where_their_context_ends():
         marked = mark({"input": text})
         head, tail = marked.split(CONTEXT_END)
         assert head + tail == text and head.rstrip().endswith("CONTEXT-BODY") and "CONTEXT-BODY" not in tail, name
+
+
+class FakeIndex:
+    """Stands in for lm-eval's TaskManager (ten seconds to build); module level, so that it pickles."""
+
+    built: list = []
+
+    def __init__(self):
+        FakeIndex.built.append(1)
+        self.task_index = {"gsm8k": "entry"}
+
+
+def test_lm_evals_index_is_built_once_and_then_read_from_disk(tmp_path, monkeypatch):
+    """The index of lm-eval's tasks is built on first use and kept under EVALKIT_CACHE; later processes read it; a
+    damaged file is built again."""
+    import lm_eval.tasks
+
+    from evalkit.run import tasks
+
+    built = FakeIndex.built
+    built.clear()
+    monkeypatch.setenv("EVALKIT_CACHE", str(tmp_path))
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", FakeIndex)
+    tasks.registry.cache_clear()
+    try:
+        assert tasks.registry().task_index == {"gsm8k": "entry"} and len(built) == 1
+        (kept,) = (tmp_path / "lm_eval_index").glob("*.pkl")
+        tasks.registry.cache_clear()  # a new process
+        assert tasks.registry().task_index == {"gsm8k": "entry"} and len(built) == 1
+        kept.write_bytes(b"not a pickle")
+        tasks.registry.cache_clear()
+        assert tasks.registry().task_index == {"gsm8k": "entry"} and len(built) == 2
+        assert not list((tmp_path / "lm_eval_index").glob("*.tmp"))
+    finally:
+        tasks.registry.cache_clear()

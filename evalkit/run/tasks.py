@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import json
 from pathlib import Path
 
@@ -36,10 +37,44 @@ def task_with_options(task: str, options: dict, bad_rows: str = "error", pretrai
 
 @functools.lru_cache(maxsize=1)
 def registry():
-    """lm-eval's whole task index (thousands of tasks: seconds to build, so only when a run asks for one of them)."""
+    """lm-eval's whole task index (thousands of tasks: ten seconds to build, so only when a run asks for one of them).
+    Built once per installed lm-eval and kept on disk (``$EVALKIT_CACHE/lm_eval_index/``), keyed by lm-eval's version
+    and the names, sizes and modification times of its task files: a later run loads it in about a second, and any
+    change to lm-eval's tasks builds it again."""
+    import os
+    import pickle
+    import tempfile
+
+    import lm_eval
     from lm_eval.tasks import TaskManager
 
-    return TaskManager()
+    from evalkit.identity import cache_dir
+
+    root = Path(lm_eval.__file__).parent / "tasks"
+    listing = hashlib.sha256(lm_eval.__version__.encode())
+    for folder, _, files in sorted(os.walk(root)):
+        for name in sorted(files):
+            stat = (Path(folder) / name).stat()
+            listing.update(f"{Path(folder, name).relative_to(root)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    path = cache_dir() / "lm_eval_index" / f"{listing.hexdigest()[:24]}.pkl"
+    if path.is_file():
+        try:
+            with path.open("rb") as handle:
+                return pickle.load(handle)  # evalkit's own file, written below
+        except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError):
+            pass  # unreadable (another lm-eval's classes, a partial file): built again
+    manager = TaskManager()
+    temporary = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False, suffix=".tmp") as handle:
+            temporary = Path(handle.name)
+            pickle.dump(manager, handle)
+        os.replace(temporary, path)  # whole or not at all
+    except (OSError, pickle.PicklingError, AttributeError, TypeError):  # no room, unpicklable: built next time
+        if temporary is not None:
+            temporary.unlink(missing_ok=True)
+    return manager
 
 
 def registry_entry(task: str):

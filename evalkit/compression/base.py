@@ -411,6 +411,39 @@ def causal_attention_sums(view: PrefillView, last: int | None = None, budget: in
     return total
 
 
+def attention_with_sums(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+                        budget: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole prompt's causal attention and the attention sums its score needs, in one pass: the output
+    ``[B, n, Hq, Dv]`` (as transformers' attention functions return it) and, fp32, what each key receives summed over
+    every query, ``[B, Hkv, G, n]``. The blocks and the fp32 arithmetic of the sums are
+    :func:`causal_attention_sums`' own (so the kept tokens are the same); each block's probabilities are then used
+    once more, cast to the values' dtype, for the output. For an unpadded prompt without learned sinks: the prefill of
+    an attention-sum method (H2O, ObservedAttention) then costs one attention, not two."""
+    batch, q_heads, n, _ = query.shape
+    kv_heads = keys.shape[1]
+    groups = q_heads // kv_heads
+    if budget is None:
+        budget = 1 << (26 if query.device.type == "cuda" else 22)
+    total = torch.zeros(batch, kv_heads, groups, n, dtype=torch.float32, device=query.device)
+    output = torch.empty(batch, kv_heads, groups, n, values.shape[-1], dtype=values.dtype, device=query.device)
+    keys32 = keys.float()
+    begin = 0
+    while begin < n:
+        cells = max(1, budget // (batch * q_heads))
+        end = min(n, begin + max(1, (math.isqrt(begin * begin + 4 * cells) - begin) // 2))
+        block = query[:, :, begin:end].float().reshape(batch, kv_heads, groups * (end - begin), -1)
+        logits = torch.matmul(block, keys32[:, :, :end].transpose(-1, -2)).mul_(scaling)
+        logits = logits.view(batch, kv_heads, groups, end - begin, end)
+        logits[..., begin:end].masked_fill_(_block_hidden(begin, end, query.device), float("-inf"))
+        probabilities = logits.softmax(dim=-1)
+        total[..., :end] += probabilities.sum(dim=-2)
+        weights = probabilities.view(batch, kv_heads, groups * (end - begin), end).to(values.dtype)
+        output[:, :, :, begin:end] = torch.matmul(weights, values[:, :, :end]).view(batch, kv_heads, groups,
+                                                                                     end - begin, -1)
+        begin = end
+    return output.view(batch, q_heads, n, -1).transpose(1, 2).contiguous(), total
+
+
 def _block_hidden(begin: int, end: int, device: torch.device) -> torch.Tensor:
     """``[end - begin, end - begin]``: within the block's own square, the keys after each query (hidden from it)."""
     index = torch.arange(end - begin, device=device)

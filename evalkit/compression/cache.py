@@ -40,6 +40,7 @@ from .base import (
     Policy,
     PrefillView,
     attention_probabilities,
+    attention_with_sums,
     causal_attention_sums,
     reduce_groups,
     slots_visible,
@@ -467,6 +468,19 @@ def chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return torch.cat(blocks, dim=2).transpose(1, 2).contiguous()
 
 
+def _fused_prefill(cache, module, query, key, value, eager: bool) -> bool:
+    """Whether this attention is a whole unpadded prompt's, in a layer whose policy scores by attention sums and will
+    compress it: :func:`attention_with_sums` then computes the output and the sums in one pass (sdpa models; a
+    full-attention layer with per-head keys, no learned sinks)."""
+    if cache is None or cache.prefill_plan is None or cache.prefill_plan.get("chunk_mode") is not None or eager:
+        return False
+    plan, policy = cache.prefill_plan, cache.layer_policies[module.layer_idx]
+    return (policy.sums_attention and plan["compress"] and query.shape[2] == key.shape[2] > 1
+            and bool(plan["key_valid"].all()) and attention_sinks(module) is None
+            and not getattr(module, "sliding_window", None) and query.shape[-1] == key.shape[-1] == value.shape[-1]
+            and query.shape[1] % key.shape[1] == 0 and module.layer_idx not in cache.compressed_layers)
+
+
 def _hooked_attention(delegate, eager: bool):
     def attention(module, query, key, value, attention_mask, **kwargs):
         cache = _ACTIVE.get()
@@ -474,6 +488,11 @@ def _hooked_attention(delegate, eager: bool):
         if _later_chunk(cache, module, query, key, value, eager):
             output = chunk_attention(query, key, value, scaling)
             cache.prefill_attention(module.layer_idx, module, query, key, value, scaling)
+            return output, None
+        if _fused_prefill(cache, module, query, key, value, eager):
+            output, sums = attention_with_sums(query, key, value, scaling)
+            # The view then holds no queries: its sums are all of them (``prior_sums``), and nothing is recomputed.
+            cache.compress_layer(module.layer_idx, module, query[:, :, :0], key, value, scaling, sums)
             return output, None
         decoding = cache is not None and cache.prefill_plan is None
         per_head = decoding and cache.layers[module.layer_idx].heads is not None

@@ -389,3 +389,39 @@ def test_a_new_method_is_its_class_it_registers_itself_and_claims_no_latent_supp
     finally:
         REGISTRY.pop("newest_tokens", None)
     assert "newest_tokens" not in ec.POLICIES
+
+
+@pytest.mark.parametrize("length", [37, 300])
+def test_one_pass_attention_and_sums_equal_sdpa_and_the_blockwise_sums(length):
+    """The fused prefill of attention-sum methods: its output is sdpa's causal attention (to float rounding) and its
+    sums are the score's own blockwise sums, bit for bit (so the same tokens are kept); small blocks as well."""
+    from evalkit.compression.base import PrefillView, attention_with_sums, causal_attention_sums
+
+    generator = torch.Generator().manual_seed(length)
+    query, keys, values = (torch.randn(2, heads, length, 16, generator=generator) for heads in (4, 2, 2))
+    expected = torch.nn.functional.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=0.25,
+                                                                enable_gqa=True).transpose(1, 2)
+    view = PrefillView(query, keys, values, torch.ones(2, length, dtype=torch.bool), 0.25, 0, 1, torch.nn.Module(),
+                       torch.arange(length).expand(2, -1))
+    for budget in (None, 4096):
+        output, sums = attention_with_sums(query, keys, values, 0.25, budget=budget)
+        torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
+        assert torch.equal(sums, causal_attention_sums(view, budget=budget))
+
+
+def test_attention_sum_methods_prefill_an_unpadded_prompt_in_one_pass(llama, monkeypatch):
+    """H2O's prefill takes the one-pass path in every layer of an unpadded prompt (its kept tokens are checked against
+    the plain definition above); a padded batch goes through sdpa and the score's own pass."""
+    import evalkit.compression.cache as cache
+
+    calls = []
+    fused = cache.attention_with_sums
+    monkeypatch.setattr(cache, "attention_with_sums", lambda *args, **kwargs: (calls.append(1), fused(*args, **kwargs))[1])
+    ec.generate(llama, random_prompt(50, seed=11), ec.H2O(capacity=21, recent=6), max_new_tokens=2)
+    assert len(calls) == llama.config.num_hidden_layers
+    padded = torch.ones(2, 50, dtype=torch.long)
+    padded[0, :7] = 0
+    calls.clear()
+    ec.generate(llama, random_prompt(50, seed=11, batch=2), ec.H2O(capacity=21, recent=6), max_new_tokens=2,
+                attention_mask=padded)
+    assert calls == []

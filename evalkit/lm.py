@@ -91,6 +91,7 @@ class EvalkitLM(LM):
         if compression_scope not in SCOPES:
             raise ValueError(f"compression_scope must be one of {SCOPES}, got {compression_scope!r}")
         self.compression_scope = compression_scope
+        self.context_unmarked = 0  # compression_scope=context: prompts without the end-of-context mark (compressed whole)
         unknown = set(policy_params) - set(POLICY_FIELDS)
         if unknown:
             raise ValueError(f"unknown evalkit model arguments {sorted(unknown)}")
@@ -321,6 +322,7 @@ class EvalkitLM(LM):
         else:
             input_ids, _, (truncated,), (start,) = self._encode([text], max_new_tokens, truncation)
             compress_prefix = start if self.compression_scope == "context" else None
+            self.context_unmarked += self.compression_scope == "context" and start is None
         stop_strings = [s for s in until if s and s not in self._stop_token_texts]  # those end it as tokens
         # The sampling stream comes from the request itself: reproducible whatever ran before or beside it.
         request = ec.Request(input_ids[0].cpu(), max_new_tokens=max_new_tokens, do_sample=do_sample,

@@ -274,6 +274,8 @@ def test_task_runs_end_to_end_through_the_cli(tmp_path, random_model_dir, task, 
     assert samples["generated_tokens"].between(1, 8).all() and samples["prompt_tokens"].gt(0).all()
     options = json.loads(metrics["task_options"].iloc[0])
     assert options["dataset"]["path"] == str(data) and options["generation"]["max_gen_toks"] == 8
+    if "compression_scope=context" in extra:  # LongBench marks where its document ends: every prompt split there
+        assert metrics.loc[metrics["metric"] == "context_unmarked", "value"].tolist() == [0.0]
     if task == "longbench_v2":
         assert set(metrics["metric"]) >= {"accuracy", "extraction_failed"}
         # With CoT, the statistics are the reasoning call's, over the document; the reasoning is kept.

@@ -394,3 +394,17 @@ def test_generation_stops_on_every_eos_of_the_generation_config(adapter_parts, t
         assert stop_token_ids_of(str(tmp_path)) == sorted({first, second, tokenizer.eos_token_id})
     finally:
         model.generation_config.eos_token_id = saved
+
+
+def test_context_scope_on_a_task_that_does_not_mark_its_context_says_so(tmp_path, random_model_dir):
+    """kv_retrieval's prompts carry no end-of-context mark: under compression_scope=context they are compressed whole,
+    which the run counts (context_unmarked) and says on stderr instead of passing it off as query-agnostic."""
+    from evalkit.results import read_table
+
+    results = tmp_path / "results"
+    result = evalkit("budget=4x", "compression_scope=context", f"model.pretrained={random_model_dir}", "limit=2",
+                     "+task.generation.max_gen_toks=4", f"results_dir={results}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "WARNING: compression_scope=context, but 2 of 2 requests of task kv_retrieval" in result.stderr
+    metrics = read_table(results, "metrics")
+    assert metrics.loc[metrics["metric"] == "context_unmarked", "value"].tolist() == [2.0]

@@ -205,6 +205,7 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None) -> RunResult:
         hooks = {name: family_hooks(name, spec.task_options) for name in members}
         metrics, samples = group_rows(results, members, stats, hooks, group_aggregates(spec.task, spec.task_options))
     metrics += lm.throughput.rows()
+    metrics += context_check(spec, lm.context_unmarked, len(samples))
     metrics += budget_check(spec, samples)
     if skipped_rows:
         metrics.append({"subset": "all", "metric": "rows_skipped", "value": float(len(skipped_rows)), "stderr": None,
@@ -220,6 +221,19 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None) -> RunResult:
     progress.remove()
     progress_path.with_name(f"{progress_path.stem}-reasoning.jsonl").unlink(missing_ok=True)
     return RunResult(run_id, pd.DataFrame(metrics), pd.DataFrame(samples), paths)
+
+
+def context_check(spec: RunSpec, unmarked: int, requests: int) -> list[dict]:
+    """``compression_scope=context`` compresses what precedes the task's end-of-context mark; a prompt without one
+    (a task that does not mark its context) is compressed whole, as under ``prompt``. Counted in the metric
+    ``context_unmarked`` and said on stderr, never silently."""
+    if spec.compression_scope != "context":
+        return []
+    if unmarked:
+        print(f"evalkit: WARNING: compression_scope=context, but {unmarked} of {requests} requests of task {spec.task} "
+              "do not mark where their context ends: they were compressed whole, as with compression_scope=prompt "
+              "(the README's compression scope section lists the tasks that mark it)", file=sys.stderr, flush=True)
+    return [{"subset": "all", "metric": "context_unmarked", "value": float(unmarked), "stderr": None, "n": requests}]
 
 
 def seed_everything(seed: int) -> None:

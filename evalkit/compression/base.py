@@ -385,17 +385,10 @@ def causal_attention_sums(view: PrefillView, last: int | None = None, budget: in
     keys = view.keys.float()  # [B, Hkv, n, D]: a block's keys are its first rows, no copy
     begin = start
     while begin < n:
-        # The most rows r whose block (r queries x begin + r keys) stays within the budget: r^2 + begin r <= cells.
-        cells = max(1, budget // (batch * q_heads))
-        end = min(n, begin + max(1, (math.isqrt(begin * begin + 4 * cells) - begin) // 2))
+        end = _block_end(begin, n, budget, batch * q_heads)
         queries = view.query[:, :, begin - offset : end - offset]
-        if not padded and sinks is None:  # the common case, in place: one product, the diagonal masked, a softmax
-            # The query heads of a KV group stacked as rows of one product, so the keys are never expanded per head.
-            block = queries.float().reshape(batch, kv_heads, groups * (end - begin), -1)
-            logits = torch.matmul(block, keys[:, :, :end].transpose(-1, -2)).mul_(view.scaling)
-            logits = logits.view(batch, kv_heads, groups, end - begin, end)
-            logits[..., begin:end].masked_fill_(_block_hidden(begin, end, view.query.device), float("-inf"))
-            total[..., :end] += logits.softmax(dim=-1).sum(dim=-2)
+        if not padded and sinks is None:  # the common case: one product, the diagonal masked, a softmax
+            total[..., :end] += _unpadded_block(queries, keys, begin, end, view.scaling).sum(dim=-2)
             begin = end
             continue
         if padded:
@@ -429,19 +422,35 @@ def attention_with_sums(query: torch.Tensor, keys: torch.Tensor, values: torch.T
     keys32 = keys.float()
     begin = 0
     while begin < n:
-        cells = max(1, budget // (batch * q_heads))
-        end = min(n, begin + max(1, (math.isqrt(begin * begin + 4 * cells) - begin) // 2))
-        block = query[:, :, begin:end].float().reshape(batch, kv_heads, groups * (end - begin), -1)
-        logits = torch.matmul(block, keys32[:, :, :end].transpose(-1, -2)).mul_(scaling)
-        logits = logits.view(batch, kv_heads, groups, end - begin, end)
-        logits[..., begin:end].masked_fill_(_block_hidden(begin, end, query.device), float("-inf"))
-        probabilities = logits.softmax(dim=-1)
+        end = _block_end(begin, n, budget, batch * q_heads)
+        probabilities = _unpadded_block(query[:, :, begin:end], keys32, begin, end, scaling)
         total[..., :end] += probabilities.sum(dim=-2)
         weights = probabilities.view(batch, kv_heads, groups * (end - begin), end).to(values.dtype)
         output[:, :, :, begin:end] = torch.matmul(weights, values[:, :, :end]).view(batch, kv_heads, groups,
                                                                                      end - begin, -1)
         begin = end
     return output.view(batch, q_heads, n, -1).transpose(1, 2).contiguous(), total
+
+
+def _block_end(begin: int, n: int, budget: int, rows_per_query: int) -> int:
+    """The end of the block of queries from ``begin``: the most rows r whose probabilities (r queries x begin + r keys,
+    ``rows_per_query`` = batch x query heads of them) stay within ``budget`` floats: r^2 + begin r <= cells."""
+    cells = max(1, budget // rows_per_query)
+    return min(n, begin + max(1, (math.isqrt(begin * begin + 4 * cells) - begin) // 2))
+
+
+def _unpadded_block(queries: torch.Tensor, keys32: torch.Tensor, begin: int, end: int, scaling: float) -> torch.Tensor:
+    """fp32 causal attention probabilities ``[B, Hkv, G, end - begin, end]`` of an unpadded prompt's queries
+    ``begin..end-1`` (``queries`` ``[B, Hq, r, D]``) over its first ``end`` keys (``keys32``, fp32, ``[B, Hkv, n, D]``):
+    the query heads of a KV group stacked as rows of one product (the keys are never expanded per head), the mask on
+    the block's own square only, in place."""
+    batch, q_heads, rows, _ = queries.shape
+    kv_heads = keys32.shape[1]
+    block = queries.float().reshape(batch, kv_heads, q_heads // kv_heads * rows, -1)
+    logits = torch.matmul(block, keys32[:, :, :end].transpose(-1, -2)).mul_(scaling)
+    logits = logits.view(batch, kv_heads, q_heads // kv_heads, rows, end)
+    logits[..., begin:end].masked_fill_(_block_hidden(begin, end, queries.device), float("-inf"))
+    return logits.softmax(dim=-1)
 
 
 def _block_hidden(begin: int, end: int, device: torch.device) -> torch.Tensor:

@@ -34,8 +34,8 @@ def build_scorer(scorer: str | Mapping | Policy, capacity: int, owner: str) -> P
         if name not in REGISTRY:
             raise ValueError(f"{owner}.scorer: unknown method {name!r}; choose one of {scorers()}")
         cls = REGISTRY[name]
-        if issubclass(cls, OverScorer):
-            raise ValueError(f"{owner}.scorer cannot be {name}: it allocates budgets itself; choose one of {scorers()}")
+        if _refusal(cls):
+            raise ValueError(f"{owner}.scorer cannot be {name}: {_refusal(cls)}; choose one of {scorers()}")
         allowed = [field.name for field in dataclasses.fields(cls) if field.name not in cls.budget_fields]
         unknown = sorted(set(settings) - set(allowed))
         if unknown:
@@ -44,24 +44,24 @@ def build_scorer(scorer: str | Mapping | Policy, capacity: int, owner: str) -> P
             policy = cls.from_budget(capacity, **settings) if cls.takes_budget else cls(**settings)
         except (TypeError, ValueError) as error:
             raise ValueError(f"{owner}.scorer ({name}): {error}") from None
-    reason = _not_a_scorer(policy)
+    reason = _refusal(type(policy))
     if reason:
         raise ValueError(f"{owner}.scorer cannot be {policy.name}: {reason}; choose one of {scorers()}")
     return policy
 
 
-def _not_a_scorer(policy: Policy) -> str | None:
-    if isinstance(policy, OverScorer):
+def _refusal(cls: type[Policy]) -> str | None:
+    """Why a wrapper cannot take its ranking from method ``cls`` (None: it can)."""
+    if issubclass(cls, OverScorer):
         return "it allocates budgets itself"
-    if not policy.needs_scores or type(policy).score is Policy.score:
+    if not cls.needs_scores or cls.score is Policy.score:
         return "it does not score tokens"
     return None
 
 
 def scorers() -> list[str]:
     """The registered methods a wrapper can take its ranking from."""
-    return sorted(name for name, cls in REGISTRY.items()
-                  if cls.needs_scores and cls.score is not Policy.score and not issubclass(cls, OverScorer))
+    return sorted(name for name, cls in REGISTRY.items() if _refusal(cls) is None)
 
 
 @dataclasses.dataclass

@@ -21,6 +21,7 @@ import pandas as pd
 
 from evalkit import budget as budget_grammar
 from evalkit import task_defs
+from evalkit.run.spec import LM_EVAL
 
 from .tables import read_table
 
@@ -60,7 +61,7 @@ def from_lm_eval(task_options) -> bool:
     """Whether a run's task came from lm-eval's registry (``task=lm_eval``), not from evalkit's tasks/ (a name can be
     both: lm-eval's ``aime25`` is not evalkit's)."""
     try:
-        return json.loads(task_options or "{}").get("source") == "lm_eval"
+        return json.loads(task_options or "{}").get("source") == LM_EVAL
     except (TypeError, ValueError):
         return False
 

@@ -3,7 +3,8 @@ of conf/ with the command line's overrides, as a plain dict for :func:`evalkit.r
 
 ``budget`` is a plain key (``budget=4x``, ``budget=tokens_4096``); the appending form ``+budget=4x`` of earlier
 releases is accepted everywhere a command line is, and ``~budget`` means no budget. Importing this module registers
-the ``${evalkit_methods:}`` resolver the presets use.
+the ``${evalkit_methods:}`` resolver the presets use and ``${task_default:KEY}``, with which conf/task/ reads a task's
+defaults from its own YAML instead of repeating them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,23 @@ def registered_methods() -> str:
     return ",".join(sorted(ec.POLICIES, key=lambda name: (name != "full", name)))
 
 
+def task_default(key: str, *, _root_) -> object:
+    """``${task_default:generation_kwargs.temperature}``: the value at the dotted ``key`` of the task's own lm-eval
+    YAML (``tasks/<task.name>/<task.name>.yaml``, its includes merged), so a default lives once, where the official
+    protocol is written; conf/task/ names the option a user overrides and documents it. Reads YAML only (no torch)."""
+    from evalkit import task_defs
+
+    name = _root_.task.name
+    value = task_defs.definition(name)
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise KeyError(f"task {name}: its YAML (tasks/{name}/{name}.yaml) has no {key!r} for ${{task_default:{key}}}")
+        value = value[part]
+    return value
+
+
 OmegaConf.register_new_resolver("evalkit_methods", registered_methods, replace=True)
+OmegaConf.register_new_resolver("task_default", task_default, replace=True)
 
 
 def normalize_overrides(overrides: list[str]) -> list[str]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import yaml
 from helpers import evalkit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -197,3 +198,41 @@ def test_a_task_is_its_folder_and_its_yaml(tmp_path, random_model_dir):
     finally:
         _removed(files)
         task_defs.definition.cache_clear()
+
+
+# conf/task/<name>.yaml's groups and the YAML keys they set (see evalkit.run.tasks.task_with_options).
+CONF_TO_YAML = {"dataset": "dataset_kwargs", "generation": "generation_kwargs", "repeats": "repeats",
+                "gen_prefix": "gen_prefix"}
+
+
+def test_a_task_default_lives_once_in_its_yaml():
+    """A conf/task value equal to the task YAML's own default would be the same default kept twice: conf/task reads it
+    with ${task_default:...} instead (or sets a different value, an evalkit setting such as MATH-500's repeats)."""
+    from evalkit import task_defs
+
+    derived = 0
+    for path in sorted((ROOT / "conf" / "task").glob("*.yaml")):
+        conf = yaml.safe_load(path.read_text())
+        definition = task_defs.definition(conf["name"]) if conf.get("source") is None else {}
+        for group, yaml_key in CONF_TO_YAML.items():
+            value = conf.get(group)
+            pairs = value.items() if isinstance(value, dict) else [(None, value)] if group in conf else []
+            for key, literal in pairs:
+                own = definition.get(yaml_key, "<absent>")
+                if key is not None:
+                    own = own.get(key, "<absent>") if isinstance(own, dict) else "<absent>"
+                if isinstance(literal, str) and literal.startswith("${task_default:"):
+                    derived += 1
+                    continue
+                assert own == "<absent>" or own != literal, f"{path.name}: {group}.{key} = {literal!r} repeats the YAML's"
+    assert derived >= 20
+
+
+def test_task_default_reads_the_tasks_yaml_and_names_a_missing_key():
+    from evalkit.config import compose
+
+    cfg = compose("task=longbench_v2", "task.generation.max_len=1000")
+    assert cfg["task"]["generation"] == {"max_gen_toks": 128, "max_len": 1000, "do_sample": True, "temperature": 0.1}
+    assert cfg["task"]["dataset"]["path"] == "THUDM/LongBench-v2"
+    with pytest.raises(Exception, match=r"task needle: its YAML \(tasks/needle/needle.yaml\) has no 'dataset_kwargs.nope'"):
+        compose("task=needle", "+task.dataset.extra=${task_default:dataset_kwargs.nope}")

@@ -45,6 +45,7 @@ from .base import (
     reduce_groups,
     slots_visible,
 )
+from .layout import first_free, occupy, raised_peak, ring_slot
 from .model_spec import (  # noqa: F401  (check_hookable, layer_devices: their former home, kept for callers)
     SUPPORTED_ATTENTION,
     attention_sinks,
@@ -81,9 +82,7 @@ class RowState:
 
     def next_slots(self, count: int) -> torch.Tensor:
         """Slots that the next ``count`` tokens of each row go to: ``[B, count]``."""
-        index = self.written[:, None] + torch.arange(count)
-        fixed, ring = self.fixed[:, None], self.ring[:, None]
-        return torch.where(index < fixed, index, fixed + (index - fixed) % ring)
+        return ring_slot(self.written[:, None] + torch.arange(count), self.fixed[:, None], self.ring[:, None])
 
     def wraps(self, count: int) -> bool:
         """Whether writing ``count`` tokens at once would overwrite a slot that one of them must still see."""
@@ -201,16 +200,14 @@ class CompressedLayer(DynamicLayer):
                 raise RuntimeError(f"{policy.name} left no free slot in a full cache; its eviction is broken")
             self.pad_slots(self.keys.shape[-2] + max(shortfall, 64))
             free = ~heads.valid
-        slots = (~free).to(torch.uint8).argsort(dim=-1, stable=True)[..., :count]  # first free slots, in order
+        slots = first_free(heads.valid, count)  # [B, Hkv, count], in slot order
         self._write(slots, key_states, value_states)
-        heads.valid.scatter_(2, slots, True)
-        positions = on_device(self.cache.pending_positions, slots)[:, None, :].expand(-1, slots.shape[1], -1)
-        heads.positions.scatter_(2, slots, positions)
-        if heads.scores is not None:
-            heads.scores.scatter_(2, slots, 0.0)
+        batch, kv_heads, _ = slots.shape
+        rows = torch.arange(batch, device=slots.device)[:, None, None]
+        occupy(heads, (rows, torch.arange(kv_heads, device=slots.device)[None, :, None], slots),
+               on_device(self.cache.pending_positions, slots)[:, None, :])
         held = heads.valid.sum(dim=-1)
-        active = on_device(self.cache.active, held)
-        heads.peak = torch.where(active[:, None], torch.maximum(heads.peak, held), heads.peak)
+        heads.peak = raised_peak(heads.peak, held, on_device(self.cache.active, held))
         return self.keys, self.values
 
     def pad_slots(self, slots: int) -> None:
@@ -430,7 +427,7 @@ class CompressedCache(Cache):
         state.written += count
         state.seq_len += count
         held = state.valid.sum(dim=1).cpu()
-        state.peak = torch.where(active, torch.maximum(state.peak, held), state.peak)
+        state.peak = raised_peak(state.peak, held, active)
         self.pending_slots = slots_dev
         mask = state.valid[:, None, None, :] & (state.slot_pos[:, None, None, :] <= positions[:, None, :, None])
         self.all_visible = count == 1 and bool(mask.all())

@@ -30,6 +30,7 @@ import torch
 from .base import Policy
 from .cache import additive_mask, attention_implementation
 from .generate import prefill
+from .layout import ring_slot
 from .model_spec import cache_geometry, check_hookable, layer_devices
 from .sampling import choose_tokens
 from .sliding_window import SlidingWindow, layer_policies
@@ -217,7 +218,7 @@ class Engine:
         active = ~self.finished
         self.active.copy_(active)
         index = self.written
-        slot = torch.where(index < self.fixed, index, self.fixed + (index - self.fixed) % self.ring)
+        slot = ring_slot(index, self.fixed, self.ring)
         self.write_slot.copy_(slot)
         self.valid.scatter_(1, slot[:, None], True)  # finished rows too: they must keep attending somewhere
         self.cache.sync()

@@ -13,6 +13,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 
 from .base import Policy
 from .cache import additive_mask, evict_after_step
+from .layout import first_free, occupy, raised_peak
 from .model_spec import attention_sinks, cache_geometry, family_eager  # noqa: F401  (cache_geometry: also here)
 
 
@@ -67,19 +68,13 @@ class SlotLayer(DynamicLayer):
         # in place (a scatter_ there becomes a copy of the whole cache every step).
         step = self.step
         rows, heads = step["rows"], step["all_heads"]
-        if self.valid is None:
-            slots = step["write_slot"][:, None]
-        else:  # each head's first free slot
-            slots = (~self.valid).to(torch.uint8).argmax(dim=-1)  # [slots, kv_heads]
+        # The row's ring slot (row layouts), or each head's first free slot (per-head layouts): see .layout.
+        slots = step["write_slot"][:, None] if self.valid is None else first_free(self.valid)  # [slots, kv_heads]
         self.keys.index_put_((rows, heads, slots), key_states[:, :, 0])
         self.values.index_put_((rows, heads, slots), value_states[:, :, 0])
         if self.valid is not None:
-            self.valid.index_put_((rows, heads, slots), torch.ones_like(slots, dtype=torch.bool))
-            self.positions.index_put_((rows, heads, slots), step["position"][:, None].expand_as(slots))
-            if self.scores is not None:
-                self.scores.index_put_((rows, heads, slots), torch.zeros_like(slots, dtype=self.scores.dtype))
-            held = self.valid.sum(dim=-1)
-            self.peak.copy_(torch.where(step["active"][:, None], torch.maximum(self.peak, held), self.peak))
+            occupy(self, (rows, heads, slots), step["position"][:, None])
+            self.peak.copy_(raised_peak(self.peak, self.valid.sum(dim=-1), step["active"]))
         return self.keys, self.values
 
     def after_attention(self, query: torch.Tensor, keys: torch.Tensor, scaling: float, sinks=None) -> None:

@@ -88,6 +88,41 @@ def test_fixed_capacity_cache_is_allocated_once_at_capacity(model):
     assert int(engine.valid.sum(dim=1).max()) <= 64
 
 
+def test_admission_writes_the_compressed_prompt_straight_into_its_slot(model, monkeypatch):
+    """A compressed prompt (row layout) is written into its slot as each layer is compressed: the admission's session
+    holds views of the engine's cache, not a second copy. A prompt under the budget (not compressed) and a question
+    prefilled on top of a compressed context are copied as before; every request's tokens equal running alone."""
+    import evalkit.compression.engine as engine_module
+
+    admitted = []
+
+    def spy(model, policy, ids, *args, **kwargs):
+        session, logits, seconds = real(model, policy, ids, *args, **kwargs)
+        admitted.append((ids.shape[1], args[1], session))  # args: attention_mask, compress_prefix, ...
+        return session, logits, seconds
+
+    real = engine_module.prefill
+    monkeypatch.setattr(engine_module, "prefill", spy)
+    policy = ec.SnapStream(capacity=64, window=8, sink=4, recent=16)
+    requests = stream(count=6, seed=3)
+    requests[1] = ec.Request(torch.randint(0, VOCAB, (130,), generator=torch.Generator().manual_seed(5)),
+                             max_new_tokens=5, compress_prefix=110)  # a context of 110 tokens, then a question
+    engine = ec.Engine(model, policy, slots=2)
+    completions = engine.run(requests)
+    slot_storage = {layer.keys.untyped_storage().data_ptr() for layer in engine.cache.layers}
+    outcomes = set()
+    for length, compress_prefix, session in admitted:
+        in_slot = [layer.keys.untyped_storage().data_ptr() in slot_storage for layer in session.cache.layers]
+        straight = length > policy.prompt_capacity() and compress_prefix is None
+        assert in_slot == [straight] * len(in_slot), (length, compress_prefix)
+        outcomes.add((straight, compress_prefix is not None))
+    assert outcomes == {(True, False), (False, False), (False, True)}
+    for request, completion in zip(requests, completions):
+        alone = ec.generate(model, request.input_ids[None], policy, max_new_tokens=request.max_new_tokens,
+                            compress_prefix=request.compress_prefix, return_logits=False)
+        assert completion.tokens == alone.sequences[0, request.input_ids.numel():].tolist()
+
+
 def test_growing_policy_reserves_prompt_capacity_plus_new_tokens(model):
     requests = stream()
     engine = ec.Engine(model, ec.SnapKV(capacity=48, window=8), slots=2)

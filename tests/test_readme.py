@@ -97,6 +97,7 @@ def _check_readme_command(command: str, result: subprocess.CompletedProcess) -> 
     ("benchmarks/bench_compression.py", ["--quick", "--threads", "2"], "decode"),
     ("benchmarks/bench_spec_prefill.py", ["--quick"], "ratio"),
     ("benchmarks/bench_decode.py", ["--quick", "--skip", "compile"], "ms/step"),
+    ("benchmarks/bench_admission.py", ["--lengths", "1024"], "slot/copy"),
     ("benchmarks/bench_long_prefill.py", ["--lengths", "1024", "--methods", "full", "snapkv", "h2o", "--chunks", "0", "256"],
      "x whole"),
     pytest.param("benchmarks/bench_real_model.py", ["--quick", "--threads", "2"], "decode step", marks=pytest.mark.skipif(

@@ -256,6 +256,9 @@ class CompressedCache(Cache):
         self.chunk_memory: dict[int, dict] = {}  # chunked prefill: what each layer keeps of earlier chunks' queries
         self.prefill_slots: list[int] = []  # each layer's slots right after prefill (row layout)
         self.all_visible = False  # this decode step's token sees every slot: no mask needed
+        # Engine admission: each layer's slot of the engine's cache, ``(keys, values)`` ``[1, kv_heads, slot_tokens,
+        # D]``; a row-layout layer's compressed prompt is written straight into it (see :meth:`write_through`).
+        self.targets: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].get_seq_length()
@@ -340,7 +343,7 @@ class CompressedCache(Cache):
         layer = self.layers[layer_idx]
         layer.compress(indices)
         if not policy.per_head:
-            return
+            return self.write_through(layer_idx)
         kept = torch.arange(indices.shape[-1], device=indices.device) < counts[..., None]
         positions = view.positions[:, None, :].expand(-1, indices.shape[1], -1).gather(2, indices)
         layer.heads = HeadState(valid=kept, positions=positions.masked_fill(~kept, -1), kept_prompt=counts,
@@ -350,6 +353,21 @@ class CompressedCache(Cache):
         window = policy.query_window()
         if window:
             layer.heads.queries = query[:, :, -window:]
+
+    def write_through(self, layer_idx: int) -> None:
+        """Under engine admission (``targets`` set), write this layer's compressed prompt into its slot and keep views
+        of it: the session never holds a second copy of every layer's kept tokens (the admission's peak drops by
+        one request's compressed cache). Whatever changes the layer afterwards (a question prefilled on top, a later
+        chunk) makes new tensors, which the engine then copies as before."""
+        target = self.targets[layer_idx] if self.targets is not None else None
+        layer = self.layers[layer_idx]
+        if target is None or layer.keys.shape[0] != 1 or layer.keys.shape[-2] > target[0].shape[-2]:
+            return
+        kept = layer.keys.shape[-2]
+        keys, values = target[0][:, :, :kept], target[1][:, :, :kept]
+        keys.copy_(layer.keys)
+        values.copy_(layer.values)
+        layer.keys, layer.values = keys, values
 
     def head_layers(self) -> list[CompressedLayer]:
         return [layer for layer, policy in zip(self.layers, self.layer_policies) if policy.per_head]

@@ -94,6 +94,12 @@ def compile_backend(value) -> str | None:
     return value
 
 
+def _is_slot(held: torch.Tensor, cache: torch.Tensor, slot: int) -> bool:
+    """Whether ``held`` is a view of slot ``slot`` of ``cache`` from its first token (where admission wrote it)."""
+    return held.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr() and \
+        held.storage_offset() == cache[slot].storage_offset() and held.stride() == cache[slot:slot + 1].stride()
+
+
 class Engine:
     """Continuous batching of :class:`Request` s under ``policy`` with ``slots`` sequences decoded together.
 
@@ -268,8 +274,9 @@ class Engine:
         device = self.model.device
         ids = request.input_ids[None].to(device)
         positions = request.position_ids[None].to(device) if request.position_ids is not None else None
+        slot_view = [(layer.keys[slot:slot + 1], layer.values[slot:slot + 1]) for layer in self.cache.layers]
         session, logits, seconds = prefill(self.model, self.policy, ids, None, request.compress_prefix, positions,
-                                           self.prefill_chunk, self.prefill_chunk_mode)
+                                           self.prefill_chunk, self.prefill_chunk_mode, targets=slot_view)
         state = session.state
         # Per-head layouts may have grown past their last token (question chunks): copy what is used.
         used_by_layer = [int(layer.heads.valid[0].any(dim=0).nonzero().max()) + 1 if layer.heads is not None
@@ -281,8 +288,9 @@ class Engine:
                                  f"{self.slot_tokens} reserved per slot (raise slot_tokens or use grow=True)")
             self._grow_to(used + request.max_new_tokens)
         for layer, source, used in zip(self.cache.layers, session.cache.layers, used_by_layer):
-            layer.keys[slot, :, :used] = source.keys[0, :, :used]
-            layer.values[slot, :, :used] = source.values[0, :, :used]
+            if not _is_slot(source.keys, layer.keys, slot):  # written straight into the slot at compression, or not
+                layer.keys[slot, :, :used] = source.keys[0, :, :used]
+                layer.values[slot, :, :used] = source.values[0, :, :used]
             if layer.valid is not None:
                 heads = source.heads
                 layer.valid[slot] = False

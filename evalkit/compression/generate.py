@@ -45,15 +45,17 @@ def _validate(input_ids, attention_mask, max_new_tokens, do_sample, temperature,
 
 def prefill(model, policy: Policy, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
             compress_prefix: int | None = None, position_ids: torch.Tensor | None = None,
-            prefill_chunk: int | None = None, prefill_chunk_mode: str = "exact"):
+            prefill_chunk: int | None = None, prefill_chunk_mode: str = "exact", targets: list | None = None):
     """Prefill and compress a batch of prompts (see :func:`generate` for ``compress_prefix``, ``position_ids`` and
-    ``prefill_chunk``).
+    ``prefill_chunk``). ``targets``: the engine's slot for a one-prompt batch, per layer ``(keys, values)``; the
+    compressed prompt goes straight into it (:meth:`~evalkit.compression.cache.CompressedCache.write_through`).
 
     Returns the session, the next-token logits ``[batch, vocab]`` and the seconds it took (time to first token).
     """
     if position_ids is not None and compress_prefix is not None:
         raise ValueError("compress_prefix and position_ids cannot be combined")
     session = CompressionSession(model, policy)
+    session.cache.targets = targets
     started = time.perf_counter()
     if compress_prefix is None or compress_prefix >= input_ids.shape[1]:
         logits = session.prefill(input_ids, attention_mask, position_ids, prefill_chunk, prefill_chunk_mode)

@@ -326,6 +326,18 @@ def _evict(policy, layer, per_head, query, keys, position, steps, scaling, sums,
             victim = order[min(range(len(order)), key=lambda i: (mean[i], i))]
             for heads in per_head:
                 heads.discard(victim)
+    elif getattr(policy, "scorer", None) is not None:  # DecodingSnapKV re-applying KNorm (the only scorer here)
+        assert policy.scorer["name"] == "knorm", policy.scorer
+        if steps % policy.interval:
+            return
+        target, sink, window = policy.capacity - policy.interval, policy.scorer["sink"], policy.scorer["window"]
+        for h, heads in enumerate(per_head):
+            order = sorted(heads)
+            if len(order) <= target:
+                continue
+            forced = set(order[:sink]) | set(order[len(order) - window:] if window else ())
+            others = sorted((j for j in order if j not in forced), key=lambda j: (float(keys[h][j].norm()), j))
+            heads.intersection_update(forced | set(others[: target - len(forced)]))  # the smallest key norms
     else:  # DecodingSnapKV
         windows[layer] = (windows[layer] + [(position, query)])[-policy.window :]
         if steps % policy.interval:

@@ -1,11 +1,11 @@
-"""AdaKV and PyramidKV over any scorer (kvpress' ``AdaKVPress(KnormPress())``): the allocation rule of the wrapper
+"""AdaKV, PyramidKV and decoding-time re-application (DecodingSnapKV) over any scorer (kvpress' ``AdaKVPress(KnormPress())``): the allocation rule of the wrapper
 with the ranking of the scorer, each kept set checked against the plain definitions of baseline_reference.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from baseline_reference import full_run, kept_budgets_over, kept_prompt, scorer_head_scores
+from baseline_reference import full_run, kept_budgets_over, kept_prompt, scorer_head_scores, simulate_decoding
 from conftest import random_prompt, tiny_model
 from masked_reference import module_scaling
 from test_methods import held_positions, reference_keys
@@ -103,3 +103,100 @@ def test_a_config_chooses_the_scorer_and_the_rows_record_it():
     assert "scorer" not in plain["policy_params"]
     with pytest.raises(ConfigError, match="AdaKV.window is a setting of the SnapKV score, unused with scorer=knorm"):
         spec_for("method=adakv", "method.scorer=knorm", "method.window=8", "budget=tokens_4096")
+    spec = spec_for("method=decoding_snapkv", "method.scorer={name: knorm, window: 8}", "method.window=16",
+                    "method.interval=128", "budget=tokens_4096")
+    assert spec.policy.scoring == ec.KNorm(capacity=4096, window=8) and spec.policy.query_window() == 16
+    params = spec.flat_config()["policy_params"]
+    assert '"scorer": {"name": "knorm", "sink": 0, "window": 8}' in params and '"window": 16' in params
+    assert "kernel_size" not in params and "pooling" not in params
+    assert "scorer" not in spec_for("method=decoding_snapkv", "budget=tokens_4096").flat_config()["policy_params"]
+    with pytest.raises(ConfigError, match="DecodingSnapKV.scorer cannot be observed_attention: its score sums"):
+        spec_for("method=decoding_snapkv", "method.scorer=observed_attention", "budget=tokens_4096")
+
+
+# -- decoding-time re-application over a scorer (kvpress' DecodingPress(base_press=KnormPress())) -----------------
+@pytest.mark.parametrize("scorer", ["knorm", {"name": "knorm", "sink": 2, "window": 3}])
+def test_decoding_reapplication_over_a_scorer_follows_the_definition_at_every_step(llama, scorer):
+    """Every ``interval`` steps each head keeps the scorer's forced tokens and its best others (KNorm: the smallest
+    key norms) up to capacity - interval, by the plain definition replayed step by step; logits as the reference's."""
+    policy = ec.DecodingSnapKV(capacity=40, window=4, interval=8, scorer=scorer)
+    prompt = random_prompt(30, seed=4)
+    # Distinct tokens fed in (not this random model's generations, which repeat): RoPE keeps a key's norm, so a
+    # repeated token ties with itself up to rounding, and KNorm's ranking would then hang on the last bit.
+    tokens = torch.randperm(llama.config.vocab_size, generator=torch.Generator().manual_seed(9))[:61].tolist()
+    settings = policy.scorer
+    prefill_kept = kept_prompt(llama, ec.KNorm(capacity=policy.prompt_capacity()), prompt)
+    if settings["sink"] or settings["window"]:  # the forced prompt tokens, then the smallest norms among the others
+        run = full_run(llama, prompt)
+        prefill_kept = {layer: [set(range(settings["sink"])) | set(range(30 - settings["window"], 30)) | set(sorted(
+            (j for j in range(settings["sink"], 30 - settings["window"])),
+            key=lambda j: (float(r["key"][h][j].norm()), j))[: policy.prompt_capacity() - settings["sink"]
+                                                             - settings["window"]])
+            for h in range(r["key"].shape[0])] for layer, r in run.items()}
+    reference_logits, history = simulate_decoding(llama, policy, prompt, tokens[:-1], prefill_kept)
+    session = ec.CompressionSession(llama, policy)
+    session.prefill(prompt)
+    logits = []
+    for step, token in enumerate(tokens[:-1]):
+        logits.append(session.step(torch.tensor([[token]]))[0, -1])
+        for index, layer in enumerate(session.cache.layers):
+            heads = layer.heads
+            assert int(heads.valid.sum(dim=-1).max()) <= policy.capacity
+            held = [set(heads.positions[0, h][heads.valid[0, h]].tolist()) for h in range(heads.valid.shape[1])]
+            assert held == history[step][index], f"step {step} layer {index}"
+    torch.testing.assert_close(torch.stack(logits), reference_logits, atol=2e-4, rtol=1e-4)
+    # Re-applications happened (the cache went back to capacity - interval) and kept different tokens per head.
+    assert {len(h) for heads in history[7].values() for h in heads} == {policy.capacity - policy.interval}
+    assert len({frozenset(h) for heads in history[-1].values() for h in heads}) > 1
+    # The scorer decided: SnapKV's own re-application keeps other tokens.
+    snap = ec.CompressionSession(llama, ec.DecodingSnapKV(capacity=40, window=4, interval=8))
+    snap.prefill(prompt)
+    for token in tokens[:-1]:
+        snap.step(torch.tensor([[token]]))
+    layer = snap.cache.layers[0].heads
+    assert [set(layer.positions[0, h][layer.valid[0, h]].tolist()) for h in range(2)] != history[-1][0]
+
+
+def test_the_engine_reapplies_a_scorer_as_running_alone(llama):
+    policy = ec.DecodingSnapKV(capacity=48, window=4, interval=8, scorer="knorm")
+    requests = [ec.Request(random_prompt(n, seed=n)[0], max_new_tokens=m, seed=i)
+                for i, (n, m) in enumerate([(30, 40), (70, 25), (12, 33), (55, 9)])]
+    completions = ec.Engine(llama, policy, slots=2, sync_every=3).run(requests)
+    for request, completion in zip(requests, completions):
+        alone = ec.generate(llama, request.input_ids[None], policy, max_new_tokens=request.max_new_tokens,
+                            return_logits=False)
+        assert completion.tokens == alone.sequences[0, request.input_ids.numel():].tolist()
+        assert completion.stats["peak_cache_tokens"] == alone.stats[0]["peak_cache_tokens"] <= 48
+
+
+def test_decoding_reapplication_refuses_what_it_cannot_score_with():
+    with pytest.raises(ValueError, match="cannot be h2o: its score sums the attention of every query"):
+        ec.DecodingSnapKV(capacity=1024, interval=128, scorer="h2o")
+    with pytest.raises(ValueError, match=r"window \(8: the recent queries kept for the scorer\) must be >= the 16"):
+        ec.DecodingSnapKV(capacity=1024, interval=128, window=8, scorer={"name": "snapkv", "window": 16})
+    with pytest.raises(ValueError, match="kernel_size is a setting of the SnapKV score, unused with scorer=knorm"):
+        ec.DecodingSnapKV(capacity=1024, interval=128, kernel_size=3, scorer="knorm")
+    with pytest.raises(ValueError, match="cannot be decoding_snapkv: it takes a scorer itself"):
+        ec.AdaKV(capacity=64, scorer="decoding_snapkv")
+
+
+@pytest.mark.parametrize("name", [n for n in __import__("evalkit.compression.scorer", fromlist=["scorers"]).scorers()
+                                  if not ec.POLICIES[n].sums_attention])
+def test_every_scorer_can_be_reapplied_while_decoding(llama, name):
+    """Each scorer a wrapper can take (but the attention-sum ones) re-applied every 10 steps: the cache falls back to
+    capacity - interval per head at each re-application, never exceeds the capacity, and the engine gives the tokens
+    of running alone."""
+    settings = {"name": name, **({"window": 4, "kernel_size": 3} if name in ("snapkv", "snapstream") else {})}
+    policy = ec.DecodingSnapKV(capacity=42, window=8, interval=10, scorer=settings)
+    prompt = random_prompt(50, seed=2)
+    session = ec.CompressionSession(llama, policy)
+    session.prefill(prompt)
+    tokens = torch.randperm(llama.config.vocab_size, generator=torch.Generator().manual_seed(1))[:24].tolist()
+    for step, token in enumerate(tokens, start=1):
+        session.step(torch.tensor([[token]]))
+        held = {int(n) for layer in session.cache.layers for n in layer.heads.valid[0].sum(dim=-1)}
+        assert held == {32 + step % 10}, (step, held)
+    request = ec.Request(prompt[0], max_new_tokens=20)
+    engine = ec.Engine(llama, policy, slots=2).run([request, ec.Request(prompt[0, :20], max_new_tokens=30)])
+    alone = ec.generate(llama, prompt, policy, max_new_tokens=20, return_logits=False)
+    assert engine[0].tokens == alone.sequences[0, 50:].tolist()

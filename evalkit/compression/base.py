@@ -90,6 +90,11 @@ class DecodeView:
     steps: torch.Tensor  # [B] long: decode steps each row has taken, this one included
     capacity: int
     sinks: torch.Tensor | None = None  # [Hq] learned attention-sink logits of the layer (gpt-oss), else None
+    # What a prefill scorer re-applied while decoding reads (DecodingSnapKV's ``scorer``): the layer's values
+    # ``[B, Hkv, S, D]``, its attention module and the model's rotary embedding.
+    values: torch.Tensor | None = None
+    module: torch.nn.Module | None = None
+    rotary: object = None
 
 
 @dataclasses.dataclass

@@ -110,7 +110,8 @@ class HeadState:
 
 
 def evict_after_step(heads, policy: Policy, query: torch.Tensor, keys: torch.Tensor, position: torch.Tensor,
-                     steps: torch.Tensor, scaling: float, sinks: torch.Tensor | None = None) -> None:
+                     steps: torch.Tensor, scaling: float, sinks: torch.Tensor | None = None, *,
+                     values: torch.Tensor | None = None, module=None, rotary=None) -> None:
     """After one decode step's attention (one token per row), hand it to a decode-time eviction policy and free, in
     place, the slots it names. ``heads`` holds ``valid``, ``positions``, ``scores`` and ``queries`` per KV head (a
     :class:`HeadState`, or the engine's slot layer): every valid slot is visible to this step's token."""
@@ -119,7 +120,8 @@ def evict_after_step(heads, policy: Policy, query: torch.Tensor, keys: torch.Ten
     view = DecodeView(
         probabilities=probabilities.reshape(batch, kv_heads * groups, slots), valid=heads.valid,
         positions=heads.positions, position=position, scores=heads.scores, query_buffer=heads.queries, keys=keys,
-        scaling=scaling, steps=steps, capacity=policy.cache_capacity(), sinks=sinks,
+        scaling=scaling, steps=steps, capacity=policy.cache_capacity(), sinks=sinks, values=values, module=module,
+        rotary=rotary,
     )
     freed = policy.decode_evict(view)
     if freed is not None:
@@ -393,7 +395,8 @@ class CompressedCache(Cache):
         return mask if dtype is None else additive_mask(mask, dtype)
 
     def after_decode_attention(self, layer_idx: int, query: torch.Tensor, keys: torch.Tensor, scaling: float,
-                               sinks: torch.Tensor | None = None) -> None:
+                               sinks: torch.Tensor | None = None, values: torch.Tensor | None = None,
+                               module=None) -> None:
         """Hand this step's attention to a decode-time eviction policy and free the slots it names."""
         layer, policy = self.layers[layer_idx], self.layer_policies[layer_idx]
         heads = layer.heads
@@ -403,7 +406,7 @@ class CompressedCache(Cache):
         if policy.evicts_while_decoding:
             position = on_device(self.pending_positions[:, -1], keys)
             evict_after_step(heads, policy, query, keys, position, torch.full_like(position, self.decode_steps), scaling,
-                             sinks)
+                             sinks, values=values, module=module, rotary=self.rotary)
 
     def realized(self, row: int) -> dict:
         """What row ``row`` held: prompt tokens kept per layer (mean over its KV heads), per layer and head, the most
@@ -522,7 +525,7 @@ def _hooked_attention(delegate, eager: bool):
         if cache is not None and cache.prefill_plan is not None:
             cache.prefill_attention(module.layer_idx, module, query, key, value, scaling)
         elif per_head:
-            cache.after_decode_attention(module.layer_idx, query, key, scaling, attention_sinks(module))
+            cache.after_decode_attention(module.layer_idx, query, key, scaling, attention_sinks(module), value, module)
         return output
 
     return attention

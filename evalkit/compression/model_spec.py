@@ -18,6 +18,11 @@ def layer_kinds(config) -> list[str]:
     return list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
 
 
+def decoder_of(model):
+    """The model's decoder stack (which holds its rotary embedding), or None."""
+    return model.get_decoder() if hasattr(model, "get_decoder") else None
+
+
 def attention_sinks(module) -> torch.Tensor | None:
     """The learned attention-sink logits of an attention module (gpt-oss: one per query head), else None."""
     return getattr(module, "sinks", None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 
@@ -54,6 +55,8 @@ def _refusal(cls: type[Policy]) -> str | None:
     """Why a wrapper cannot take its ranking from method ``cls`` (None: it can)."""
     if issubclass(cls, OverScorer):
         return "it allocates budgets itself"
+    if issubclass(cls, WithScorer):
+        return "it takes a scorer itself"
     if not cls.needs_scores or cls.score is Policy.score:
         return "it does not score tokens"
     return None
@@ -65,22 +68,21 @@ def scorers() -> list[str]:
 
 
 @dataclasses.dataclass
-class OverScorer(SnapKV):
-    """Fields shared by the wrappers: SnapKV's own fields (the default scorer, as the reference methods have it) and
-    ``scorer``: another score-based method instead. With a scorer, SnapKV's fields must stay at the method's
-    defaults (they would silently do nothing): the scorer's own settings go in ``scorer``."""
+class WithScorer:
+    """The ``scorer`` field of a method built on SnapKV's score (its class comes before a SnapKVScoring base): None
+    keeps SnapKV's score with the method's own fields; another score-based method ranks instead. With a scorer,
+    SnapKV's fields must stay at the method's defaults (they would silently do nothing), except those the method
+    itself uses (``scorer_free_fields``): the scorer's own settings go in ``scorer``."""
 
     scorer: str | dict | Policy | None = dataclasses.field(default=None, metadata={"recorded_when_set": True})
+    scorer_free_fields: ClassVar[tuple[str, ...]] = ("capacity",)
 
-    def __post_init__(self) -> None:
-        if self.scorer is None:
-            super().__post_init__()
-            return
+    def _take_scorer(self) -> None:
         require_int(self, "capacity", 1)
         owner = type(self).__name__
         for field in dataclasses.fields(SnapKVScoring):
             default = next(f.default for f in dataclasses.fields(self) if f.name == field.name)
-            if field.name != "capacity" and getattr(self, field.name) != default:
+            if field.name not in self.scorer_free_fields and getattr(self, field.name) != default:
                 raise ValueError(f"{owner}.{field.name} is a setting of the SnapKV score, unused with "
                                  f"scorer={_scorer_name(self.scorer)}: give the scorer's own settings in "
                                  f"{owner}.scorer (e.g. {{'name': 'knorm', 'window': 4}})")
@@ -96,11 +98,11 @@ class OverScorer(SnapKV):
     # What the scorer decides: its score, the tokens it forces, the queries it reads, the latent support it claims.
     @property
     def sums_attention(self) -> bool:
-        return False if self.scorer is None else self.scoring.sums_attention
+        return super().sums_attention if self.scorer is None else self.scoring.sums_attention
 
     @property
     def supports_latent(self) -> bool:
-        return True if self.scorer is None else self.scoring.supports_latent
+        return super().supports_latent if self.scorer is None else self.scoring.supports_latent
 
     @property
     def latent_refusal(self) -> str:
@@ -110,19 +112,32 @@ class OverScorer(SnapKV):
     def unused_fields(self) -> tuple[str, ...]:
         if self.scorer is None:
             return ()
-        return tuple(field.name for field in dataclasses.fields(SnapKVScoring) if field.name != "capacity")
+        return tuple(field.name for field in dataclasses.fields(SnapKVScoring)
+                     if field.name not in self.scorer_free_fields)
 
     def kept_sink(self) -> int:
-        return 0 if self.scorer is None else self.scoring.kept_sink()
+        return super().kept_sink() if self.scorer is None else self.scoring.kept_sink()
 
     def kept_window(self) -> int:
-        return self.window if self.scorer is None else self.scoring.kept_window()
+        return super().kept_window() if self.scorer is None else self.scoring.kept_window()
 
     def prefill_queries(self) -> int | None:
-        return self.window if self.scorer is None else self.scoring.prefill_queries()
+        return super().prefill_queries() if self.scorer is None else self.scoring.prefill_queries()
 
     def score(self, view: PrefillView) -> torch.Tensor:
         return super().score(view) if self.scorer is None else self.scoring.score(view)
+
+
+@dataclasses.dataclass
+class OverScorer(WithScorer, SnapKV):
+    """Fields shared by the allocation wrappers (AdaKV, PyramidKV): SnapKV's own fields (the default scorer, as the
+    reference methods have it) and ``scorer``."""
+
+    def __post_init__(self) -> None:
+        if self.scorer is None:
+            super().__post_init__()
+        else:
+            self._take_scorer()
 
 
 def _scorer_name(scorer) -> str:

@@ -18,7 +18,7 @@ def chunk_mode_refusal(policy: Policy, chunk_mode: str) -> str | None:
                 "per layer or head (use prefill_chunk_mode=exact)")
     return None
 from .cache import CompressedCache, RowState, additive_mask, hooked
-from .model_spec import check_hookable
+from .model_spec import check_hookable, decoder_of
 from .sliding_window import layer_policies
 
 
@@ -44,7 +44,7 @@ class CompressionSession:
             raise ValueError(f"{policy.name} cannot score a latent (MLA) cache: {policy.latent_refusal}")
         self.model = model
         self.policy = policy
-        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        decoder = decoder_of(model)
         self.cache = CompressedCache(policy, model.config.num_hidden_layers, getattr(decoder, "rotary_emb", None),
                                      layer_policies(model, policy))
         self.head_layouts = any(p.per_head for p in self.cache.layer_policies)

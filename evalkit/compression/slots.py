@@ -38,7 +38,7 @@ def decode_attention(module, query, key, value, attention_mask, dropout: float =
                                                                   scale=scaling)
         output = output.reshape(batch, -1, 1, value.shape[-1]).transpose(1, 2).contiguous()
     if layer is not None and layer.valid is not None:
-        layer.after_attention(query, key, scaling, sinks)
+        layer.after_attention(query, key, scaling, sinks, value, module)
     return output, None
 
 
@@ -62,6 +62,7 @@ class SlotLayer(DynamicLayer):
         # Per-head layouts: validity, text positions, running scores, recent queries and peak per slot and KV head.
         self.valid, self.positions = heads.get("valid"), heads.get("positions")
         self.scores, self.queries, self.peak = heads.get("scores"), heads.get("queries"), heads.get("peak")
+        self.rotary = None  # the model's rotary embedding (set by SlotCache): scorers re-applied while decoding
 
     def update(self, key_states, value_states, *args, **kwargs):
         # keys[row, :, write_slot[row]] = the row's new key: an in-place index_put_, which a compiled graph keeps
@@ -77,13 +78,15 @@ class SlotLayer(DynamicLayer):
             self.peak.copy_(raised_peak(self.peak, self.valid.sum(dim=-1), step["active"]))
         return self.keys, self.values
 
-    def after_attention(self, query: torch.Tensor, keys: torch.Tensor, scaling: float, sinks=None) -> None:
+    def after_attention(self, query: torch.Tensor, keys: torch.Tensor, scaling: float, sinks=None, values=None,
+                        module=None) -> None:
         """Hand this step's attention to a decode-time eviction policy and free the slots it names (in place)."""
         policy = self.policy
         if self.queries is not None:
             self.queries.copy_(torch.cat([self.queries[:, :, 1:], query], dim=2))
         if policy.evicts_while_decoding:
-            evict_after_step(self, policy, query, keys, self.step["position"], self.step["steps"], scaling, sinks)
+            evict_after_step(self, policy, query, keys, self.step["position"], self.step["steps"], scaling, sinks,
+                             values=values, module=module, rotary=self.rotary)
 
     def get_seq_length(self) -> int:
         return self.keys.shape[-2]
@@ -95,7 +98,7 @@ class SlotCache(Cache):
     model spread over devices gets a mirror of them on every other layer device, refreshed by :meth:`sync` once per
     step: the caches never move."""
 
-    def __init__(self, layers: list[tuple], policies: list[Policy], step: dict[str, torch.Tensor]):
+    def __init__(self, layers: list[tuple], policies: list[Policy], step: dict[str, torch.Tensor], rotary=None):
         super().__init__(layers=[])
         device = step["write_slot"].device
         step = {**step, "rows": torch.arange(len(step["write_slot"]), device=device)[:, None],  # [slots, 1]
@@ -107,6 +110,8 @@ class SlotCache(Cache):
         self.step = step
         self.layers = [SlotLayer(self.mirrors[keys.device], keys, values, heads, policy)
                        for (keys, values, heads), policy in zip(layers, policies)]
+        for layer in self.layers:
+            layer.rotary = rotary
 
     def sync(self) -> None:
         """Copy this step's bookkeeping to the other layer devices (nothing to do on one device)."""

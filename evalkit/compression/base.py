@@ -388,12 +388,13 @@ def causal_attention_sums(view: PrefillView, last: int | None = None, budget: in
     if last is None and view.prior_sums is not None:
         total[..., : view.prior_sums.shape[-1]] += view.prior_sums
     keys = view.keys.float()  # [B, Hkv, n, D]: a block's keys are its first rows, no copy
+    buffer = _block_buffer(batch * q_heads, n, budget, view.query.device) if not padded and sinks is None else None
     begin = start
     while begin < n:
         end = _block_end(begin, n, budget, batch * q_heads)
         queries = view.query[:, :, begin - offset : end - offset]
-        if not padded and sinks is None:  # the common case: one product, the diagonal masked, a softmax
-            total[..., :end] += _unpadded_block(queries, keys, begin, end, view.scaling).sum(dim=-2)
+        if buffer is not None:  # the common case: one product, the diagonal masked, a softmax
+            total[..., :end] += _unpadded_block(queries, keys, begin, end, view.scaling, buffer).sum(dim=-2)
             begin = end
             continue
         if padded:
@@ -425,10 +426,11 @@ def attention_with_sums(query: torch.Tensor, keys: torch.Tensor, values: torch.T
     total = torch.zeros(batch, kv_heads, groups, n, dtype=torch.float32, device=query.device)
     output = torch.empty(batch, kv_heads, groups, n, values.shape[-1], dtype=values.dtype, device=query.device)
     keys32 = keys.float()
+    buffer = _block_buffer(batch * q_heads, n, budget, query.device)
     begin = 0
     while begin < n:
         end = _block_end(begin, n, budget, batch * q_heads)
-        probabilities = _unpadded_block(query[:, :, begin:end], keys32, begin, end, scaling)
+        probabilities = _unpadded_block(query[:, :, begin:end], keys32, begin, end, scaling, buffer)
         total[..., :end] += probabilities.sum(dim=-2)
         weights = probabilities.view(batch, kv_heads, groups * (end - begin), end).to(values.dtype)
         output[:, :, :, begin:end] = torch.matmul(weights, values[:, :, :end]).view(batch, kv_heads, groups,
@@ -444,18 +446,30 @@ def _block_end(begin: int, n: int, budget: int, rows_per_query: int) -> int:
     return min(n, begin + max(1, (math.isqrt(begin * begin + 4 * cells) - begin) // 2))
 
 
-def _unpadded_block(queries: torch.Tensor, keys32: torch.Tensor, begin: int, end: int, scaling: float) -> torch.Tensor:
+def _block_buffer(rows_per_query: int, n: int, budget: int, device: torch.device) -> torch.Tensor:
+    """One fp32 buffer that every block of :func:`_block_end` fits in (a one-query block may pass the budget), reused
+    block after block: a fresh n-sized tensor per block costs more in allocation (page faults on a CPU) than the
+    arithmetic it holds."""
+    return torch.empty(max(budget, rows_per_query * n), dtype=torch.float32, device=device)
+
+
+def _unpadded_block(queries: torch.Tensor, keys32: torch.Tensor, begin: int, end: int, scaling: float,
+                    buffer: torch.Tensor) -> torch.Tensor:
     """fp32 causal attention probabilities ``[B, Hkv, G, end - begin, end]`` of an unpadded prompt's queries
     ``begin..end-1`` (``queries`` ``[B, Hq, r, D]``) over its first ``end`` keys (``keys32``, fp32, ``[B, Hkv, n, D]``):
     the query heads of a KV group stacked as rows of one product (the keys are never expanded per head), the mask on
-    the block's own square only, in place."""
+    the block's own square only; product, scaling and mask in ``buffer`` (:func:`_block_buffer`), and on a CPU the
+    softmax too, in place: the result is then a view of it (valid until the next block)."""
     batch, q_heads, rows, _ = queries.shape
     kv_heads = keys32.shape[1]
     block = queries.float().reshape(batch, kv_heads, q_heads // kv_heads * rows, -1)
-    logits = torch.matmul(block, keys32[:, :, :end].transpose(-1, -2)).mul_(scaling)
+    logits = buffer[: batch * q_heads * rows * end].view(batch, kv_heads, q_heads // kv_heads * rows, end)
+    torch.matmul(block, keys32[:, :, :end].transpose(-1, -2), out=logits).mul_(scaling)
     logits = logits.view(batch, kv_heads, q_heads // kv_heads, rows, end)
     logits[..., begin:end].masked_fill_(_block_hidden(begin, end, queries.device), float("-inf"))
-    return logits.softmax(dim=-1)
+    if logits.device.type != "cpu":  # a caching allocator makes a new tensor cheap; in place is checked on CPU only
+        return logits.softmax(dim=-1)
+    return torch.softmax(logits, dim=-1, out=logits)
 
 
 def _block_hidden(begin: int, end: int, device: torch.device) -> torch.Tensor:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -25,8 +24,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import build_model, model_arguments, model_dtype, sync  # noqa: E402
-from bench_long_prefill import rss_bytes  # noqa: E402
+from bench_engine import build_model, model_arguments, model_dtype  # noqa: E402
+from bench_long_prefill import memory_mark, peak_since  # noqa: E402
 
 import evalkit.compression as ec  # noqa: E402
 from evalkit.compression.cache import CompressedCache  # noqa: E402
@@ -41,23 +40,13 @@ def cell(args) -> dict:
     policy = ec.policy_from_budget(args.method, args.budget, args.length)
     engine = ec.Engine(model, policy, slots=args.slots, slot_tokens=policy.cache_capacity() or None)
     engine.run([ec.Request(ids[:512], max_new_tokens=2)])  # warm-up, and the engine's cache allocated
-    sync(args.device)
-    if args.device == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        base = rss_bytes()
+    mark = memory_mark(args.device)
     done = engine.run([ec.Request(ids, max_new_tokens=args.new)])[0]
-    sync(args.device)
-    if args.device == "cuda":
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    peak = peak_since(args.device, mark)
     layer = engine.cache.layers[0]
     kept = done.stats["kept_prompt_tokens"]
     per_token = (layer.keys[0, :, 0].numel() + layer.values[0, :, 0].numel()) * layer.keys.element_size()
-    return dict(length=args.length, mode=args.mode, status="ok", peak_bytes=max(peak, 0),
+    return dict(length=args.length, mode=args.mode, status="ok", peak_bytes=peak,
                 kept_bytes=sum(kept) * per_token, prefill_s=done.stats["prefill_seconds"], tokens=done.tokens)
 
 

@@ -37,6 +37,24 @@ def rss_bytes() -> int:
         return int(statm.read().split()[1]) * resource.getpagesize()
 
 
+def memory_mark(device: str) -> int:
+    """Start a peak-memory measurement: what is held now (the CUDA peak counter reset)."""
+    sync(device)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    return rss_bytes()
+
+
+def peak_since(device: str, mark: int) -> int:
+    """The peak memory above ``mark`` since :func:`memory_mark` (CUDA: max allocated; CPU: the RSS high-water mark)."""
+    sync(device)
+    if device == "cuda":
+        return max(torch.cuda.max_memory_allocated() - mark, 0)
+    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - mark, 0)
+
+
 def cell(args) -> dict:
     """One measurement, in this process."""
     model = build_model(args.shape, args.device, model_dtype(args))
@@ -45,26 +63,17 @@ def cell(args) -> dict:
     warm_policy = ec.policy_from_budget(args.method, None if args.method == "full" else args.budget, 1024)
     ec.generate(model, ids[:, :1024], warm_policy, max_new_tokens=2, return_logits=False)
     policy = ec.policy_from_budget(args.method, None if args.method == "full" else args.budget, args.length)
-    sync(args.device)
-    if args.device == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        base = rss_bytes()
+    mark = memory_mark(args.device)
     start = time.perf_counter()
     out = ec.generate(model, ids, policy, max_new_tokens=args.new, return_logits=False,
                       prefill_chunk=args.chunk or None, prefill_chunk_mode=args.chunk_mode)
     sync(args.device)
     seconds = time.perf_counter() - start
-    if args.device == "cuda":
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    peak = peak_since(args.device, mark)
     stats = out.stats[0]
     kept = stats["kept_prompt_tokens"]
     return dict(method=args.method, length=args.length, chunk=args.chunk, status="ok", prefill_s=stats["prefill_seconds"],
-                total_s=seconds, peak_bytes=max(peak, 0), kept=sum(kept) / len(kept),
+                total_s=seconds, peak_bytes=peak, kept=sum(kept) / len(kept),
                 tokens=out.sequences[0, args.length:].tolist())
 
 

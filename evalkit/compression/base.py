@@ -375,8 +375,7 @@ def causal_attention_sums(view: PrefillView, last: int | None = None, budget: in
     batch, q_heads, count, _ = view.query.shape
     n = view.keys.shape[2]
     offset = n - count  # key position of the first query held
-    if budget is None:
-        budget = 1 << (26 if view.query.device.type == "cuda" else 22)
+    budget = _default_budget(view.query.device) if budget is None else budget
     start = offset if last is None else n - last
     if start < offset:
         raise ValueError(f"attention sums over the last {last} queries, but the view holds only {count}")
@@ -421,8 +420,7 @@ def attention_with_sums(query: torch.Tensor, keys: torch.Tensor, values: torch.T
     batch, q_heads, n, _ = query.shape
     kv_heads = keys.shape[1]
     groups = q_heads // kv_heads
-    if budget is None:
-        budget = 1 << (26 if query.device.type == "cuda" else 22)
+    budget = _default_budget(query.device) if budget is None else budget
     total = torch.zeros(batch, kv_heads, groups, n, dtype=torch.float32, device=query.device)
     output = torch.empty(batch, kv_heads, groups, n, values.shape[-1], dtype=values.dtype, device=query.device)
     keys32 = keys.float()
@@ -437,6 +435,11 @@ def attention_with_sums(query: torch.Tensor, keys: torch.Tensor, values: torch.T
                                                                                      end - begin, -1)
         begin = end
     return output.view(batch, q_heads, n, -1).transpose(1, 2).contiguous(), total
+
+
+def _default_budget(device: torch.device) -> int:
+    """Floats of probabilities per block: 16 MiB on a CPU, 256 MiB on a GPU (fewer, larger blocks keep it busy)."""
+    return 1 << (26 if device.type == "cuda" else 22)
 
 
 def _block_end(begin: int, n: int, budget: int, rows_per_query: int) -> int:

@@ -194,14 +194,12 @@ class CompressedLayer(DynamicLayer):
     def _update_heads(self, key_states, value_states):
         """Write each head's new tokens into its first free slots (growing the slot axis if a head has none)."""
         heads, count = self.heads, key_states.shape[2]
-        free = ~heads.valid
-        shortfall = count - int(free.sum(dim=-1).min())
+        shortfall = count - int((~heads.valid).sum(dim=-1).min())
         if shortfall > 0:
             policy = self.cache.layer_policies[self.index]
             if policy.cache_capacity() is not None:
                 raise RuntimeError(f"{policy.name} left no free slot in a full cache; its eviction is broken")
             self.pad_slots(self.keys.shape[-2] + max(shortfall, 64))
-            free = ~heads.valid
         slots = first_free(heads.valid, count)  # [B, Hkv, count], in slot order
         self._write(slots, key_states, value_states)
         batch, kv_heads, _ = slots.shape

@@ -119,9 +119,7 @@ class DecodingSnapKV(WithScorer, SnapKVScoring):
         ordered = attention.gather(-1, grouped_order).masked_fill(~prefix[:, :, None], 0.0)
         scores = reduce_groups(pool_scores(ordered, self.kernel_size, self.pooling), self.gqa_reduce)
         scores = scores.masked_fill(in_order(valid & in_window), float("inf")).masked_fill(~in_order(valid), float("-inf"))
-        ranked = scores.sort(dim=-1, descending=True, stable=True).indices
-        dropped = torch.zeros_like(valid).scatter_(-1, ranked[..., target:], True)  # in text order
-        return valid & torch.zeros_like(valid).scatter_(-1, order, dropped) & due[:, None, None]
+        return _dropped(scores, order, valid, target) & due[:, None, None]
 
     def _rescore(self, view: DecodeView) -> torch.Tensor:
         """The slots the scorer drops when it ranks the cache as a prompt (see the class): each head's tokens in
@@ -150,6 +148,12 @@ class DecodingSnapKV(WithScorer, SnapKVScoring):
         forced = (index >= slots - min(scoring.kept_window(), slots)) | (
             (index >= first) & (index < first + scoring.kept_sink()))
         scores = raw.masked_fill(forced[:, None], float("inf")).masked_fill(~held, float("-inf"))
-        ranked = scores.sort(dim=-1, descending=True, stable=True).indices
-        dropped = torch.zeros_like(valid).scatter_(-1, ranked[..., target:], True)  # in text order
-        return valid & torch.zeros_like(valid).scatter_(-1, order, dropped)
+        return _dropped(scores, order, valid, target)
+
+
+def _dropped(scores: torch.Tensor, order: torch.Tensor, valid: torch.Tensor, target: int) -> torch.Tensor:
+    """The valid slots beyond the ``target`` best ``scores`` (given in the slot ``order`` of text order; ties to the
+    earlier token), as a mask over the slots."""
+    ranked = scores.sort(dim=-1, descending=True, stable=True).indices
+    dropped = torch.zeros_like(valid).scatter_(-1, ranked[..., target:], True)  # in text order
+    return valid & torch.zeros_like(valid).scatter_(-1, order, dropped)

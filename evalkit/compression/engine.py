@@ -31,7 +31,7 @@ from .base import Policy
 from .cache import additive_mask, attention_implementation
 from .generate import prefill
 from .layout import ring_slot
-from .model_spec import cache_geometry, check_hookable, decoder_of, layer_devices
+from .model_spec import cache_geometry, check_hookable, layer_devices, rotary_embedding
 from .sampling import choose_tokens
 from .sliding_window import SlidingWindow, layer_policies
 from .slots import ACTIVE_SLOTS, DECODE_ATTENTION, OUT_RING, Resident, SlotCache
@@ -186,7 +186,7 @@ class Engine:
         self.active = torch.zeros(self.slots, dtype=torch.bool, device=device)
         self.cache = SlotCache(layers, self.layer_policies, {"write_slot": self.write_slot, "position": self.seq_len,
                                                               "steps": self.generated, "active": self.active},
-                               getattr(decoder_of(self.model), "rotary_emb", None))
+                               rotary_embedding(self.model))
         self.slot_tokens = size
         if self.compile:
             state = [t for keys, values, heads in layers for t in (keys, values, *(heads or {}).values())]

@@ -18,9 +18,10 @@ def layer_kinds(config) -> list[str]:
     return list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
 
 
-def decoder_of(model):
-    """The model's decoder stack (which holds its rotary embedding), or None."""
-    return model.get_decoder() if hasattr(model, "get_decoder") else None
+def rotary_embedding(model):
+    """The model's rotary embedding (``rotary(x, position_ids) -> (cos, sin)``, on its decoder stack), or None."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    return getattr(decoder, "rotary_emb", None)
 
 
 def attention_sinks(module) -> torch.Tensor | None:

@@ -18,7 +18,7 @@ def chunk_mode_refusal(policy: Policy, chunk_mode: str) -> str | None:
                 "per layer or head (use prefill_chunk_mode=exact)")
     return None
 from .cache import CompressedCache, RowState, additive_mask, hooked
-from .model_spec import check_hookable, decoder_of
+from .model_spec import check_hookable, rotary_embedding
 from .sliding_window import layer_policies
 
 
@@ -44,8 +44,7 @@ class CompressionSession:
             raise ValueError(f"{policy.name} cannot score a latent (MLA) cache: {policy.latent_refusal}")
         self.model = model
         self.policy = policy
-        decoder = decoder_of(model)
-        self.cache = CompressedCache(policy, model.config.num_hidden_layers, getattr(decoder, "rotary_emb", None),
+        self.cache = CompressedCache(policy, model.config.num_hidden_layers, rotary_embedding(model),
                                      layer_policies(model, policy))
         self.head_layouts = any(p.per_head for p in self.cache.layer_policies)
         self.evicting = any(p.evicts_while_decoding for p in self.cache.layer_policies)

@@ -53,7 +53,8 @@ AttentionMaskInterface.register(DECODE_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["
 class SlotLayer(DynamicLayer):
     is_compileable = True
 
-    def __init__(self, step: dict, keys: torch.Tensor, values: torch.Tensor, heads: dict | None, policy: Policy):
+    def __init__(self, step: dict, keys: torch.Tensor, values: torch.Tensor, heads: dict | None, policy: Policy,
+                 rotary=None):
         super().__init__()
         # ``step``: this step's per-slot bookkeeping on this layer's device (see SlotCache).
         self.step, self.keys, self.values, self.policy = step, keys, values, policy
@@ -62,7 +63,7 @@ class SlotLayer(DynamicLayer):
         # Per-head layouts: validity, text positions, running scores, recent queries and peak per slot and KV head.
         self.valid, self.positions = heads.get("valid"), heads.get("positions")
         self.scores, self.queries, self.peak = heads.get("scores"), heads.get("queries"), heads.get("peak")
-        self.rotary = None  # the model's rotary embedding (set by SlotCache): scorers re-applied while decoding
+        self.rotary = rotary  # the model's rotary embedding: scorers re-applied while decoding read it
 
     def update(self, key_states, value_states, *args, **kwargs):
         # keys[row, :, write_slot[row]] = the row's new key: an in-place index_put_, which a compiled graph keeps
@@ -108,10 +109,8 @@ class SlotCache(Cache):
             if keys.device not in self.mirrors:
                 self.mirrors[keys.device] = {name: tensor.to(keys.device) for name, tensor in step.items()}
         self.step = step
-        self.layers = [SlotLayer(self.mirrors[keys.device], keys, values, heads, policy)
+        self.layers = [SlotLayer(self.mirrors[keys.device], keys, values, heads, policy, rotary)
                        for (keys, values, heads), policy in zip(layers, policies)]
-        for layer in self.layers:
-            layer.rotary = rotary
 
     def sync(self) -> None:
         """Copy this step's bookkeeping to the other layer devices (nothing to do on one device)."""

@@ -409,6 +409,25 @@ def test_one_pass_attention_and_sums_equal_sdpa_and_the_blockwise_sums(length):
         assert torch.equal(sums, causal_attention_sums(view, budget=budget))
 
 
+@pytest.mark.parametrize("scaling", [0.125, 0.35])
+def test_a_block_scales_its_logits_as_the_plain_product_does(scaling):
+    """A block's probabilities are those of ``(q k^T) * scaling`` to the bit: a power-of-two scaling is applied to
+    the queries before the product (exact), any other after it; the buffer holds no more than the queries asked."""
+    from evalkit.compression.base import _block_buffer, _unpadded_block
+
+    generator = torch.Generator().manual_seed(7)
+    batch, q_heads, kv_heads, n, dim, begin = 1, 4, 2, 50, 64, 30
+    query, keys = torch.randn(batch, q_heads, n, dim, generator=generator), torch.randn(batch, kv_heads, n, dim,
+                                                                                     generator=generator)
+    buffer = _block_buffer(batch * q_heads, n - begin, n, 1 << 24, query.device)
+    assert buffer.numel() == batch * q_heads * (n - begin) * n  # not the whole budget for a few queries
+    block = _unpadded_block(query[:, :, begin:], keys, begin, n, scaling, buffer)
+    grouped = query[:, :, begin:].reshape(batch, kv_heads, q_heads // kv_heads * (n - begin), dim)
+    logits = torch.matmul(grouped, keys.transpose(-1, -2)).mul_(scaling).view(block.shape)
+    hidden = torch.arange(n)[None, :] > torch.arange(begin, n)[:, None]
+    assert torch.equal(block, logits.masked_fill(hidden, float("-inf")).softmax(dim=-1))
+
+
 def test_attention_sum_methods_prefill_an_unpadded_prompt_in_one_pass(llama, monkeypatch):
     """H2O's prefill takes the one-pass path in every layer of an unpadded prompt (its kept tokens are checked against
     the plain definition above); a padded batch goes through sdpa and the score's own pass."""

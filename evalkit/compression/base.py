@@ -368,7 +368,7 @@ def causal_attention_sums(view: PrefillView, last: int | None = None, budget: in
     ``n - q .. n - 1``, and ``view.prior_sums`` (the earlier queries' sums, exact chunked prefill) is added when all
     queries are asked for; without it the sums are over the queries the view holds (a chunk compressed as it goes).
 
-    Computed a block of queries at a time, each block's probabilities at most ``budget`` floats (default 16 MiB on
+    Computed a block of queries at a time, each block's probabilities at most ``budget`` floats (default 64 MiB on
     a CPU, 256 MiB on a GPU, where fewer, larger blocks keep the kernels busy): never the n x n matrix. A block of
     queries ``begin..end`` sees only keys ``..end``, so only those are scored (half the work of scoring every key),
     and without padding only the block's own diagonal needs the causal mask."""
@@ -387,7 +387,8 @@ def causal_attention_sums(view: PrefillView, last: int | None = None, budget: in
     if last is None and view.prior_sums is not None:
         total[..., : view.prior_sums.shape[-1]] += view.prior_sums
     keys = view.keys.float()  # [B, Hkv, n, D]: a block's keys are its first rows, no copy
-    buffer = _block_buffer(batch * q_heads, n, budget, view.query.device) if not padded and sinks is None else None
+    unpadded = not padded and sinks is None
+    buffer = _block_buffer(batch * q_heads, n - start, n, budget, view.query.device) if unpadded else None
     begin = start
     while begin < n:
         end = _block_end(begin, n, budget, batch * q_heads)
@@ -424,7 +425,7 @@ def attention_with_sums(query: torch.Tensor, keys: torch.Tensor, values: torch.T
     total = torch.zeros(batch, kv_heads, groups, n, dtype=torch.float32, device=query.device)
     output = torch.empty(batch, kv_heads, groups, n, values.shape[-1], dtype=values.dtype, device=query.device)
     keys32 = keys.float()
-    buffer = _block_buffer(batch * q_heads, n, budget, query.device)
+    buffer = _block_buffer(batch * q_heads, n, n, budget, query.device)
     begin = 0
     while begin < n:
         end = _block_end(begin, n, budget, batch * q_heads)
@@ -438,8 +439,10 @@ def attention_with_sums(query: torch.Tensor, keys: torch.Tensor, values: torch.T
 
 
 def _default_budget(device: torch.device) -> int:
-    """Floats of probabilities per block: 16 MiB on a CPU, 256 MiB on a GPU (fewer, larger blocks keep it busy)."""
-    return 1 << (26 if device.type == "cuda" else 22)
+    """Floats of probabilities per block: 64 MiB on a CPU, 256 MiB on a GPU. Late in a long prompt a block's queries
+    see many keys, so a budget buys few of them: 16 MiB at 32k keys was 16 queries a block, and products that thin
+    ran at two thirds of the speed of 64-query ones."""
+    return 1 << (26 if device.type == "cuda" else 24)
 
 
 def _block_end(begin: int, n: int, budget: int, rows_per_query: int) -> int:
@@ -449,11 +452,12 @@ def _block_end(begin: int, n: int, budget: int, rows_per_query: int) -> int:
     return min(n, begin + max(1, (math.isqrt(begin * begin + 4 * cells) - begin) // 2))
 
 
-def _block_buffer(rows_per_query: int, n: int, budget: int, device: torch.device) -> torch.Tensor:
-    """One fp32 buffer that every block of :func:`_block_end` fits in (a one-query block may pass the budget), reused
-    block after block: a fresh n-sized tensor per block costs more in allocation (page faults on a CPU) than the
-    arithmetic it holds."""
-    return torch.empty(max(budget, rows_per_query * n), dtype=torch.float32, device=device)
+def _block_buffer(rows_per_query: int, count: int, n: int, budget: int, device: torch.device) -> torch.Tensor:
+    """One fp32 buffer that every block of :func:`_block_end` over the last ``count`` of ``n`` queries fits in (a
+    one-query block may pass the budget; a few queries need less), reused block after block: a fresh n-sized tensor
+    per block costs more in allocation (page faults on a CPU) than the arithmetic it holds."""
+    return torch.empty(min(max(budget, rows_per_query * n), rows_per_query * count * n), dtype=torch.float32,
+                       device=device)
 
 
 def _unpadded_block(queries: torch.Tensor, keys32: torch.Tensor, begin: int, end: int, scaling: float,
@@ -467,7 +471,10 @@ def _unpadded_block(queries: torch.Tensor, keys32: torch.Tensor, begin: int, end
     kv_heads = keys32.shape[1]
     block = queries.float().reshape(batch, kv_heads, q_heads // kv_heads * rows, -1)
     logits = buffer[: batch * q_heads * rows * end].view(batch, kv_heads, q_heads // kv_heads * rows, end)
-    torch.matmul(block, keys32[:, :, :end].transpose(-1, -2), out=logits).mul_(scaling)
+    if math.frexp(scaling)[0] == 0.5:  # a power of two (head size 64, 256): scaling the queries first is exact
+        torch.matmul(block * scaling, keys32[:, :, :end].transpose(-1, -2), out=logits)
+    else:  # one pass more over the block, the rounding of every other scaling kept
+        torch.matmul(block, keys32[:, :, :end].transpose(-1, -2), out=logits).mul_(scaling)
     logits = logits.view(batch, kv_heads, q_heads // kv_heads, rows, end)
     logits[..., begin:end].masked_fill_(_block_hidden(begin, end, queries.device), float("-inf"))
     if logits.device.type != "cpu":  # a caching allocator makes a new tensor cheap; in place is checked on CPU only

@@ -35,8 +35,7 @@ def build_scorer(scorer: str | Mapping | Policy, capacity: int, owner: str) -> P
         if name not in REGISTRY:
             raise ValueError(f"{owner}.scorer: unknown method {name!r}; choose one of {scorers()}")
         cls = REGISTRY[name]
-        if _refusal(cls):
-            raise ValueError(f"{owner}.scorer cannot be {name}: {_refusal(cls)}; choose one of {scorers()}")
+        _refuse(cls, owner)  # before building it: its own setting errors would hide why it cannot score
         allowed = [field.name for field in dataclasses.fields(cls) if field.name not in cls.budget_fields]
         unknown = sorted(set(settings) - set(allowed))
         if unknown:
@@ -45,10 +44,14 @@ def build_scorer(scorer: str | Mapping | Policy, capacity: int, owner: str) -> P
             policy = cls.from_budget(capacity, **settings) if cls.takes_budget else cls(**settings)
         except (TypeError, ValueError) as error:
             raise ValueError(f"{owner}.scorer ({name}): {error}") from None
-    reason = _refusal(type(policy))
-    if reason:
-        raise ValueError(f"{owner}.scorer cannot be {policy.name}: {reason}; choose one of {scorers()}")
+    _refuse(type(policy), owner)
     return policy
+
+
+def _refuse(cls: type[Policy], owner: str) -> None:
+    reason = _refusal(cls)
+    if reason:
+        raise ValueError(f"{owner}.scorer cannot be {cls.name}: {reason}; choose one of {scorers()}")
 
 
 def _refusal(cls: type[Policy]) -> str | None:

@@ -27,13 +27,19 @@ class EditableWithPth(editable_wheel):
         return result
 
 
+def data_packages(name: str, folder: str, patterns: list[str]) -> dict[str, list[str]]:
+    """``folder`` and each folder below it as a package of ``name`` holding only data files (setuptools warns about
+    every importable folder not listed as a package)."""
+    subs = sorted(p.relative_to(folder) for p in Path(folder).rglob("*") if p.is_dir() and p.name != "__pycache__")
+    return {name: patterns} | {".".join([name, *sub.parts]): patterns for sub in subs}
+
+
+DATA = (data_packages("evalkit._conf", "conf", ["*.yaml"]) | data_packages("evalkit._tasks", "tasks", ["*.yaml", "*.py"])
+        | data_packages("evalkit.assets", "evalkit/assets", ["*"]))
+
 setup(
-    packages=find_packages(include=["evalkit*"]) + ["evalkit._conf", "evalkit._tasks"],
+    packages=find_packages(include=["evalkit*"]) + list(DATA),
     package_dir={"evalkit._conf": "conf", "evalkit._tasks": "tasks"},
-    package_data={
-        "evalkit": ["assets/*/*"],
-        "evalkit._conf": ["*.yaml", "*/*.yaml"],
-        "evalkit._tasks": ["*/*.yaml", "*/*.py"],
-    },
+    package_data=DATA,
     cmdclass={"build_py": BuildWithPth, "editable_wheel": EditableWithPth},
 )

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
 import pandas as pd
 import pytest
 import torch
@@ -408,3 +414,30 @@ def test_context_scope_on_a_task_that_does_not_mark_its_context_says_so(tmp_path
     assert "WARNING: compression_scope=context, but 2 of 2 requests of task kv_retrieval" in result.stderr
     metrics = read_table(results, "metrics")
     assert metrics.loc[metrics["metric"] == "context_unmarked", "value"].tolist() == [2.0]
+
+
+# -- packaging -----------------------------------------------------------------------------------------------------
+def test_the_wheel_carries_conf_tasks_and_assets_without_a_setuptools_warning(tmp_path):
+    pytest.importorskip("setuptools", minversion="69")
+    root = Path(__file__).resolve().parents[1]
+    tracked = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True)
+    if tracked.returncode != 0:
+        pytest.skip("not a git checkout")
+    files = [f for f in tracked.stdout.splitlines() if (root / f).is_file()]
+    src = tmp_path / "src"
+    for name in files:  # a copy of the tracked tree, so the build's own folders never land in the checkout
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_bytes((root / name).read_bytes())
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w",
+                            str(tmp_path / "dist"), str(src)], capture_output=True, text=True)
+    assert build.returncode == 0, build.stdout + build.stderr
+    assert not re.search(r"[A-Za-z]+Warning:", build.stdout + build.stderr), build.stdout + build.stderr
+    (wheel,) = (tmp_path / "dist").glob("evalkit-*.whl")
+    shipped = set(zipfile.ZipFile(wheel).namelist())
+    expected = ({"evalkit-lm-eval.pth"}
+                | {"evalkit/_conf/" + f[len("conf/"):] for f in files if f.startswith("conf/") and f.endswith(".yaml")}
+                | {"evalkit/_tasks/" + f[len("tasks/"):] for f in files if f.startswith("tasks/") and "/" in f[6:]
+                   and f.endswith((".yaml", ".py"))}
+                | {f for f in files if f.startswith("evalkit/")})
+    assert expected - shipped == set()
+    assert any(f.startswith("evalkit/assets/kv_retrieval_tiny/") for f in expected)

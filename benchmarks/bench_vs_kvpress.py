@@ -9,7 +9,9 @@ one line and exits 0. Both sides load the same saved model and prompt; kvpress r
 ``SnapKVPress(compression_ratio=0.75, window_size=64, kernel_size=5)``, evalkit ``ec.generate`` with
 ``SnapKV(capacity=length/4, window=64, kernel_size=5, pooling=avg)`` (kvpress' scoring: average pooling, the mean
 over a KV group's query heads). Each process warms up on a short prompt, then times ``--repeats`` generations end to
-end (its time: their median) and reads its peak resident memory (VmHWM, reset before the timed calls). The prompt tokens each layer and KV head kept are
+end (its time: their median) and reads its peak resident memory (VmHWM, reset before the timed calls); it also times
+the model's own forward over the prompt (no compression, the floor of any prefill) and, on evalkit's side, the
+prefill inside each generation, so the last line splits evalkit's time. The prompt tokens each layer and KV head kept are
 compared (each process maps its compressed cache's keys back to the positions of an uncompressed prefill's keys), and
 the generated tokens.
 """
@@ -67,19 +69,15 @@ def worker(side: str, model_dir: str, prompt_file: str, new: int, repeats: int =
     model.generation_config.pad_token_id = 0
     ids = torch.tensor([json.loads(Path(prompt_file).read_text())])
     n = ids.shape[1]
-    with torch.no_grad():
-        full = DynamicCache()
-        model(ids, past_key_values=full, use_cache=True, logits_to_keep=1)
-        full_keys = [layer.keys.clone() for layer in full.layers]
-        del full
     if side == "evalkit":
         import evalkit.compression as ec
 
         def policy():
             return ec.SnapKV(capacity=n // 4, window=WINDOW, kernel_size=KERNEL, pooling="avg")
 
-        def generate(tokens, count):
-            return ec.generate(model, tokens, policy(), max_new_tokens=count, return_logits=False).sequences
+        def generate(tokens, count):  # the sequences, and the prefill's own seconds
+            out = ec.generate(model, tokens, policy(), max_new_tokens=count, return_logits=False)
+            return out.sequences, out.stats[0]["prefill_seconds"]
 
         def kept_keys():
             from evalkit.compression.generate import prefill
@@ -93,7 +91,7 @@ def worker(side: str, model_dir: str, prompt_file: str, new: int, repeats: int =
 
         def generate(tokens, count):
             with torch.no_grad(), press(model):
-                return model.generate(tokens, max_new_tokens=count, do_sample=False)
+                return model.generate(tokens, max_new_tokens=count, do_sample=False), None
 
         def kept_keys():
             cache = DynamicCache()
@@ -102,15 +100,27 @@ def worker(side: str, model_dir: str, prompt_file: str, new: int, repeats: int =
             return [layer.keys for layer in cache.layers]
 
     generate(ids[:, :512], 4)  # warm-up: kernels, allocator, lazy imports
+    forward_times = []  # the model's own forward over the prompt, no compression: the floor of any prefill
+    with torch.no_grad():
+        for _ in range(repeats):
+            full = DynamicCache()
+            start = time.perf_counter()
+            model(ids, past_key_values=full, use_cache=True, logits_to_keep=1)
+            forward_times.append(time.perf_counter() - start)
+        full_keys = [layer.keys.clone() for layer in full.layers]
+        del full
     _reset_peak()
-    times = []
+    times, prefill_times = [], []
     for _ in range(repeats):
         start = time.perf_counter()
-        sequences = generate(ids, new)
+        sequences, prefill_seconds = generate(ids, new)
         times.append(time.perf_counter() - start)
+        prefill_times.append(prefill_seconds)
     seconds = statistics.median(times)
     peak = _peak_rss()
     return {"side": side, "seconds": seconds, "peak_rss_bytes": peak, "tokens": sequences[0, n:].tolist(),
+            "forward_seconds": statistics.median(forward_times),
+            "prefill_seconds": None if None in prefill_times else statistics.median(prefill_times),
             "kept": _kept_positions(full_keys, kept_keys()), "torch": torch.__version__}
 
 
@@ -198,6 +208,12 @@ def main() -> None:
     print(f"evalkit / kvpress peak RSS: median {statistics.median(memory):.3f}")
     print(f"kept prompt tokens identical in every layer and KV head: {'yes' if same_kept else 'NO'} "
           f"({len(kept[0][0])} of {args.length} per head); generated tokens identical: {'yes' if same_tokens else 'NO'}")
+    forward = statistics.median(r[side]["forward_seconds"] for r in rounds for side in r)
+    prefill = statistics.median(r["evalkit"]["prefill_seconds"] for r in rounds)
+    generation = statistics.median(r["evalkit"]["seconds"] for r in rounds)
+    print(f"where evalkit's time goes (medians): the model's own forward over the prompt {forward:.3f} s (both "
+          f"processes); evalkit's prefill with SnapKV's scoring {prefill:.3f} s, its {args.new - 1} decode steps "
+          f"{generation - prefill:.3f} s ({(generation - prefill) / max(args.new - 1, 1) * 1000:.1f} ms a step)")
 
 
 if __name__ == "__main__":

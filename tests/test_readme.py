@@ -165,6 +165,7 @@ def test_the_kvpress_comparisons_evalkit_side_reports_time_memory_and_kept_posit
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert report["seconds"] > 0 and report["peak_rss_bytes"] > 0 and len(report["tokens"]) == 4
+    assert 0 < report["prefill_seconds"] < report["seconds"] and report["forward_seconds"] > 0
     for layer in report["kept"]:
         for head in layer:
             assert len(head) == 150 and set(range(536, 600)) <= set(head)

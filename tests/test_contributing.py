@@ -88,11 +88,11 @@ def _removed(files: dict[Path, str]) -> None:
 
 @pytest.mark.slow
 def test_a_method_is_its_file_and_its_yaml(tmp_path, random_model_dir):
-    """The method checklist: a policy file in evalkit/compression/ and its YAML; the CLI runs it, the rows name it
+    """The method checklist: a policy file in evalkit/compression/methods/ and its YAML; the CLI runs it, the rows name it
     and the cache held its budget, and the baselines grid lists it."""
     name = f"probe_{uuid.uuid4().hex[:8]}"
     files = {
-        ROOT / "evalkit" / "compression" / f"{name}.py": f'''
+        ROOT / "evalkit" / "compression" / "methods" / f"{name}.py": f'''
             """A throwaway method: keeps the most recent prompt tokens (a test of the contributing checklist)."""
             import dataclasses
             from typing import ClassVar

@@ -209,7 +209,7 @@ def test_blockwise_attention_sums_on_the_gpu_equal_one_block_and_the_cpu():
     """On CUDA, scores summed over many small query blocks equal one block over the whole matrix and the CPU's."""
     from types import SimpleNamespace
 
-    from evalkit.compression import base
+    from evalkit.compression import kernels
 
     g = torch.Generator().manual_seed(0)
     batch, q_heads, kv_heads, n, dim = 2, 8, 2, 777, 32
@@ -218,8 +218,8 @@ def test_blockwise_attention_sums_on_the_gpu_equal_one_block_and_the_cpu():
     for device in ("cpu", "cuda"):
         view = SimpleNamespace(query=query.to(device), keys=keys.to(device), key_valid=torch.ones(batch, n, dtype=torch.bool,
                                device=device), scaling=dim ** -0.5, module=None, prior_sums=None)
-        sums[device, "blocks"] = base.causal_attention_sums(view, budget=batch * q_heads * 3000).cpu()
-        sums[device, "one"] = base.causal_attention_sums(view, budget=batch * q_heads * n * n).cpu()
+        sums[device, "blocks"] = kernels.causal_attention_sums(view, budget=batch * q_heads * 3000).cpu()
+        sums[device, "one"] = kernels.causal_attention_sums(view, budget=batch * q_heads * n * n).cpu()
     for key, value in sums.items():
         torch.testing.assert_close(value, sums["cpu", "one"], rtol=1e-4, atol=1e-4, msg=lambda m, key=key: f"{key}: {m}")
 

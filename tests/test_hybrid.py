@@ -128,7 +128,7 @@ def test_scores_see_the_attention_sinks_as_the_model_does():
     model's own attention weights, and SnapKV's ranking differs from one that ignores the sinks."""
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
-    from evalkit.compression.base import attention_probabilities, snapkv_scores
+    from evalkit.compression.kernels import attention_probabilities, snapkv_scores
 
     module = tiny_gpt_oss().model.layers[1].self_attn
     generator = torch.Generator().manual_seed(3)

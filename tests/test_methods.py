@@ -277,7 +277,7 @@ def test_memory_rows_price_the_budget_each_method_realizes_at_the_deployment_con
 
 
 def test_attention_sums_do_not_depend_on_the_chunking():
-    from evalkit.compression.base import causal_attention_sums
+    from evalkit.compression.kernels import causal_attention_sums
 
     g = torch.Generator().manual_seed(0)
     query, keys = torch.randn(2, 4, 37, 8, generator=g), torch.randn(2, 2, 37, 8, generator=g)
@@ -338,7 +338,7 @@ def test_blockwise_attention_sums_equal_the_dense_matrix(padded, with_sinks, las
     the whole n x n matrix gives, with padding, attention sinks and a last-queries window."""
     from types import SimpleNamespace
 
-    from evalkit.compression import base
+    from evalkit.compression import kernels
 
     g = torch.Generator().manual_seed(0)
     batch, q_heads, kv_heads, n, dim = 2, 4, 2, 96, 16
@@ -347,9 +347,9 @@ def test_blockwise_attention_sums_equal_the_dense_matrix(padded, with_sinks, las
     if padded:
         key_valid[1, :17] = False  # left padding of the second row
     sinks = torch.randn(q_heads, generator=g) if with_sinks else None
-    monkeypatch.setattr(base, "attention_sinks", lambda module: sinks)
+    monkeypatch.setattr(kernels, "attention_sinks", lambda module: sinks)
     view = SimpleNamespace(query=query, keys=keys, key_valid=key_valid, scaling=dim ** -0.5, module=None, prior_sums=None)
-    blockwise = base.causal_attention_sums(view, last=last, budget=batch * q_heads * 500)
+    blockwise = kernels.causal_attention_sums(view, last=last, budget=batch * q_heads * 500)
     dense = _dense_attention_sums(query, keys, key_valid, dim ** -0.5, sinks, last)
     assert blockwise.dtype == torch.float32 and blockwise.shape == dense.shape
     torch.testing.assert_close(blockwise.double(), dense, rtol=1e-5, atol=1e-5)
@@ -362,7 +362,7 @@ def test_a_new_method_is_its_class_it_registers_itself_and_claims_no_latent_supp
 
     from test_mla import tiny_deepseek
 
-    from evalkit.compression.base import REGISTRY
+    from evalkit.compression.methods.base import REGISTRY
 
     @dataclasses.dataclass
     class Newest(ec.Policy):
@@ -395,7 +395,8 @@ def test_a_new_method_is_its_class_it_registers_itself_and_claims_no_latent_supp
 def test_one_pass_attention_and_sums_equal_sdpa_and_the_blockwise_sums(length):
     """The fused prefill of attention-sum methods: its output is sdpa's causal attention (to float rounding) and its
     sums are the score's own blockwise sums, bit for bit (so the same tokens are kept); small blocks as well."""
-    from evalkit.compression.base import PrefillView, attention_with_sums, causal_attention_sums
+    from evalkit.compression.kernels import attention_with_sums, causal_attention_sums
+    from evalkit.compression.views import PrefillView
 
     generator = torch.Generator().manual_seed(length)
     query, keys, values = (torch.randn(2, heads, length, 16, generator=generator) for heads in (4, 2, 2))
@@ -413,7 +414,7 @@ def test_one_pass_attention_and_sums_equal_sdpa_and_the_blockwise_sums(length):
 def test_a_block_scales_its_logits_as_the_plain_product_does(scaling):
     """A block's probabilities are those of ``(q k^T) * scaling`` to the bit: a power-of-two scaling is applied to
     the queries before the product (exact), any other after it; the buffer holds no more than the queries asked."""
-    from evalkit.compression.base import _block_buffer, _unpadded_block
+    from evalkit.compression.kernels import _block_buffer, _unpadded_block
 
     generator = torch.Generator().manual_seed(7)
     batch, q_heads, kv_heads, n, dim, begin = 1, 4, 2, 50, 64, 30

@@ -180,7 +180,7 @@ def test_decoding_reapplication_refuses_what_it_cannot_score_with():
         ec.AdaKV(capacity=64, scorer="decoding_snapkv")
 
 
-@pytest.mark.parametrize("name", [n for n in __import__("evalkit.compression.scorer", fromlist=["scorers"]).scorers()
+@pytest.mark.parametrize("name", [n for n in __import__("evalkit.compression.methods.scorer", fromlist=["scorers"]).scorers()
                                   if not ec.POLICIES[n].sums_attention])
 def test_every_scorer_can_be_reapplied_while_decoding(llama, name):
     """Each scorer a wrapper can take (but the attention-sum ones) re-applied every 10 steps: the cache falls back to

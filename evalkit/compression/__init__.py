@@ -9,27 +9,29 @@ Pure torch + transformers; no Hydra or lm-eval imports here.
     out = ec.generate(model, input_ids, policy, max_new_tokens=64)
 """
 
-from .adakv import AdaKV
-from .base import DecodeView, Policy, PrefillView, snapkv_scores
-from .budget import POLICIES, budget_capacity, method_params, policy_from_budget
 from .cache import CompressedCache
-from .decoding_snapkv import DecodingSnapKV
 from .engine import Completion, Engine, Request, compile_backend
-from .expected_attention import ExpectedAttention
 from .fidelity import fidelity
-from .full import Full
 from .generate import GenerationOutput, generate, stop_token_ids
-from .h2o import H2O
-from .knorm import KNorm
-from .observed_attention import ObservedAttention
-from .pyramidkv import PyramidKV
-from .random_baseline import Random
+from .kernels import snapkv_scores
+from .methods.adakv import AdaKV
+from .methods.base import Policy
+from .methods.budget import POLICIES, budget_capacity, method_params, policy_from_budget
+from .methods.decoding_snapkv import DecodingSnapKV
+from .methods.expected_attention import ExpectedAttention
+from .methods.full import Full
+from .methods.h2o import H2O
+from .methods.knorm import KNorm
+from .methods.observed_attention import ObservedAttention
+from .methods.pyramidkv import PyramidKV
+from .methods.random_baseline import Random
+from .methods.snapkv import SnapKV
+from .methods.snapstream import SnapStream
+from .methods.streaming_llm import StreamingLLM
+from .methods.tova import TOVA
 from .session import CHUNK_MODES, CompressionSession, chunk_mode_refusal
-from .snapkv import SnapKV
-from .snapstream import SnapStream
 from .spec_prefill import SpecPrefill, map_by_characters
-from .streaming_llm import StreamingLLM
-from .tova import TOVA
+from .views import DecodeView, PrefillView
 
 __all__ = [
     "POLICIES",

@@ -35,17 +35,9 @@ from transformers.masking_utils import (
     AttentionMaskInterface,
 )
 
-from .base import (
-    DecodeView,
-    Policy,
-    PrefillView,
-    attention_probabilities,
-    attention_with_sums,
-    causal_attention_sums,
-    reduce_groups,
-    slots_visible,
-)
+from .kernels import attention_probabilities, attention_with_sums, causal_attention_sums, reduce_groups, slots_visible
 from .layout import first_free, occupy, raised_peak, ring_slot
+from .methods.base import Policy
 from .model_spec import (  # noqa: F401  (check_hookable, layer_devices: their former home, kept for callers)
     SUPPORTED_ATTENTION,
     attention_sinks,
@@ -53,6 +45,7 @@ from .model_spec import (  # noqa: F401  (check_hookable, layer_devices: their f
     family_eager,
     layer_devices,
 )
+from .views import DecodeView, PrefillView
 
 _ACTIVE: contextvars.ContextVar[CompressedCache | None] = contextvars.ContextVar("evalkit_cache", default=None)
 

@@ -27,13 +27,13 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from .base import Policy
 from .cache import additive_mask, attention_implementation
 from .generate import prefill
 from .layout import ring_slot
+from .methods.base import Policy
+from .methods.sliding_window import SlidingWindow, layer_policies
 from .model_spec import cache_geometry, check_hookable, layer_devices, rotary_embedding
 from .sampling import choose_tokens
-from .sliding_window import SlidingWindow, layer_policies
 from .slots import ACTIVE_SLOTS, DECODE_ATTENTION, OUT_RING, Resident, SlotCache
 from .stopping import eos_ids, stop_criteria, stop_token_ids
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from .base import Policy
-from .full import Full
 from .generate import generate
+from .methods.base import Policy
+from .methods.full import Full
 from .session import CompressionSession
 
 

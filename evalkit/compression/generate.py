@@ -12,7 +12,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from .base import Policy
+from .methods.base import Policy
 from .session import CompressionSession
 from .stopping import eos_ids, stop_criteria, stop_token_ids  # noqa: F401  (stop_token_ids: public here too)
 

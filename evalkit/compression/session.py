@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import UNBOUNDED, Policy
+from .methods.base import UNBOUNDED, Policy
 
 CHUNK_MODES = ("exact", "compress")
 
@@ -18,8 +18,8 @@ def chunk_mode_refusal(policy: Policy, chunk_mode: str) -> str | None:
                 "per layer or head (use prefill_chunk_mode=exact)")
     return None
 from .cache import CompressedCache, RowState, additive_mask, hooked
+from .methods.sliding_window import layer_policies
 from .model_spec import check_hookable, rotary_embedding
-from .sliding_window import layer_policies
 
 
 def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -11,9 +11,9 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from .base import Policy
 from .cache import additive_mask, evict_after_step
 from .layout import first_free, occupy, raised_peak
+from .methods.base import Policy
 from .model_spec import attention_sinks, cache_geometry, family_eager  # noqa: F401  (cache_geometry: also here)
 
 

@@ -79,7 +79,7 @@ class RunSpec:
     identity: dict | None = None  # filled by identify(): resolved sources, fingerprints
 
     def flat_config(self) -> dict:
-        from evalkit.compression.base import recorded_fields
+        from evalkit.compression.methods.base import recorded_fields
 
         params = recorded_fields(self.policy)
         return {

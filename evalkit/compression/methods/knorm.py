@@ -7,7 +7,8 @@ from typing import ClassVar
 
 import torch
 
-from .base import PrefillView, PromptScoring
+from ..views import PrefillView
+from .base import PromptScoring
 
 
 @dataclasses.dataclass

@@ -8,14 +8,9 @@ from typing import ClassVar
 
 import torch
 
-from .base import (
-    DecodeView,
-    Policy,
-    PrefillView,
-    causal_attention_sums,
-    free_lowest,
-    require_int,
-)
+from ..kernels import causal_attention_sums, free_lowest
+from ..views import DecodeView, PrefillView
+from .base import Policy, require_int
 
 
 @dataclasses.dataclass

@@ -13,7 +13,7 @@ class SnapKV(SnapKVScoring):
     """Compress the prompt once, at the end of prefill; never evict while decoding.
 
     Per layer and per KV head, keep the last ``window`` prompt tokens (the observation window) plus the
-    ``capacity - window`` earlier tokens with the highest SnapKV score (see :func:`~evalkit.compression.base.snapkv_scores`).
+    ``capacity - window`` earlier tokens with the highest SnapKV score (see :func:`~evalkit.compression.kernels.snapkv_scores`).
     A prompt of at most ``capacity`` tokens is kept whole. Generated tokens are appended, so the cache grows by one
     token per step after prefill.
     """

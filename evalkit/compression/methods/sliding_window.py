@@ -7,8 +7,10 @@ from typing import ClassVar
 
 import torch
 
-from .base import DecodeView, Policy, free_lowest, require_int
-from .model_spec import layer_kinds
+from ..kernels import free_lowest
+from ..model_spec import layer_kinds
+from ..views import DecodeView
+from .base import Policy, require_int
 
 
 @dataclasses.dataclass

@@ -9,7 +9,8 @@ from typing import ClassVar
 import torch
 from transformers.models.llama.modeling_llama import rotate_half
 
-from .base import PrefillView, PromptScoring, require_int
+from ..views import PrefillView
+from .base import PromptScoring, require_int
 
 
 @dataclasses.dataclass

@@ -8,16 +8,9 @@ from typing import ClassVar
 
 import torch
 
-from .base import (
-    DecodeView,
-    Policy,
-    PrefillView,
-    causal_attention_sums,
-    free_lowest,
-    reduce_groups,
-    require_choice,
-    require_int,
-)
+from ..kernels import causal_attention_sums, free_lowest, reduce_groups
+from ..views import DecodeView, PrefillView
+from .base import Policy, require_choice, require_int
 
 
 @dataclasses.dataclass

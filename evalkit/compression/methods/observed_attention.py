@@ -7,7 +7,9 @@ from typing import ClassVar
 
 import torch
 
-from .base import PrefillView, PromptScoring, causal_attention_sums
+from ..kernels import causal_attention_sums
+from ..views import PrefillView
+from .base import PromptScoring
 
 
 @dataclasses.dataclass

@@ -7,7 +7,8 @@ from typing import ClassVar
 
 import torch
 
-from .base import PrefillView, PromptScoring, require_int
+from ..views import PrefillView
+from .base import PromptScoring, require_int
 
 
 @dataclasses.dataclass

@@ -9,16 +9,9 @@ from typing import ClassVar
 
 import torch
 
-from .base import (
-    DecodeView,
-    PrefillView,
-    SnapKVScoring,
-    attention_probabilities,
-    pool_scores,
-    reduce_groups,
-    require_int,
-    slots_visible,
-)
+from ..kernels import attention_probabilities, pool_scores, reduce_groups, slots_visible
+from ..views import DecodeView, PrefillView
+from .base import SnapKVScoring, require_int
 from .scorer import WithScorer
 
 

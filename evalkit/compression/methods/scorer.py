@@ -15,7 +15,8 @@ from typing import ClassVar
 
 import torch
 
-from .base import REGISTRY, Policy, PrefillView, SnapKVScoring, require_int, scorer_settings
+from ..views import PrefillView
+from .base import REGISTRY, Policy, SnapKVScoring, require_int, scorer_settings
 from .snapkv import SnapKV
 
 

@@ -1,0 +1,60 @@
+"""What a method sees: one layer's prompt at the end of prefill (:class:`PrefillView`) and one decode step of one
+layer after its attention (:class:`DecodeView`). The runtime fills them; methods read them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class PrefillView:
+    """What a policy may look at when it scores one layer's prompt tokens (one call per layer, whole batch)."""
+
+    # [B, Hq, q, D] post-RoPE queries of the prompt's last q tokens: every token (q = n), or under chunked prefill
+    # those the cache kept for the policy (its ``prefill_queries``; for ``sums_attention`` policies the last chunk's)
+    query: torch.Tensor
+    keys: torch.Tensor  # [B, Hkv, n, D] post-RoPE keys
+    values: torch.Tensor  # [B, Hkv, n, D]
+    key_valid: torch.Tensor  # [B, n] bool: False on left padding
+    scaling: float
+    layer_idx: int
+    num_layers: int
+    module: torch.nn.Module  # the attention module
+    positions: torch.Tensor  # [B, n] long: text positions of the prompt tokens
+    rotary: object = None  # the model's rotary embedding: rotary(x, position_ids) -> (cos, sin)
+    # Chunked prefill: the attention the prompt's earlier queries (those before ``query``) gave each key, summed,
+    # fp32 ``[B, Hkv, G, n']`` (n' <= n: the keys they could see); :func:`causal_attention_sums` adds it.
+    prior_sums: torch.Tensor | None = None
+
+    @property
+    def groups(self) -> int:
+        return self.query.shape[1] // self.keys.shape[1]
+
+    @property
+    def query_positions(self) -> torch.Tensor:
+        """``[B, q]``: the text positions of the queries (the prompt's last q tokens)."""
+        return self.positions[:, self.positions.shape[1] - self.query.shape[2]:]
+
+
+@dataclasses.dataclass
+class DecodeView:
+    """One decode step of one layer, after its attention: what a decode-time eviction policy looks at."""
+
+    probabilities: torch.Tensor  # [B, Hq, S] fp32 attention of this step's query over the layer's slots
+    valid: torch.Tensor  # [B, Hkv, S] bool: slot holds a token (this step's included)
+    positions: torch.Tensor  # [B, Hkv, S] long: text position of each slot's token (-1: empty)
+    position: torch.Tensor  # [B] text position of this step's token
+    scores: torch.Tensor | None  # [B, Hkv, S] fp32 running score of an ``accumulates`` policy, updated in place by it
+    query_buffer: torch.Tensor | None  # [B, Hq, w, D] post-RoPE queries of the last w tokens (``query_window``)
+    keys: torch.Tensor  # [B, Hkv, S, D]
+    scaling: float
+    steps: torch.Tensor  # [B] long: decode steps each row has taken, this one included
+    capacity: int
+    sinks: torch.Tensor | None = None  # [Hq] learned attention-sink logits of the layer (gpt-oss), else None
+    # What a prefill scorer re-applied while decoding reads (DecodingSnapKV's ``scorer``): the layer's values
+    # ``[B, Hkv, S, D]``, its attention module and the model's rotary embedding.
+    values: torch.Tensor | None = None
+    module: torch.nn.Module | None = None
+    rotary: object = None

@@ -8,6 +8,7 @@ layer and head holds after every step.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -175,6 +176,11 @@ def allocate_over_heads(run, capacity, alpha, head_scores):
     return kept
 
 
+def settings_of(method) -> dict:
+    """A wrapped method as the plain definitions read it: its name and fields."""
+    return {"name": method.name, **dataclasses.asdict(method)}
+
+
 def scorer_head_scores(scorer: dict, scaling):
     """``head_scores`` of a wrapper's scorer, by its definition: KNorm (``-||k||``), ObservedAttention (attention
     received over the queries that see the key) or H2O (attention received, summed), the forced tokens at ``inf``."""
@@ -237,11 +243,12 @@ def kept_prompt(model, policy, prompt) -> dict[int, list[set[int]]]:
         return kept_tova(run, policy.capacity, scaling)
     if isinstance(policy, ec.H2O):
         return kept_h2o(run, policy.capacity, policy.recent, scaling)
-    if isinstance(policy, ec.AdaKV) and policy.scorer is not None:
+    if isinstance(policy, ec.AdaKV) and policy.scorer.name != "snapkv":
         return allocate_over_heads(run, policy.capacity, policy.alpha_safeguard,
-                                   scorer_head_scores(policy.scorer, scaling))
+                                   scorer_head_scores(settings_of(policy.scorer), scaling))
     if isinstance(policy, ec.AdaKV):
-        return kept_adakv(run, policy.capacity, policy.window, policy.kernel_size, policy.pooling,
+        snapkv = policy.scorer
+        return kept_adakv(run, policy.capacity, snapkv.window, snapkv.kernel_size, snapkv.pooling,
                           policy.alpha_safeguard, scaling)
     raise TypeError(type(policy))
 
@@ -326,11 +333,11 @@ def _evict(policy, layer, per_head, query, keys, position, steps, scaling, sums,
             victim = order[min(range(len(order)), key=lambda i: (mean[i], i))]
             for heads in per_head:
                 heads.discard(victim)
-    elif getattr(policy, "scorer", None) is not None:  # DecodingSnapKV re-applying KNorm (the only scorer here)
-        assert policy.scorer["name"] == "knorm", policy.scorer
+    elif isinstance(policy, ec.DecodingSnapKV) and policy.scorer.name != "snapkv":  # re-applying KNorm (the only one here)
+        assert policy.scorer.name == "knorm", policy.scorer
         if steps % policy.interval:
             return
-        target, sink, window = policy.capacity - policy.interval, policy.scorer["sink"], policy.scorer["window"]
+        target, sink, window = policy.capacity - policy.interval, policy.scorer.sink, policy.scorer.window
         for h, heads in enumerate(per_head):
             order = sorted(heads)
             if len(order) <= target:
@@ -357,7 +364,7 @@ def _evict(policy, layer, per_head, query, keys, position, steps, scaling, sums,
                     probabilities = _probabilities(queries[h * group + g], keys[h], seen, scaling)
                     for i, p in enumerate(probabilities[: len(prefix)]):
                         per_query[i] += p
-                pooled = _pool(per_query, policy.kernel_size, policy.pooling)
+                pooled = _pool(per_query, policy.scorer.kernel_size, policy.scorer.pooling)
                 summed = [s + p / group for s, p in zip(summed, pooled)]
             keep = {prefix[i] for i in top(summed, target - window)}
             heads.intersection_update(keep | {j for j in order if j >= first})

@@ -44,11 +44,11 @@ POLICIES = [
     ec.StreamingLLM(sink=4, window=40),
     ec.SnapKV(capacity=48, window=8),
     # Per-layer and per-head layouts: each slot carries a validity mask and positions per layer and KV head.
-    ec.PyramidKV(capacity=48, window=8),
-    ec.AdaKV(capacity=48, window=4, alpha_safeguard=0.5),
+    ec.PyramidKV.from_config(48, window=8),
+    ec.AdaKV.from_config(48, window=4, alpha_safeguard=0.5),
     ec.H2O(capacity=40, recent=10),
     ec.TOVA(capacity=40),
-    ec.DecodingSnapKV(capacity=64, window=4, kernel_size=3, interval=8),
+    ec.DecodingSnapKV.from_config(64, window=4, kernel_size=3, interval=8),
     ec.KNorm(capacity=40),
 ]
 
@@ -229,7 +229,7 @@ def test_stop_strings_end_a_request_at_the_same_token(model):
 
 
 @pytest.mark.parametrize("policy", [ec.SnapStream(capacity=64, window=8, sink=4, recent=16),
-                                    ec.AdaKV(capacity=48, window=4), ec.H2O(capacity=40, recent=10),
+                                    ec.AdaKV.from_config(48, window=4), ec.H2O(capacity=40, recent=10),
                                     ec.ExpectedAttention(capacity=40, n_future_positions=32)], ids=lambda p: p.name)
 def test_context_scope_and_kept_positions_match_generate(model, policy):
     g = torch.Generator().manual_seed(5)
@@ -273,8 +273,8 @@ def test_a_later_stream_of_longer_requests_reuses_the_compiled_step(model):
     assert completions[0].tokens == alone.sequences[0, 30:].tolist() and len(completions[0].tokens) == 600
 
 
-@pytest.mark.parametrize("policy", [ec.H2O(capacity=40, recent=10), ec.AdaKV(capacity=48, window=4),
-                                    ec.DecodingSnapKV(capacity=64, window=4, kernel_size=3, interval=8)],
+@pytest.mark.parametrize("policy", [ec.H2O(capacity=40, recent=10), ec.AdaKV.from_config(48, window=4),
+                                    ec.DecodingSnapKV.from_config(64, window=4, kernel_size=3, interval=8)],
                          ids=lambda p: p.name)
 def test_per_head_layouts_compile_to_one_graph(model, policy):
     torch._dynamo.reset()

@@ -65,7 +65,7 @@ def test_snapkv_reserves_prompt_capacity_plus_new_tokens_and_holds_what_it_kept(
 
 def test_per_head_layouts_count_each_heads_own_tokens(llama):
     """AdaKV spreads one budget unevenly over heads: the bytes are the sum of each head's tokens."""
-    completions = ec.Engine(llama, ec.AdaKV(capacity=48, window=4), slots=2).run(_long_requests(new=10))
+    completions = ec.Engine(llama, ec.AdaKV.from_config(48, window=4), slots=2).run(_long_requests(new=10))
     per_head_token = (16 + 16) * 4
     for completion in completions:
         stats = completion.stats

@@ -3,6 +3,7 @@ computations of baseline_reference.py), equals Full with room, is batch-independ
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar  # module level: dataclasses reads a method's ClassVar annotations from here
 
 import pytest
@@ -20,14 +21,14 @@ PREFILL = {
     "expected_attention": lambda: ec.ExpectedAttention(capacity=20, n_future_positions=16),
     "tova": lambda: ec.TOVA(capacity=21),
     "h2o": lambda: ec.H2O(capacity=21, recent=6),
-    "adakv": lambda: ec.AdaKV(capacity=20, window=2, kernel_size=5, alpha_safeguard=0.5),
+    "adakv": lambda: ec.AdaKV.from_config(20, window=2, kernel_size=5, alpha_safeguard=0.5),
 }
 DECODING = {
     "h2o": lambda: ec.H2O(capacity=21, recent=6),
     "tova": lambda: ec.TOVA(capacity=21),
-    "decoding_snapkv": lambda: ec.DecodingSnapKV(capacity=40, window=4, kernel_size=3, interval=8),
+    "decoding_snapkv": lambda: ec.DecodingSnapKV.from_config(40, window=4, kernel_size=3, interval=8),
 }
-EVERY = {**PREFILL, **DECODING, "pyramidkv": lambda: ec.PyramidKV(capacity=20, window=6, kernel_size=5)}
+EVERY = {**PREFILL, **DECODING, "pyramidkv": lambda: ec.PyramidKV.from_config(20, window=6, kernel_size=5)}
 
 
 def held_positions(session, reference_keys: dict[int, torch.Tensor], row: int = 0) -> dict[int, list[set[int]]]:
@@ -99,7 +100,7 @@ def test_eager_attention_gives_the_tokens_sdpa_gives(name):
 
 def test_pyramidkv_budgets_decrease_with_depth_and_keep_the_total():
     model = tiny_model("llama", num_hidden_layers=4)
-    policy = ec.PyramidKV(capacity=20, window=6, kernel_size=5, pooling="max")
+    policy = ec.PyramidKV.from_config(20, window=6, kernel_size=5, pooling="max")
     prompt = random_prompt(50, seed=11)
     out = ec.generate(model, prompt, policy, max_new_tokens=5)
     # KVCache-Factory arithmetic for n=50, C=20, w=6, beta=20, L=4: min = 14 // 20 = 0, max = 2 * 14 - 0 = 28,
@@ -130,7 +131,7 @@ def test_reference_detects_a_wrong_selection(llama):
 
 
 def test_adakv_realized_budget_is_the_budget_on_average(llama):
-    out = ec.generate(llama, random_prompt(50, seed=11), ec.AdaKV(capacity=20, window=6, kernel_size=5), max_new_tokens=10)
+    out = ec.generate(llama, random_prompt(50, seed=11), ec.AdaKV.from_config(20, window=6, kernel_size=5), max_new_tokens=10)
     stats = out.stats[0]
     per_head = stats["kept_prompt_tokens_per_head"]
     assert len({k for heads in per_head for k in heads}) > 1
@@ -146,7 +147,7 @@ def test_capacity_beyond_the_sequence_equals_full(llama, name):
         "h2o": ec.H2O(capacity=200), "tova": ec.TOVA(capacity=200),
         "decoding_snapkv": ec.DecodingSnapKV(capacity=200, window=4, interval=8),
     }
-    policy = roomy.get(name) or type(EVERY[name]())(**{**EVERY[name]().__dict__, "capacity": 200})
+    policy = roomy.get(name) or dataclasses.replace(EVERY[name](), capacity=200)
     prompt = random_prompt(40, seed=2)
     full = ec.generate(llama, prompt, ec.Full(), max_new_tokens=30)
     out = ec.generate(llama, prompt, policy, max_new_tokens=30)
@@ -236,7 +237,7 @@ def test_every_method_config_builds_its_policy_with_the_documented_defaults(name
     written = safe_load((conf_dir() / "method" / f"{name}.yaml").read_text())
     for key, value in written.items():
         if key != "name" and value is not None:
-            assert getattr(spec.policy, key) == value, key
+            assert spec.policy.settings()[key] == value, key
     assert spec.flat_config()["policy_params"].count('"capacity": 4096') == 1
 
 
@@ -296,8 +297,8 @@ def test_attention_sums_do_not_depend_on_the_chunking():
     (lambda: ec.Random(capacity=20, selection_seed=-1), "Random.selection_seed must be an integer >= 0"),
     (lambda: ec.ExpectedAttention(capacity=20, n_future_positions=0), "ExpectedAttention.n_future_positions"),
     (lambda: ec.ExpectedAttention(capacity=20, use_vnorm="yes"), "ExpectedAttention.use_vnorm must be true or false"),
-    (lambda: ec.PyramidKV(capacity=20, window=6, beta=0), "PyramidKV.beta must be an integer >= 1"),
-    (lambda: ec.AdaKV(capacity=20, window=4, alpha_safeguard=1.5), "AdaKV.alpha_safeguard must be a number in"),
+    (lambda: ec.PyramidKV.from_config(20, window=6, beta=0), "PyramidKV.beta must be an integer >= 1"),
+    (lambda: ec.AdaKV.from_config(20, window=4, alpha_safeguard=1.5), "AdaKV.alpha_safeguard must be a number in"),
     (lambda: ec.H2O(capacity=21, recent=20), r"H2O.recent must be an integer in \[1, 19\]"),
     (lambda: ec.TOVA(capacity=1), "TOVA.capacity must be an integer >= 2"),
     (lambda: ec.DecodingSnapKV(capacity=64), r"DecodingSnapKV.capacity must be > interval \+ window"),

@@ -3,6 +3,8 @@ memory DeepSeek really uses."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import VOCAB, random_prompt
@@ -44,9 +46,9 @@ POLICIES = {
     "snapstream": lambda: ec.SnapStream(capacity=28, sink=3, window=6, kernel_size=5, recent=8),
     "streaming_llm": lambda: ec.StreamingLLM(sink=4, window=12),
     "h2o": lambda: ec.H2O(capacity=21, recent=6),
-    "adakv": lambda: ec.AdaKV(capacity=20, window=4),
-    "pyramidkv": lambda: ec.PyramidKV(capacity=20, window=6, kernel_size=5),
-    "decoding_snapkv": lambda: ec.DecodingSnapKV(capacity=40, window=4, kernel_size=3, interval=8),
+    "adakv": lambda: ec.AdaKV.from_config(20, window=4),
+    "pyramidkv": lambda: ec.PyramidKV.from_config(20, window=6, kernel_size=5),
+    "decoding_snapkv": lambda: ec.DecodingSnapKV.from_config(40, window=4, kernel_size=3, interval=8),
     "knorm": lambda: ec.KNorm(capacity=20),
 }
 
@@ -70,7 +72,7 @@ def test_the_latent_tensors_shrink_and_a_roomy_budget_is_full(name):
         assert layer.keys.shape[:2] == layer.values.shape[:2] == (1, 1)
         assert (layer.keys.shape[-1], layer.values.shape[-1]) == (KV_LORA_RANK, ROPE)
         assert layer.keys.shape[2] < 50
-    roomy = ec.StreamingLLM(sink=4, window=200) if name == "streaming_llm" else type(policy)(**{**policy.__dict__, "capacity": 200})
+    roomy = ec.StreamingLLM(sink=4, window=200) if name == "streaming_llm" else dataclasses.replace(policy, capacity=200)
     full = ec.generate(model, prompt, ec.Full(), max_new_tokens=25)
     out = ec.generate(model, prompt, roomy, max_new_tokens=25)
     assert out.sequences.tolist() == full.sequences.tolist()

@@ -188,7 +188,7 @@ def test_adakv_and_pyramidkv_default_to_their_references_settings():
     from evalkit.paths import conf_dir
 
     for cls, name in ((ec.AdaKV, "adakv"), (ec.PyramidKV, "pyramidkv")):
-        policy = cls(capacity=128)
+        policy = cls(capacity=128).scorer
         assert (policy.window, policy.kernel_size, policy.pooling) == (64, 5, "avg")
         conf = safe_load((conf_dir() / "method" / f"{name}.yaml").read_text())
         assert (conf["window"], conf["kernel_size"], conf["pooling"]) == (64, 5, "avg")

@@ -3,6 +3,8 @@ with the ranking of the scorer, each kept set checked against the plain definiti
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from baseline_reference import full_run, kept_budgets_over, kept_prompt, scorer_head_scores, simulate_decoding
@@ -34,7 +36,7 @@ def test_adakv_over_a_scorer_keeps_exactly_what_the_definition_names(llama, name
     if name == "adakv_knorm":
         assert len({len(h) for heads in held.values() for h in heads}) > 1
     # The scorer decided the ranking: SnapKV's score (the default) keeps other tokens.
-    default = ec.CompressionSession(llama, ec.AdaKV(capacity=20, window=2, kernel_size=5, alpha_safeguard=0.5))
+    default = ec.CompressionSession(llama, ec.AdaKV.from_config(20, window=2, kernel_size=5, alpha_safeguard=0.5))
     default.prefill(prompt)
     assert held != held_positions(default, reference_keys(llama, prompt))
 
@@ -81,7 +83,7 @@ def test_the_scorer_is_one_recorded_spelling_and_bad_scorers_name_the_problem():
         (lambda: ec.AdaKV(capacity=48, scorer="h3o"), "AdaKV.scorer: unknown method 'h3o'; choose one of"),
         (lambda: ec.AdaKV(capacity=48, scorer={"name": "knorm", "kernel_size": 3}),
          r"AdaKV.scorer.kernel_size is not a setting of knorm \(its settings: \['sink', 'window'\]\)"),
-        (lambda: ec.AdaKV(capacity=48, window=8, scorer="knorm"), "AdaKV.window is a setting of the SnapKV score"),
+        (lambda: ec.AdaKV.from_config(48, window=8, scorer="knorm"), "AdaKV.window is a setting of the SnapKV score"),
         (lambda: ec.AdaKV(capacity=8, scorer={"name": "knorm", "window": 8}), r"AdaKV.scorer \(knorm\): KNorm.capacity"),
     ]:
         with pytest.raises(ValueError, match=message):
@@ -94,18 +96,18 @@ def test_a_config_chooses_the_scorer_and_the_rows_record_it():
     from evalkit.run.errors import ConfigError
 
     spec = spec_for("method=adakv", "method.scorer=knorm", "budget=tokens_4096", "model=llama31_8b_instruct")
-    assert spec.policy.scorer == {"name": "knorm", "sink": 0, "window": 0}
+    assert spec.policy.scorer == ec.KNorm(capacity=4096)
     row = spec.flat_config()
     assert '"scorer": {"name": "knorm"' in row["policy_params"] and row["window"] is None
     spec = spec_for("method=pyramidkv", "method.scorer={name: h2o, recent: 64}", "budget=tokens_4096")
-    assert spec.policy.scoring == ec.H2O(capacity=4096, recent=64) and spec.policy.kept_window() == 64
+    assert spec.policy.scorer == ec.H2O(capacity=4096, recent=64) and spec.policy.kept_window() == 64
     plain = spec_for("method=adakv", "budget=tokens_4096", "model=llama31_8b_instruct").flat_config()
     assert "scorer" not in plain["policy_params"]
     with pytest.raises(ConfigError, match="AdaKV.window is a setting of the SnapKV score, unused with scorer=knorm"):
         spec_for("method=adakv", "method.scorer=knorm", "method.window=8", "budget=tokens_4096")
     spec = spec_for("method=decoding_snapkv", "method.scorer={name: knorm, window: 8}", "method.window=16",
                     "method.interval=128", "budget=tokens_4096")
-    assert spec.policy.scoring == ec.KNorm(capacity=4096, window=8) and spec.policy.query_window() == 16
+    assert spec.policy.scorer == ec.KNorm(capacity=4096 - 128, window=8) and spec.policy.query_window() == 16
     params = spec.flat_config()["policy_params"]
     assert '"scorer": {"name": "knorm", "sink": 0, "window": 8}' in params and '"window": 16' in params
     assert "kernel_size" not in params and "pooling" not in params
@@ -124,7 +126,7 @@ def test_decoding_reapplication_over_a_scorer_follows_the_definition_at_every_st
     # Distinct tokens fed in (not this random model's generations, which repeat): RoPE keeps a key's norm, so a
     # repeated token ties with itself up to rounding, and KNorm's ranking would then hang on the last bit.
     tokens = torch.randperm(llama.config.vocab_size, generator=torch.Generator().manual_seed(9))[:61].tolist()
-    settings = policy.scorer
+    settings = dataclasses.asdict(policy.scorer)
     prefill_kept = kept_prompt(llama, ec.KNorm(capacity=policy.prompt_capacity()), prompt)
     if settings["sink"] or settings["window"]:  # the forced prompt tokens, then the smallest norms among the others
         run = full_run(llama, prompt)
@@ -175,12 +177,12 @@ def test_decoding_reapplication_refuses_what_it_cannot_score_with():
     with pytest.raises(ValueError, match=r"window \(8: the recent queries kept for the scorer\) must be >= the 16"):
         ec.DecodingSnapKV(capacity=1024, interval=128, window=8, scorer={"name": "snapkv", "window": 16})
     with pytest.raises(ValueError, match="kernel_size is a setting of the SnapKV score, unused with scorer=knorm"):
-        ec.DecodingSnapKV(capacity=1024, interval=128, kernel_size=3, scorer="knorm")
+        ec.DecodingSnapKV.from_config(1024, interval=128, kernel_size=3, scorer="knorm")
     with pytest.raises(ValueError, match="cannot be decoding_snapkv: it takes a scorer itself"):
         ec.AdaKV(capacity=64, scorer="decoding_snapkv")
 
 
-@pytest.mark.parametrize("name", [n for n in __import__("evalkit.compression.methods.scorer", fromlist=["scorers"]).scorers()
+@pytest.mark.parametrize("name", [n for n in __import__("evalkit.compression.methods.wrapper", fromlist=["scorers"]).scorers()
                                   if not ec.POLICIES[n].sums_attention])
 def test_every_scorer_can_be_reapplied_while_decoding(llama, name):
     """Each scorer a wrapper can take (but the attention-sum ones) re-applied every 10 steps: the cache falls back to

@@ -35,7 +35,7 @@ from transformers.masking_utils import (
     AttentionMaskInterface,
 )
 
-from .kernels import attention_probabilities, attention_with_sums, causal_attention_sums, reduce_groups, slots_visible
+from .kernels import attention_probabilities, attention_with_sums, causal_attention_sums, slots_visible
 from .layout import first_free, occupy, raised_peak, ring_slot
 from .methods.base import Policy
 from .model_spec import (  # noqa: F401  (check_hookable, layer_devices: their former home, kept for callers)
@@ -261,31 +261,8 @@ class CompressedCache(Cache):
         """The prompt tokens to keep, per row and KV head: indices ``[B, kv_heads, kept]`` (in text order; a head
         that keeps fewer than ``kept`` has its extra picks last), the count each head keeps ``[B, kv_heads]``, and the
         policy's raw scores ``[B, kv_heads, n]``."""
-        key_valid = view.key_valid
-        real_len = key_valid.sum(dim=1)
-        policy, keys = self.layer_policies[view.layer_idx], view.keys
-        batch, n = keys.shape[0], keys.shape[2]
         kv_heads = self.layers[view.layer_idx].keys.shape[1]  # the cache's heads: 1 for a latent (MLA) cache
-        window, sink = min(policy.kept_window(), n), policy.kept_sink()
-        budget = policy.layer_budget(view.layer_idx, view.num_layers, real_len).to(keys.device)
-        raw = torch.zeros(batch, kv_heads, n, device=keys.device)
-        if policy.needs_scores and n > window:
-            raw = policy.score(view).float()
-            if raw.shape[1] != kv_heads:  # per-head scores over a shared latent: one group of all the heads
-                raw = reduce_groups(raw[:, None], getattr(policy, "gqa_reduce", "mean"))
-        position = torch.arange(n, device=keys.device)
-        first = (n - real_len)[:, None]
-        forced = (position >= n - window)[None, :] | ((position >= first) & (position < first + sink))
-        forced |= (real_len <= budget)[:, None]
-        scores = raw.masked_fill(forced[:, None], float("inf")).masked_fill(~key_valid[:, None], float("-inf"))
-        counts = torch.minimum(policy.allocate(scores, budget), real_len[:, None])
-        keep = int(counts.max())
-        # Max pooling copies one score to its neighbours, so ties are common: a stable sort breaks them towards the
-        # earlier token, deterministically.
-        indices = scores.sort(dim=-1, descending=True, stable=True).indices[..., :keep]
-        # Kept tokens first in text order, then the picks beyond a head's count (padding, or a head that keeps less).
-        unused = torch.arange(keep, device=keys.device) >= counts[..., None]
-        return (indices + n * unused).sort(dim=-1).values % n, counts, raw
+        return self.layer_policies[view.layer_idx].select(view, kv_heads)
 
     def prefill_attention(self, layer_idx: int, module, query: torch.Tensor, keys: torch.Tensor,
                           values: torch.Tensor, scaling: float) -> None:

@@ -29,11 +29,12 @@ def attention_probabilities(queries: torch.Tensor, keys: torch.Tensor, visible: 
 
 
 def causal_visible(key_valid: torch.Tensor, begin: int, end: int) -> torch.Tensor:
-    """``[B, 1, end - begin, n]`` bool: the prompt's queries ``begin..end-1`` see the keys at or before them, padding
-    (``key_valid`` ``[B, n]`` False) excluded."""
-    key_index = torch.arange(key_valid.shape[1], device=key_valid.device)
+    """``[B, 1 or Hkv, end - begin, n]`` bool: the prompt's queries ``begin..end-1`` see the keys at or before them,
+    padding (``key_valid`` ``[B, n]``, or per head ``[B, Hkv, n]``, False) excluded."""
+    valid = key_valid if key_valid.dim() == 3 else key_valid[:, None]
+    key_index = torch.arange(valid.shape[-1], device=key_valid.device)
     causal = key_index[None, :] <= torch.arange(begin, end, device=key_valid.device)[:, None]  # [q, n]
-    return (causal[None] & key_valid[:, None, :])[:, None]
+    return causal[None, None] & valid[:, :, None, :]
 
 
 def slots_visible(valid: torch.Tensor, positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,9 @@ class PrefillView:
     # Chunked prefill: the attention the prompt's earlier queries (those before ``query``) gave each key, summed,
     # fp32 ``[B, Hkv, G, n']`` (n' <= n: the keys they could see); :func:`causal_attention_sums` adds it.
     prior_sums: torch.Tensor | None = None
+    # A cache ranked as a prompt (a method re-applied while decoding) whose heads hold different tokens: each head's
+    # own validity ``[B, Hkv, n]`` (``key_valid`` is then any head's). None: every head holds ``key_valid``.
+    head_valid: torch.Tensor | None = None
 
     @property
     def groups(self) -> int:

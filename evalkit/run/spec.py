@@ -79,9 +79,7 @@ class RunSpec:
     identity: dict | None = None  # filled by identify(): resolved sources, fingerprints
 
     def flat_config(self) -> dict:
-        from evalkit.compression.methods.base import recorded_fields
-
-        params = recorded_fields(self.policy)
+        params = self.policy.settings()
         return {
             "model": self.model_name,
             "model_pretrained": self.pretrained,

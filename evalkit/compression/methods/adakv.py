@@ -7,13 +7,14 @@ from typing import ClassVar
 
 import torch
 
-from .scorer import OverScorer
+from .settings import setting
+from .wrapper import Wrapper
 
 
 @dataclasses.dataclass
-class AdaKV(OverScorer):
-    """SnapKV's scores (or any ``scorer``'s, see :mod:`.scorer`) with each layer's budget shared among its KV heads
-    by score.
+class AdaKV(Wrapper):
+    """A scorer's ranking (SnapKV's by default, see :mod:`.wrapper`) with each layer's budget shared among its KV
+    heads by score.
 
     Per row and layer, ``capacity`` tokens per KV head on average: every head first keeps its own top
     ``int(capacity * alpha_safeguard)`` tokens (the observation window ranks first), then the layer keeps its
@@ -25,17 +26,13 @@ class AdaKV(OverScorer):
 
     name: ClassVar[str] = "adakv"
     per_head: ClassVar[bool] = True
+    allocates: ClassVar[bool] = True
     # kvpress' SnapKVPress under AdaKVPress: window 64, kernel 5, average pooling (not our SnapKV's 32/7/max).
-    window: int = 64
-    kernel_size: int = 5
-    pooling: str = "avg"
-    alpha_safeguard: float = 0.2
+    inline: ClassVar[tuple[str, dict]] = ("snapkv", {"window": 64, "kernel_size": 5, "pooling": "avg"})
+    alpha_safeguard: float = setting(0.2, low=0, high=1)
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        alpha = self.alpha_safeguard
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
-            raise ValueError(f"AdaKV.alpha_safeguard must be a number in [0, 1], got {alpha!r}")
+    def prompt_capacity(self) -> int:
+        return self.capacity
 
     def prompt_slots(self, n: int, kv_heads: int) -> int:
         # One head may take the layer's whole budget but what the others' safeguards keep.

@@ -1,17 +1,17 @@
-"""Shared mechanics of the compression policies.
+"""The method contract: what a compression method decides, and nothing else.
 
-A policy decides two things, and nothing else:
-
-* which prompt tokens survive prefill: at most ``prompt_capacity`` of them, the first ``sink`` and last ``window``
-  tokens always, the rest ranked by ``score`` (per layer and per KV head). ``layer_budget`` and ``allocate`` let a
-  policy keep a different number per layer (PyramidKV) or per head (AdaKV);
+* which prompt tokens survive prefill (:meth:`Policy.select`): at most ``prompt_capacity`` of them, the first
+  ``kept_sink`` and last ``kept_window`` tokens always, the rest ranked by :meth:`Policy.score` (per layer and per KV
+  head). ``layer_budget`` and ``allocate`` let a method keep a different number per layer (PyramidKV) or per head
+  (AdaKV); a method may replace :meth:`Policy.select` altogether;
 * how the cache behaves while decoding: the surviving prompt tokens are followed by a region of ``ring_size`` slots
   that new tokens fill in order and, once full, overwrite oldest first. The first ``fixed`` cached tokens are never
-  overwritten. A policy that evicts by score while decoding (H2O, TOVA, SnapKV re-applied) names, after each step's
+  overwritten. A method that evicts by score while decoding (H2O, TOVA, SnapKV re-applied) names, after each step's
   attention, the slots it frees (``decode_evict``); the next tokens take them.
 
-Everything else (gathering rows, ring writes, per-head validity, masks, positions) lives in
-:mod:`evalkit.compression.cache`, once.
+A method is a dataclass of settings (:func:`~.settings.setting`: type, bounds and default in one place). Its
+capabilities are plain values: class attributes, which a wrapper (:mod:`.wrapper`) sets on its instance from what it
+wraps. Everything else (gathering rows, ring writes, per-head validity, masks, positions) is the runtime's.
 """
 
 from __future__ import annotations
@@ -21,29 +21,16 @@ from typing import ClassVar
 
 import torch
 
-from ..kernels import snapkv_scores
+from ..kernels import reduce_groups, snapkv_scores
 from ..model_spec import attention_sinks
 from ..views import DecodeView, PrefillView
+from .settings import check, setting
 
 UNBOUNDED = 1 << 62  # ring size of a cache that only grows
 
 # Every method by its name: a subclass of :class:`Policy` that names itself (``name = "..."``) registers here when its
 # module is imported; budgets, configs and presets read the methods from it.
 REGISTRY: dict[str, type[Policy]] = {}
-
-
-def require_int(owner: object, name: str, low: int, high: int | None = None) -> None:
-    """Raise a ValueError naming ``name`` unless ``owner.name`` is an int in [low, high]."""
-    value = getattr(owner, name)
-    allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        raise ValueError(f"{type(owner).__name__}.{name} must be an integer {allowed}, got {value!r}")
-
-
-def require_choice(owner: object, name: str, choices: tuple[str, ...]) -> None:
-    value = getattr(owner, name)
-    if value not in choices:
-        raise ValueError(f"{type(owner).__name__}.{name} must be one of {list(choices)}, got {value!r}")
 
 
 @dataclasses.dataclass
@@ -66,6 +53,8 @@ class Policy:
     # all the layer's heads, as for a single KV group. Opt-in: a method says so once it is tested on one.
     supports_latent: ClassVar[bool] = False
     latent_refusal: ClassVar[str] = "it has not been tested on a latent (MLA) cache"
+    # Decides how many tokens each layer or head keeps from another method's ranking (AdaKV, PyramidKV).
+    allocates: ClassVar[bool] = False
     # Sized by a budget (``4x``, ``tokens_N``); the fields the budget decides, which a config may not set.
     takes_budget: ClassVar[bool] = True
     budget_fields: ClassVar[tuple[str, ...]] = ("capacity",)
@@ -81,10 +70,18 @@ class Policy:
                             f"{cls.__module__}.{cls.__qualname__}")
         REGISTRY[name] = cls
 
+    def __post_init__(self) -> None:
+        check(self)
+
     @classmethod
-    def from_budget(cls, capacity: int, **params) -> Policy:
-        """The method with the ``capacity`` a budget gives it (``params``: its other settings)."""
+    def from_config(cls, capacity: int, **params) -> Policy:
+        """The method as a config gives it: its settings ``params``, sized by a budget's ``capacity``."""
         return cls(capacity=capacity, **params)
+
+    @classmethod
+    def config_settings(cls) -> tuple[str, ...]:
+        """The settings a config may give (everything but what the budget decides)."""
+        return tuple(field.name for field in dataclasses.fields(cls) if field.name not in cls.budget_fields)
 
     def kept_sink(self) -> int:
         """Leading prompt tokens always kept (attention sinks)."""
@@ -139,35 +136,58 @@ class Policy:
         """Slots to free after this decode step, ``[B, Hkv, S]`` bool, or None."""
         return None
 
-    def unused_fields(self) -> tuple[str, ...]:
-        """Fields this instance ignores (a wrapper's own scoring settings once it takes another scorer's): the tables
-        leave them out rather than show a setting that did nothing."""
-        return ()
+    def select(self, view: PrefillView, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The prompt tokens to keep, per row and KV head: indices ``[B, kv_heads, kept]`` (in text order; a head
+        that keeps fewer than ``kept`` has its extra picks last), the count each head keeps ``[B, kv_heads]``, and the
+        raw scores ``[B, kv_heads, n]``. ``kv_heads``: the cache's heads (1 for a latent cache). Where
+        ``view.head_valid`` is given (a cache ranked as a prompt), each head's own tokens count."""
+        keys, valid = view.keys, view.key_valid if view.head_valid is None else view.head_valid
+        valid = valid[:, None] if valid.dim() == 2 else valid  # [B, 1 or Hkv, n]
+        real_len = valid.sum(dim=-1).amax(dim=1)
+        batch, n = keys.shape[0], keys.shape[2]
+        window, sink = min(self.kept_window(), n), self.kept_sink()
+        budget = self.layer_budget(view.layer_idx, view.num_layers, real_len).to(keys.device)
+        raw = torch.zeros(batch, kv_heads, n, device=keys.device)
+        if self.needs_scores and n > window:
+            raw = self.score(view).float()
+            if raw.shape[1] != kv_heads:  # per-head scores over a shared latent: one group of all the heads
+                raw = reduce_groups(raw[:, None], getattr(self, "gqa_reduce", "mean"))
+        position = torch.arange(n, device=keys.device)
+        first = (n - valid.sum(dim=-1))[..., None]  # [B, 1 or Hkv, 1]
+        forced = (position >= n - window) | ((position >= first) & (position < first + sink))
+        forced |= (real_len <= budget)[:, None, None]
+        scores = raw.masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf"))
+        counts = torch.minimum(self.allocate(scores, budget), valid.sum(dim=-1))
+        keep = int(counts.max())
+        # Max pooling copies one score to its neighbours, so ties are common: a stable sort breaks them towards the
+        # earlier token, deterministically.
+        indices = scores.sort(dim=-1, descending=True, stable=True).indices[..., :keep]
+        # Kept tokens first in text order, then the picks beyond a head's count (padding, or a head that keeps less).
+        unused = torch.arange(keep, device=keys.device) >= counts[..., None]
+        return (indices + n * unused).sort(dim=-1).values % n, counts, raw
+
+    def settings(self) -> dict:
+        """The method's settings as the result tables record them (what builds it again from a config). A setting
+        added after runs were recorded (``recorded_when_set``) is left out while at its default, so that those runs
+        keep their config digest."""
+        out = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not (field.metadata.get("recorded_when_set") and value == field.default):
+                out[field.name] = value
+        return out
 
     def config(self) -> dict:
-        """Flat description of the policy, for result tables."""
-        return {"method": self.name, "capacity": self.cache_capacity(), **recorded_fields(self)}
+        """Flat description of the method, for result tables."""
+        return {"method": self.name, "capacity": self.cache_capacity(), **self.settings()}
 
 
-def recorded_fields(policy: Policy) -> dict:
-    """A policy's settings as the result tables record them: its fields, a scorer as its own settings (name first).
-    A field added to a method after runs were recorded (``metadata={"recorded_when_set": True}``) is left out while
-    it holds its default, so that those runs keep their config digest."""
-    out = {}
-    for field in dataclasses.fields(policy):
-        value = getattr(policy, field.name)
-        if field.metadata.get("recorded_when_set") and value == field.default or field.name in policy.unused_fields():
-            continue
-        out[field.name] = scorer_settings(value) if isinstance(value, Policy) else value
-    return out
-
-
-def scorer_settings(scorer: Policy) -> dict:
-    """``{"name": ..., setting: value}``: what builds ``scorer`` again under a wrapper (its capacity is the wrapper's)."""
-    fields = recorded_fields(scorer)
-    for name in scorer.budget_fields:
+def named_settings(policy: Policy) -> dict:
+    """``{"name": ..., setting: value}``: what builds ``policy`` again under a wrapper (its budget is the wrapper's)."""
+    fields = policy.settings()
+    for name in policy.budget_fields:
         fields.pop(name, None)
-    return {"name": scorer.name, **fields}
+    return {"name": policy.name, **fields}
 
 
 @dataclasses.dataclass
@@ -176,21 +196,11 @@ class SnapKVScoring(Policy):
 
     needs_scores: ClassVar[bool] = True
     supports_latent: ClassVar[bool] = True
-    capacity: int
-    window: int = 32
-    kernel_size: int = 7
-    pooling: str = "max"
-    gqa_reduce: str = "mean"
-
-    def __post_init__(self) -> None:
-        require_int(self, "capacity", 1)
-        require_int(self, "window", 1)
-        require_int(self, "kernel_size", 1)
-        if self.kernel_size % 2 == 0:
-            # Even kernels with padding k//2 change the length of the pooled scores; the reference code uses odd ones.
-            raise ValueError(f"{type(self).__name__}.kernel_size must be odd, got {self.kernel_size}")
-        require_choice(self, "pooling", ("max", "avg"))
-        require_choice(self, "gqa_reduce", ("mean", "max"))
+    capacity: int = setting(low=1)
+    window: int = setting(32, low=1)
+    kernel_size: int = setting(7, low=1, odd=True)
+    pooling: str = setting("max", choices=("max", "avg"))
+    gqa_reduce: str = setting("mean", choices=("mean", "max"))
 
     def kept_window(self) -> int:
         return self.window
@@ -200,7 +210,8 @@ class SnapKVScoring(Policy):
 
     def score(self, view: PrefillView) -> torch.Tensor:
         window = self.window
-        prefix = snapkv_scores(view.query[:, :, view.query.shape[2] - window :], view.keys, view.key_valid, view.scaling,
+        valid = view.key_valid if view.head_valid is None else view.head_valid
+        prefix = snapkv_scores(view.query[:, :, view.query.shape[2] - window :], view.keys, valid, view.scaling,
                                self.kernel_size, self.pooling, self.gqa_reduce, attention_sinks(view.module))
         return torch.nn.functional.pad(prefix, (0, window))
 
@@ -213,14 +224,12 @@ class PromptScoring(Policy):
     kvpress' scorer presses force nothing, hence ``sink = window = 0`` by default."""
 
     needs_scores: ClassVar[bool] = True
-    capacity: int
-    sink: int = 0
-    window: int = 0
+    capacity: int = setting(low=1)
+    sink: int = setting(0, low=0)
+    window: int = setting(0, low=0)
 
     def __post_init__(self) -> None:
-        require_int(self, "capacity", 1)
-        require_int(self, "sink", 0)
-        require_int(self, "window", 0)
+        super().__post_init__()
         if self.capacity <= self.sink + self.window:
             raise ValueError(f"{type(self).__name__}.capacity must be > sink + window ({self.sink + self.window}), "
                              f"got {self.capacity}")

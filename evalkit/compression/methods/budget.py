@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import pkgutil
 from pathlib import Path
@@ -30,14 +29,13 @@ def budget_capacity(budget: str, max_context: int) -> int:
 
 def method_params(method: str) -> tuple[str, ...]:
     """The settings of ``method`` a config may give (everything but what the budget decides)."""
-    cls = POLICIES[method]
-    return tuple(field.name for field in dataclasses.fields(cls) if field.name not in cls.budget_fields)
+    return POLICIES[method].config_settings()
 
 
 def policy_from_budget(method: str, budget: str | None, max_context: int, **params) -> Policy:
     """Build the policy ``method`` sized by ``budget`` against ``max_context``.
 
-    ``full`` takes no budget. Each method's ``from_budget`` says what the capacity becomes: ``streaming_llm`` spends it
+    ``full`` takes no budget. Each method's ``from_config`` says what the capacity becomes: ``streaming_llm`` spends it
     on ``sink`` + ``window`` (window = capacity - sink); every other method takes it as its ``capacity`` (the prompt capacity of growing methods such as SnapKV, the
     whole cache of fixed-size ones such as SnapStream, H2O or TOVA).
     """
@@ -50,4 +48,4 @@ def policy_from_budget(method: str, budget: str | None, max_context: int, **para
         return cls(**params)
     if budget is None:
         raise ValueError(f"method {method!r} needs a budget (e.g. '4x' or 'tokens_4096')")
-    return cls.from_budget(budget_capacity(budget, max_context), **params)
+    return cls.from_config(budget_capacity(budget, max_context), **params)

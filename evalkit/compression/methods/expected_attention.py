@@ -10,7 +10,8 @@ import torch
 from transformers.models.llama.modeling_llama import rotate_half
 
 from ..views import PrefillView
-from .base import PromptScoring, require_int
+from .base import PromptScoring
+from .settings import setting
 
 
 @dataclasses.dataclass
@@ -31,20 +32,11 @@ class ExpectedAttention(PromptScoring):
     name: ClassVar[str] = "expected_attention"
     supports_latent: ClassVar[bool] = False
     latent_refusal: ClassVar[str] = "its query statistics assume RoPE on the whole query; MLA rotates only part of it"
-    sink: int = 4
-    n_future_positions: int = 512
-    use_covariance: bool = True
-    use_vnorm: bool = True
-    epsilon: float = 0.0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        require_int(self, "n_future_positions", 1)
-        for name in ("use_covariance", "use_vnorm"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"ExpectedAttention.{name} must be true or false, got {getattr(self, name)!r}")
-        if isinstance(self.epsilon, bool) or not isinstance(self.epsilon, (int, float)) or self.epsilon < 0:
-            raise ValueError(f"ExpectedAttention.epsilon must be a number >= 0, got {self.epsilon!r}")
+    sink: int = setting(4, low=0)
+    n_future_positions: int = setting(512, low=1)
+    use_covariance: bool = setting(True)
+    use_vnorm: bool = setting(True)
+    epsilon: float = setting(0.0, low=0)
 
     def score(self, view: PrefillView) -> torch.Tensor:
         if view.rotary is None:

@@ -10,7 +10,8 @@ import torch
 
 from ..kernels import causal_attention_sums, free_lowest, reduce_groups
 from ..views import DecodeView, PrefillView
-from .base import Policy, require_choice, require_int
+from .base import Policy
+from .settings import setting
 
 
 @dataclasses.dataclass
@@ -34,16 +35,16 @@ class H2O(Policy):
     evicts_while_decoding: ClassVar[bool] = True
     accumulates: ClassVar[bool] = True
     sums_attention: ClassVar[bool] = True
-    capacity: int = 0
-    recent: int | None = None
-    gqa_reduce: str = "mean"
+    capacity: int = setting(0, low=3)
+    recent: int | None = setting(None, low=1)
+    gqa_reduce: str = setting("mean", choices=("mean", "max"))
 
     def __post_init__(self) -> None:
-        require_int(self, "capacity", 3)
+        super().__post_init__()
         if self.recent is None:
             self.recent = (self.capacity - 1) // 2
-        require_int(self, "recent", 1, self.capacity - 2)
-        require_choice(self, "gqa_reduce", ("mean", "max"))
+        if self.recent > self.capacity - 2:
+            raise ValueError(f"H2O.recent must be an integer in [1, {self.capacity - 2}], got {self.recent!r}")
 
     def kept_window(self) -> int:
         return self.recent

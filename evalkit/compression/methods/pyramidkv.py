@@ -7,13 +7,13 @@ from typing import ClassVar
 
 import torch
 
-from .base import require_int
-from .scorer import OverScorer
+from .settings import setting
+from .wrapper import Wrapper
 
 
 @dataclasses.dataclass
-class PyramidKV(OverScorer):
-    """SnapKV's scores (or any ``scorer``'s, see :mod:`.scorer`) with budgets that decrease linearly with depth and
+class PyramidKV(Wrapper):
+    """A scorer's ranking (SnapKV's by default, see :mod:`.wrapper`) with budgets that decrease linearly with depth and
     keep the same total.
 
     ``capacity`` is SnapKV's prompt capacity C on average over layers. For a prompt of n tokens, as
@@ -31,15 +31,13 @@ class PyramidKV(OverScorer):
 
     name: ClassVar[str] = "pyramidkv"
     per_head: ClassVar[bool] = True
+    allocates: ClassVar[bool] = True
     # KVCache-Factory's PyramidKVCluster: window 64, kernel 5, average pooling (not our SnapKV's 32/7/max).
-    window: int = 64
-    kernel_size: int = 5
-    pooling: str = "avg"
-    beta: int = 20
+    inline: ClassVar[tuple[str, dict]] = ("snapkv", {"window": 64, "kernel_size": 5, "pooling": "avg"})
+    beta: int = setting(20, low=1)
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        require_int(self, "beta", 1)
+    def prompt_capacity(self) -> int:
+        return self.capacity
 
     def layer_budget(self, layer_idx: int, num_layers: int, real_len: torch.Tensor) -> torch.Tensor:
         return torch.tensor([self._budget(layer_idx, num_layers, int(n)) for n in real_len.tolist()])

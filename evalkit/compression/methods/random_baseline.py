@@ -8,7 +8,8 @@ from typing import ClassVar
 import torch
 
 from ..views import PrefillView
-from .base import PromptScoring, require_int
+from .base import PromptScoring
+from .settings import setting
 
 
 @dataclasses.dataclass
@@ -24,11 +25,7 @@ class Random(PromptScoring):
 
     name: ClassVar[str] = "random"
     supports_latent: ClassVar[bool] = True
-    selection_seed: int = 0  # kvpress' ``seed``; named apart from the run's sampling seed
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        require_int(self, "selection_seed", 0)
+    selection_seed: int = setting(0, low=0)  # kvpress' ``seed``; named apart from the run's sampling seed
 
     def prefill_queries(self) -> int:
         return 0

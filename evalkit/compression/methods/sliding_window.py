@@ -10,7 +10,8 @@ import torch
 from ..kernels import free_lowest
 from ..model_spec import layer_kinds
 from ..views import DecodeView
-from .base import Policy, require_int
+from .base import Policy
+from .settings import setting
 
 
 @dataclasses.dataclass
@@ -26,10 +27,7 @@ class SlidingWindow(Policy, register=False):
     name: ClassVar[str] = "sliding_window"
     per_head: ClassVar[bool] = True
     evicts_while_decoding: ClassVar[bool] = True
-    window: int = 0
-
-    def __post_init__(self) -> None:
-        require_int(self, "window", 2)
+    window: int = setting(0, low=2)
 
     def kept_window(self) -> int:
         return self.window - 1

@@ -7,7 +7,8 @@ from typing import ClassVar
 
 import torch
 
-from .base import SnapKVScoring, require_int
+from .base import SnapKVScoring
+from .settings import setting
 
 
 @dataclasses.dataclass
@@ -23,15 +24,13 @@ class SnapStream(SnapKVScoring):
     """
 
     name: ClassVar[str] = "snapstream"
-    sink: int = 4
-    recent: int | None = None
+    sink: int = setting(4, low=0)
+    recent: int | None = setting(None, low=1)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require_int(self, "sink", 0)
         if self.recent is None:
             self.recent = max(1, self.capacity // 4)
-        require_int(self, "recent", 1)
         needed = self.sink + self.window + self.recent
         if self.capacity < needed:
             raise ValueError(

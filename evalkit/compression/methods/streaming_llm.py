@@ -7,7 +7,8 @@ from typing import ClassVar
 
 import torch
 
-from .base import Policy, require_int
+from .base import Policy
+from .settings import setting
 
 
 @dataclasses.dataclass
@@ -24,11 +25,11 @@ class StreamingLLM(Policy):
     name: ClassVar[str] = "streaming_llm"
     supports_latent: ClassVar[bool] = True
     budget_fields: ClassVar[tuple[str, ...]] = ("capacity", "window")
-    sink: int = 4
-    window: int = 512
+    sink: int = setting(4, low=0)
+    window: int = setting(512, low=1)
 
     @classmethod
-    def from_budget(cls, capacity: int, **params) -> StreamingLLM:
+    def from_config(cls, capacity: int, **params) -> StreamingLLM:
         """The budget's capacity spent on ``sink`` + ``window`` (window = capacity - sink)."""
         sink = params.pop("sink", 4)
         if "window" in params:
@@ -36,10 +37,6 @@ class StreamingLLM(Policy):
         if capacity <= sink:
             raise ValueError(f"the budget gives capacity {capacity}, not more than sink={sink}")
         return cls(sink=sink, window=capacity - sink, **params)
-
-    def __post_init__(self) -> None:
-        require_int(self, "sink", 0)
-        require_int(self, "window", 1)
 
     def kept_sink(self) -> int:
         return self.sink

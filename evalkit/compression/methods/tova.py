@@ -10,7 +10,8 @@ import torch
 
 from ..kernels import causal_attention_sums, free_lowest
 from ..views import DecodeView, PrefillView
-from .base import Policy, require_int
+from .base import Policy
+from .settings import setting
 
 
 @dataclasses.dataclass
@@ -31,10 +32,7 @@ class TOVA(Policy):
     needs_scores: ClassVar[bool] = True
     per_head: ClassVar[bool] = True
     evicts_while_decoding: ClassVar[bool] = True
-    capacity: int = 0
-
-    def __post_init__(self) -> None:
-        require_int(self, "capacity", 2)
+    capacity: int = setting(0, low=2)
 
     def prompt_capacity(self) -> int:
         return self.capacity - 1

@@ -27,14 +27,14 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from .cache import additive_mask, attention_implementation
+from .attention import attention_implementation
 from .generate import prefill
-from .layout import ring_slot
+from .layout import DecodeStep, additive_mask, layout_of, ring_slot, tensor_fields
 from .methods.base import Policy
 from .methods.sliding_window import SlidingWindow, layer_policies
 from .model_spec import cache_geometry, check_hookable, layer_devices, rotary_embedding
 from .sampling import choose_tokens
-from .slots import ACTIVE_SLOTS, DECODE_ATTENTION, OUT_RING, Resident, SlotCache
+from .slots import DECODE_ATTENTION, OUT_RING, Resident, SlotCache
 from .stopping import eos_ids, stop_criteria, stop_token_ids
 
 
@@ -127,7 +127,9 @@ class Engine:
         # Each layer's policy (a hybrid model's sliding-window layers keep their window); per-head layouts among them.
         self.layer_policies = layer_policies(model, policy)
         self.layer_devices = layer_devices(model)
-        self.head_layouts = any(p.per_head for p in self.layer_policies)
+        self.layouts = [layout_of(p, rotary_embedding(model)) for p in self.layer_policies]
+        self.layout = layout_of(policy)  # the rows': per-head layouts mask by their own validity
+        self.head_layouts = any(layout.per_head for layout in self.layouts)
         if grow and self.head_layouts:
             raise ValueError(f"{policy.name} on this model keeps layouts per layer and head; reserve slot_tokens "
                              "instead of grow")
@@ -161,20 +163,20 @@ class Engine:
     def _allocate(self, size: int) -> None:
         config = self.model.config
         device, dtype = self.model.device, self.model.dtype
-        (kv_heads, key_dim, value_dim), _ = cache_geometry(config)
+        (kv_heads, key_dim, value_dim), query_dim = cache_geometry(config)
         long = dict(dtype=torch.long, device=device)
         # Each layer's cache on that layer's device (one device, or several under a device map).
         layers = [(torch.zeros(self.slots, kv_heads, size, key_dim, dtype=dtype, device=at),
                    torch.zeros(self.slots, kv_heads, size, value_dim, dtype=dtype, device=at),
-                   self._head_state(kv_heads, size, config, policy, at) if policy.per_head else None)
-                  for policy, at in zip(self.layer_policies, self.layer_devices)]
+                   layout.allocate(self.slots, kv_heads, size, (config.num_attention_heads, query_dim), dtype, at))
+                  for layout, at in zip(self.layouts, self.layer_devices)]
         self.valid = torch.zeros(self.slots, size, dtype=torch.bool, device=device)
         self.valid[:, 0] = True  # an empty slot attends to one zero key: finite outputs, no NaN in its cache
-        self.seq_len = torch.zeros(self.slots, **long)
+        self.seq_len = torch.zeros(self.slots, 1, **long)
         self.written = torch.zeros(self.slots, **long)
         self.fixed = torch.zeros(self.slots, **long)
         self.ring = torch.ones(self.slots, **long)
-        self.write_slot = torch.zeros(self.slots, **long)
+        self.write_slot = torch.zeros(self.slots, 1, **long)
         self.next_token = torch.zeros(self.slots, **long)
         self.generated = torch.zeros(self.slots, **long)
         self.max_new = torch.ones(self.slots, **long)
@@ -184,32 +186,17 @@ class Engine:
         self.temperature = torch.ones(self.slots, device=device)
         self.top_p = torch.ones(self.slots, device=device)
         self.active = torch.zeros(self.slots, dtype=torch.bool, device=device)
-        self.cache = SlotCache(layers, self.layer_policies, {"write_slot": self.write_slot, "position": self.seq_len,
-                                                              "steps": self.generated, "active": self.active},
-                               rotary_embedding(self.model))
+        self.cache = SlotCache(layers, self.layouts, DecodeStep(self.seq_len, self.generated, self.active,
+                                                                self.write_slot))
         self.slot_tokens = size
         if self.compile:
-            state = [t for keys, values, heads in layers for t in (keys, values, *(heads or {}).values())]
-            # state_tensors(): the step's write_slot, seq_len, generated and active, and their mirrors.
+            state = [t for keys, values, heads in layers
+                     for t in (keys, values, *(tensor_fields(heads).values() if heads is not None else ()))]
+            # state_tensors(): the step's positions, generated, active and write slots, and their mirrors.
             for tensor in [*state, *self.cache.state_tensors(), self.valid, self.written, self.fixed, self.ring,
                            self.next_token, self.max_new, self.finished, self.seeds, self.do_sample, self.temperature,
                            self.top_p]:
                 torch._dynamo.mark_static_address(tensor)
-
-    def _head_state(self, kv_heads: int, size: int, config, policy: Policy, device: torch.device) -> dict:
-        heads = {
-            "valid": torch.zeros(self.slots, kv_heads, size, dtype=torch.bool, device=device),
-            "positions": torch.full((self.slots, kv_heads, size), -1, dtype=torch.long, device=device),
-            "peak": torch.zeros(self.slots, kv_heads, dtype=torch.long, device=device),
-        }
-        heads["valid"][:, :, 0] = True  # an empty slot attends to one zero key, as in row layouts
-        if policy.accumulates:
-            heads["scores"] = torch.zeros(self.slots, kv_heads, size, device=device)
-        if policy.query_window():
-            _, query_dim = cache_geometry(config)
-            heads["queries"] = torch.zeros(self.slots, config.num_attention_heads, policy.query_window(), query_dim,
-                                           dtype=self.model.dtype, device=device)
-        return heads
 
     def _grow_to(self, size: int) -> None:
         size = 64 * math.ceil(size / 64)
@@ -226,20 +213,21 @@ class Engine:
         self.active.copy_(active)
         index = self.written
         slot = ring_slot(index, self.fixed, self.ring)
-        self.write_slot.copy_(slot)
+        self.write_slot.copy_(slot[:, None])
         self.valid.scatter_(1, slot[:, None], True)  # finished rows too: they must keep attending somewhere
         self.cache.sync()
         mask = self.valid[:, None, None, :]
         if self.eager and not self.head_layouts:
             mask = additive_mask(mask, self.model.dtype)
         logits = self.model(input_ids=self.next_token[:, None], attention_mask=mask,
-                            position_ids=self.seq_len[:, None], past_key_values=self.cache, use_cache=True).logits
+                            position_ids=self.seq_len, past_key_values=self.cache, use_cache=True,
+                            evalkit_cache=self.cache).logits
         logits = logits[:, -1].float().to(self.finished.device)  # a device-mapped model's last layer may be elsewhere
         chosen = choose_tokens(logits, greedy_only, self.seeds, self.generated, self.do_sample,
                                self.temperature, self.top_p, use_top_p)
         step = active.long()
         self.written.add_(step)
-        self.seq_len.add_(step)
+        self.seq_len.add_(step[:, None])
         # A finished row writes past its last token, over a column collected long ago: nothing it produced is lost.
         self.out.scatter_(1, (self.generated % self.out.shape[1])[:, None], chosen[:, None])
         self.generated.add_(step)
@@ -280,8 +268,7 @@ class Engine:
                                            self.prefill_chunk, self.prefill_chunk_mode, targets=slot_view)
         state = session.state
         # Per-head layouts may have grown past their last token (question chunks): copy what is used.
-        used_by_layer = [int(layer.heads.valid[0].any(dim=0).nonzero().max()) + 1 if layer.heads is not None
-                         else layer.keys.shape[-2] for layer in session.cache.layers]
+        used_by_layer = [layout.used(layer) for layout, layer in zip(self.layouts, session.cache.layers)]
         used = max(used_by_layer)
         if used > self.slot_tokens:
             if not self.grow:
@@ -292,27 +279,12 @@ class Engine:
             if not _is_slot(source.keys, layer.keys, slot):  # written straight into the slot at compression, or not
                 layer.keys[slot, :, :used] = source.keys[0, :, :used]
                 layer.values[slot, :, :used] = source.values[0, :, :used]
-            if layer.valid is not None:
-                heads = source.heads
-                layer.valid[slot] = False
-                layer.valid[slot, :, :used] = heads.valid[0, :, :used]
-                layer.positions[slot] = -1
-                layer.positions[slot, :, :used] = heads.positions[0, :, :used]
-                layer.peak[slot] = heads.peak[0]
-                if layer.scores is not None:
-                    layer.scores[slot] = 0.0
-                    layer.scores[slot, :, :used] = heads.scores[0, :, :used]
-                if layer.queries is not None:
-                    layer.queries[slot] = heads.queries[0]
-        self.valid[slot] = self.policy.per_head  # per-head layouts mask by their own validity (see SlotLayer)
-        if not self.policy.per_head:
-            self.valid[slot, : state.slots] = state.valid[0]
+            layer.layout.load(layer, slot, source, used)
+        valid, fixed, ring = self.layout.slot_row(state, self.slot_tokens)
+        self.valid[slot] = valid
         self.seq_len[slot] = int(state.seq_len[0])
         self.written[slot] = int(state.written[0])
-        self.fixed[slot] = int(state.fixed[0])
-        self.ring[slot] = int(state.ring[0])
-        if self.policy.per_head:  # the row-level slot is unused: keep it in range
-            self.fixed[slot], self.ring[slot] = 0, self.slot_tokens
+        self.fixed[slot], self.ring[slot] = fixed, ring
         self.seeds[slot] = request.seed & ((1 << 63) - 1)
         self.do_sample[slot] = request.do_sample
         self.temperature[slot] = request.temperature or 1.0
@@ -370,13 +342,9 @@ class Engine:
             use_top_p = any(r.request.top_p is not None for r in residents.values())
             # Row layouts keep an eager model's own attention; per-head layouts need the engine's masks.
             implementation = None if self.eager and not self.head_layouts else DECODE_ATTENTION
-            ACTIVE_SLOTS[0] = self.cache
-            try:
-                with attention_implementation(self.model, implementation):
-                    for _ in range(self.sync_every):
-                        step_fn(greedy_only, use_top_p)
-            finally:
-                ACTIVE_SLOTS[0] = None
+            with attention_implementation(self.model, implementation):
+                for _ in range(self.sync_every):
+                    step_fn(greedy_only, use_top_p)
             self.counters["decode_steps"] += self.sync_every
             self.counters["busy_slot_steps"] += self.sync_every * len(residents)
             self._collect(residents, done, on_finish)
@@ -456,8 +424,7 @@ class Engine:
         # (Read off the request's own tokens: the device may have run a few steps past a stop string.)
         peak = row_peak = min(resident.held_at_start + max(generated - 1, 0), resident.limit)
         if self.head_layouts:  # per-head layouts are tracked on the device: the mean over layers and heads
-            peaks = [float(layer.peak[slot].float().mean()) if layer.peak is not None else row_peak
-                     for layer in self.cache.layers]
+            peaks = [layer.layout.held(layer, slot, row_peak)[0] for layer in self.cache.layers]
             peak = round(sum(peaks) / len(peaks), 3)
         prompt = resident.stats["prompt_tokens"]
         seen = prompt + max(generated - 1, 0)
@@ -479,7 +446,7 @@ class Engine:
         for layer, policy in zip(self.cache.layers, self.layer_policies):
             per_head = (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
             heads = layer.keys.shape[1]
-            held = int(layer.peak[slot].sum()) if layer.peak is not None else row_peak * heads
+            held = layer.layout.held(layer, slot, row_peak)[1]
             peak += held * per_head
             reserved += self.slot_tokens * heads * per_head
             window = policy.cache_capacity() if isinstance(policy, SlidingWindow) else None

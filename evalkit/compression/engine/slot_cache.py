@@ -1,19 +1,18 @@
 """The engine's static per-slot cache: ``[slots, kv_heads, slot_tokens, head_dim]`` per layer, written in place by
-one decode step for every slot at once, and the decode step's attention over it (registered with transformers as
-``evalkit_decode``)."""
+one decode step for every slot at once where each layer's layout says (:mod:`..layout`), and the decode step's
+attention over it (registered with transformers as ``evalkit_decode``; the step hands it the cache as
+``evalkit_cache``)."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from .attention import CACHE_ARGUMENT
-from .layout import DecodeStep, HeadLayout, HeadState, RowLayout, additive_mask, tensor_fields
-from .model_spec import attention_sinks, family_eager
+from ..attention import CACHE_ARGUMENT
+from ..layout import DecodeStep, HeadLayout, HeadState, RowLayout, additive_mask, tensor_fields
+from ..model_spec import attention_sinks, family_eager
 
 
 def decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
@@ -39,7 +38,6 @@ def decode_attention(module, query, key, value, attention_mask, dropout: float =
     return output, None
 
 
-OUT_RING = 256  # columns of the engine's generated-token ring (at least 2 x (sync_every + 1))
 DECODE_ATTENTION = "evalkit_decode"
 AttentionInterface.register(DECODE_ATTENTION, decode_attention)
 AttentionMaskInterface.register(DECODE_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
@@ -95,19 +93,3 @@ class SlotCache(Cache):
     @property
     def is_compileable(self) -> bool:
         return True
-
-
-@dataclasses.dataclass
-class Resident:
-    """Host-side record of the request a slot serves."""
-
-    index: int
-    request: object  # the engine's Request
-    stats: dict
-    written_at_start: int  # cache writes before the first decode step (to size a growing cache)
-    held_at_start: int  # tokens the cache held after prefill
-    limit: int  # most tokens the cache can hold (fixed + ring)
-    ended_at_once: bool  # its first token ended it
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    stop: object | None = None
-    admitted_at: float = 0.0  # host clock when its first token was chosen (end of its admission)

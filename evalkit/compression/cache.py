@@ -1,21 +1,23 @@
-"""A transformers ``Cache`` whose rows really shrink, and the attention hook that feeds it.
+"""The session's cache: a transformers ``Cache`` whose rows really shrink.
 
-Layout: every layer stores keys/values ``[batch, kv_heads, slots, head_dim]``. Two kinds of bookkeeping:
+Every layer stores keys/values ``[batch, kv_heads, slots, head_dim]``, written where its layout says (:mod:`.layout`):
 
-* **Per row** (:class:`RowState`, shared by all layers; :class:`.layout.RowLayout`), for policies that keep the same *number* of tokens in every
-  layer and head (which tokens differs per layer and head): the first ``kept`` slots of a row hold the surviving
-  prompt tokens in text order, then new tokens are written slot by slot; a ring policy wraps around after ``fixed``
-  slots. Slots a row does not use (a shorter prompt in a batch) are invalid and masked out; padding is never kept.
+* **Per row** (:class:`.layout.RowLayout`, its bookkeeping a :class:`RowState` shared by all layers), for policies that
+  keep the same *number* of tokens in every layer and head (which tokens differs per layer and head): the first
+  ``kept`` slots of a row hold the surviving prompt tokens in text order, then new tokens are written slot by slot; a
+  ring policy wraps around after ``fixed`` slots. Slots a row does not use (a shorter prompt in a batch) are invalid
+  and masked out; padding is never kept.
 * A latent (MLA) cache holds one shared head per layer (DeepSeek's compressed KV as keys, its shared RoPE key as
   values); a policy's per-head scores are then reduced over all the layer's heads, so the latent itself shrinks.
-* **Per layer and KV head** (:class:`.layout.HeadState`, policies with ``per_head``: :class:`.layout.HeadLayout`): each layer keeps a validity mask and
-  the text position of every slot ``[batch, kv_heads, slots]``, so heads and layers may hold different numbers of
-  tokens (PyramidKV, AdaKV: the slot axis is padded to the largest head) and free different slots while decoding
-  (H2O, TOVA, SnapKV re-applied). A new token goes to the first free slot of each head; the attention mask is built
-  per layer from that head's validity. Policies without ``per_head`` never pay for it.
+* **Per layer and KV head** (:class:`.layout.HeadLayout`, policies with ``per_head``): each layer keeps a validity
+  mask and the text position of every slot ``[batch, kv_heads, slots]`` (:class:`.layout.HeadState`), so heads and
+  layers may hold different numbers of tokens (PyramidKV, AdaKV: the slot axis is padded to the largest head) and
+  free different slots while decoding (H2O, TOVA, SnapKV re-applied). A new token goes to the first free slot of each
+  head; the attention mask is built per layer from that head's validity. Policies without ``per_head`` never pay for
+  it.
 
-The attention hook (:mod:`.attention`) hands each layer's prefill attention to :meth:`CompressedCache.prefill_attention`,
-which scores the prompt with the layer's policy and gathers the kept rows into the cache.
+The attention hook (:mod:`.attention`) hands each layer's prefill attention to
+:meth:`CompressedCache.prefill_attention`, which scores the prompt with the layer's policy and gathers the kept rows.
 """
 
 from __future__ import annotations

@@ -63,7 +63,6 @@ class Engine:
         if grow and self.pool.head_layouts:
             raise ValueError(f"{policy.name} on this model keeps layouts per layer and head; reserve slot_tokens "
                              "instead of grow")
-        self.model, self.policy, self.slots = model, policy, slots
         self.grow, self.sync_every, self.requested_slot_tokens = grow, sync_every, slot_tokens
         self.eos = eos_ids(stop_token_ids(model, tokenizer) if eos_token_id is None else eos_token_id)
         self.stops = StopStrings(tokenizer)

@@ -109,7 +109,7 @@ class EvalkitLM(LM):
         if self.max_context < 1:
             raise ValueError("max_context is needed when the model config has no max_position_embeddings")
         self.policy = policy or ec.policy_from_budget(method, budget, self.max_context, **policy_params)
-        ec.cache.check_hookable(model)
+        ec.model_spec.check_hookable(model)
         self.batch_size = int(batch_size)  # engine slots: sequences decoded together
         self.compile, self.sync_every = ec.compile_backend(compile), int(sync_every)
         self.prefill_chunk = None if prefill_chunk in (None, "", "null") else int(prefill_chunk)

@@ -60,7 +60,7 @@ def load_model(pretrained: str, dtype: str = "float32", device: str = "auto", at
     if device_map is None:
         model = model.to(resolve_device(device))
     else:
-        ec.cache.layer_devices(model)  # refuses layers offloaded to meta/disk
+        ec.model_spec.layer_devices(model)  # refuses layers offloaded to meta/disk
     return model.eval(), tokenizer
 
 

@@ -163,7 +163,7 @@ def test_a_chunked_run_records_its_mode_and_exact_mode_scores_as_the_unchunked_r
 
 def test_a_later_chunks_attention_in_row_blocks_is_the_masked_attention(monkeypatch):
     """A chunk's queries over all the keys, computed a few query rows at a time (small masks), equal one masked sdpa."""
-    from evalkit.compression import cache
+    from evalkit.compression import attention as cache
 
     g = torch.Generator().manual_seed(0)
     query, key, value = (torch.randn(1, heads, length, 16, generator=g) for heads, length in ((4, 50), (2, 170), (2, 170)))

@@ -30,7 +30,7 @@ def test_a_device_mapped_model_generates_what_it_does_on_one_device(random_model
     # (inputs moved to each layer's device, the cache left where it is), so that path runs on one device too.
     dispatch_model(mapped, _device_map_of(mapped), force_hooks=True, skip_keys=mapped._skip_keys_device_placement)
     assert hasattr(mapped.model.layers[0], "_hf_hook")
-    assert ec.cache.layer_devices(mapped) == [torch.device("cpu")] * mapped.config.num_hidden_layers
+    assert ec.model_spec.layer_devices(mapped) == [torch.device("cpu")] * mapped.config.num_hidden_layers
     policy = ec.policy_from_budget(method, "4x", 256)
     requests = [ec.Request(input_ids=random_prompt(length, seed=length)[0], max_new_tokens=12)
                 for length in (150, 90, 200)]
@@ -47,7 +47,7 @@ def test_layers_offloaded_to_meta_are_refused():
     with torch.device("meta"):
         model = tiny_model("llama")
     with pytest.raises(ValueError, match=r"layers \[0, 1\] are offloaded"):
-        ec.cache.layer_devices(model)
+        ec.model_spec.layer_devices(model)
 
 
 @pytest.mark.parametrize("value, message", [

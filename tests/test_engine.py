@@ -8,7 +8,7 @@ from torch._dynamo.testing import CompileCounter
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import evalkit.compression as ec
-from evalkit.compression.sampling import choose_tokens, gumbel_noise
+from evalkit.compression.engine.sampling import choose_tokens, gumbel_noise
 
 VOCAB = 256
 
@@ -92,7 +92,7 @@ def test_admission_writes_the_compressed_prompt_straight_into_its_slot(model, mo
     """A compressed prompt (row layout) is written into its slot as each layer is compressed: the admission's session
     holds views of the engine's cache, not a second copy. A prompt under the budget (not compressed) and a question
     prefilled on top of a compressed context are copied as before; every request's tokens equal running alone."""
-    import evalkit.compression.engine as engine_module
+    import evalkit.compression.engine.slot_pool as engine_module
 
     admitted = []
 

@@ -433,7 +433,7 @@ def test_a_block_scales_its_logits_as_the_plain_product_does(scaling):
 def test_attention_sum_methods_prefill_an_unpadded_prompt_in_one_pass(llama, monkeypatch):
     """H2O's prefill takes the one-pass path in every layer of an unpadded prompt (its kept tokens are checked against
     the plain definition above); a padded batch goes through sdpa and the score's own pass."""
-    import evalkit.compression.cache as cache
+    import evalkit.compression.attention as cache
 
     calls = []
     fused = cache.attention_with_sums

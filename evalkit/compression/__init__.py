@@ -12,7 +12,7 @@ Pure torch + transformers; no Hydra or lm-eval imports here.
 from .cache import CompressedCache
 from .engine import Completion, Engine, Request, compile_backend
 from .fidelity import fidelity
-from .generate import GenerationOutput, generate, stop_token_ids
+from .generate import GenerationOutput, generate
 from .kernels import snapkv_scores
 from .methods.adakv import AdaKV
 from .methods.base import Policy
@@ -31,6 +31,7 @@ from .methods.streaming_llm import StreamingLLM
 from .methods.tova import TOVA
 from .session import CHUNK_MODES, CompressionSession, chunk_mode_refusal
 from .spec_prefill import SpecPrefill, map_by_characters
+from .stopping import stop_token_ids
 from .views import DecodeView, PrefillView
 
 __all__ = [

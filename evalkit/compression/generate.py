@@ -14,7 +14,7 @@ from transformers.generation.logits_process import (
 
 from .methods.base import Policy
 from .session import CompressionSession
-from .stopping import eos_ids, stop_criteria, stop_token_ids  # noqa: F401  (stop_token_ids: public here too)
+from .stopping import eos_ids, stop_criteria, stop_token_ids
 
 
 @dataclasses.dataclass
@@ -70,26 +70,54 @@ def prefill(model, policy: Policy, input_ids: torch.Tensor, attention_mask: torc
     return session, logits, time.perf_counter() - started
 
 
-def generate(
-    model,
-    input_ids: torch.LongTensor,
-    policy: Policy,
-    attention_mask: torch.Tensor | None = None,
-    max_new_tokens: int = 64,
-    do_sample: bool = False,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    eos_token_id: int | list[int] | None = None,
-    stop_strings: str | list[str] | None = None,
-    tokenizer=None,
-    seed: int | None = None,
-    pad_token_id: int | None = None,
-    return_logits: bool = True,
-    compress_prefix: int | None = None,
-    position_ids: torch.Tensor | None = None,
-    prefill_chunk: int | None = None,
-    prefill_chunk_mode: str = "exact",
-) -> GenerationOutput:
+def _row_stats(session, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, generated: torch.Tensor,
+               prefill_seconds: float) -> list[dict]:
+    """Per row: its prompt and generated tokens, what its cache realized, and the tokens it saw."""
+    batch = input_ids.shape[0]
+    prompt_tokens = (attention_mask.sum(dim=1).cpu() if attention_mask is not None else torch.full((batch,), input_ids.shape[1]))
+    # Tokens written while a row was still generating: its prompt plus every generated token fed back.
+    seen = prompt_tokens + (generated - 1).clamp(min=0)
+    stats = []
+    for row in range(batch):
+        realized = session.realized(row)
+        stats.append({
+            "prompt_tokens": int(prompt_tokens[row]),
+            "generated_tokens": int(generated[row]),
+            **realized,
+            "tokens_seen": int(seen[row]),
+            "realized_ratio": float(seen[row]) / float(realized["peak_cache_tokens"]),
+            "prefill_seconds": prefill_seconds,
+        })
+    return stats
+
+
+def _chooser(do_sample: bool, temperature: float | None, top_p: float | None, seed: int | None, device):
+    """The next token from the logits: the argmax, or a draw after temperature and top-p (transformers' warpers)
+    from a generator seeded with ``seed``."""
+    if not do_sample:
+        return lambda sequences, logits: logits.argmax(dim=-1)
+    warpers = LogitsProcessorList()
+    if temperature is not None:
+        warpers.append(TemperatureLogitsWarper(temperature))
+    if top_p is not None:
+        warpers.append(TopPLogitsWarper(top_p))
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed if seed is not None else torch.seed())
+
+    def choose(sequences: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        probabilities = warpers(sequences, logits).softmax(dim=-1)
+        return torch.multinomial(probabilities, 1, generator=generator).squeeze(1)
+
+    return choose
+
+
+def generate(model, input_ids: torch.LongTensor, policy: Policy, attention_mask: torch.Tensor | None = None,
+             max_new_tokens: int = 64, do_sample: bool = False, temperature: float | None = None,
+             top_p: float | None = None, eos_token_id: int | list[int] | None = None,
+             stop_strings: str | list[str] | None = None, tokenizer=None, seed: int | None = None,
+             pad_token_id: int | None = None, return_logits: bool = True, compress_prefix: int | None = None,
+             position_ids: torch.Tensor | None = None, prefill_chunk: int | None = None,
+             prefill_chunk_mode: str = "exact") -> GenerationOutput:
     """Generate up to ``max_new_tokens`` tokens per row with the cache under ``policy``.
 
     Prompts in a batch are left-padded (``attention_mask`` 0 on padding). A row stops at an EOS id or once its text
@@ -118,31 +146,17 @@ def generate(
     eos = eos_ids(stop_token_ids(model, tokenizer) if eos_token_id is None else eos_token_id)
     if pad_token_id is None:
         pad_token_id = int(eos[0]) if eos is not None else 0
-    warpers = LogitsProcessorList()
-    if do_sample and temperature is not None:
-        warpers.append(TemperatureLogitsWarper(temperature))
-    if do_sample and top_p is not None:
-        warpers.append(TopPLogitsWarper(top_p))
+    choose = _chooser(do_sample, temperature, top_p, seed, input_ids.device)
     stop = stop_criteria(tokenizer, stop_strings, input_ids.shape[1]) if stop_strings else None
-    generator = None
-    if do_sample:
-        generator = torch.Generator(device=input_ids.device)
-        generator.manual_seed(seed if seed is not None else torch.seed())
-
-    batch = input_ids.shape[0]
     session, logits, prefill_seconds = prefill(model, policy, input_ids, attention_mask, compress_prefix, position_ids,
                                                prefill_chunk, prefill_chunk_mode)
-    unfinished = torch.ones(batch, dtype=torch.bool)
-    generated = torch.zeros(batch, dtype=torch.long)
+    unfinished = torch.ones(len(input_ids), dtype=torch.bool)
+    generated = torch.zeros(len(input_ids), dtype=torch.long)
     sequences, all_logits = input_ids, []
     for step in range(max_new_tokens):
         if return_logits:
             all_logits.append(logits)
-        if do_sample:
-            probabilities = warpers(sequences, logits).softmax(dim=-1)
-            next_tokens = torch.multinomial(probabilities, 1, generator=generator).squeeze(1)
-        else:
-            next_tokens = logits.argmax(dim=-1)
+        next_tokens = choose(sequences, logits)
         next_tokens = torch.where(unfinished.to(next_tokens.device), next_tokens, pad_token_id)
         generated += unfinished.long()
         sequences = torch.cat([sequences, next_tokens[:, None]], dim=1)
@@ -154,19 +168,6 @@ def generate(
             break
         logits = session.step(next_tokens[:, None], active=unfinished)[:, -1]
 
-    prompt_tokens = (attention_mask.sum(dim=1).cpu() if attention_mask is not None else torch.full((batch,), input_ids.shape[1]))
-    # Tokens written while a row was still generating: its prompt plus every generated token fed back.
-    seen = prompt_tokens + (generated - 1).clamp(min=0)
-    stats = []
-    for row in range(batch):
-        realized = session.realized(row)
-        stats.append({
-            "prompt_tokens": int(prompt_tokens[row]),
-            "generated_tokens": int(generated[row]),
-            **realized,
-            "tokens_seen": int(seen[row]),
-            "realized_ratio": float(seen[row]) / float(realized["peak_cache_tokens"]),
-            "prefill_seconds": prefill_seconds,
-        })
+    stats = _row_stats(session, input_ids, attention_mask, generated, prefill_seconds)
     stacked = torch.stack(all_logits, dim=1) if return_logits else None
     return GenerationOutput(sequences=sequences, logits=stacked, stats=stats)

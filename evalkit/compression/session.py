@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from .methods.base import UNBOUNDED, Policy
+from .attention import hooked
+from .cache import CompressedCache, PrefillPlan, RowState
+from .layout import DecodeStep, additive_mask, layout_of
+from .methods.base import Policy
+from .methods.sliding_window import layer_policies
+from .model_spec import check_hookable, rotary_embedding
 
 CHUNK_MODES = ("exact", "compress")
 
@@ -17,9 +22,6 @@ def chunk_mode_refusal(policy: Policy, chunk_mode: str) -> str | None:
         return (f"prefill_chunk_mode=compress needs one budget for every layer and head; {policy.name} allocates "
                 "per layer or head (use prefill_chunk_mode=exact)")
     return None
-from .cache import CompressedCache, RowState, additive_mask, hooked
-from .methods.sliding_window import layer_policies
-from .model_spec import check_hookable, rotary_embedding
 
 
 def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -46,7 +48,7 @@ class CompressionSession:
         self.policy = policy
         self.cache = CompressedCache(policy, model.config.num_hidden_layers, rotary_embedding(model),
                                      layer_policies(model, policy))
-        self.head_layouts = any(p.per_head for p in self.cache.layer_policies)
+        self.layout = layout_of(policy)  # the row's: per-head layouts only count its tokens
         self.evicting = any(p.evicts_while_decoding for p in self.cache.layer_policies)
         self.eager = model.config._attn_implementation == "eager"
 
@@ -80,7 +82,6 @@ class CompressionSession:
             self._check_chunking(input_ids, attention_mask, chunk, chunk_mode)
         if self.cache.state is not None:
             raise RuntimeError("prefill was already run in this session")
-        device = input_ids.device
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         key_valid = attention_mask.bool()
@@ -90,62 +91,62 @@ class CompressionSession:
         n = input_ids.shape[1]
         capacity = self.policy.prompt_capacity()
         keep = min(n, capacity) if capacity is not None else n
-        per_head = self.policy.per_head
-        compress = bool((real_len > keep).any()) or not bool(key_valid.all())  # row layouts; per-head ones always
         positions = _position_ids(attention_mask) if position_ids is None else position_ids
         bounds = [(0, n)] if chunk is None or chunk >= n else [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
-        plan = {"key_valid": key_valid, "compress": compress, "positions": positions,
-                "chunk_mode": chunk_mode if len(bounds) > 1 else None,
-                "reserve": n if len(bounds) > 1 and chunk_mode == "exact" else None}
-        self.cache.prefill_plan = plan
-        with hooked(self.model, self.cache):
+        chunked = len(bounds) > 1
+        # Row layouts compress only rows over their budget or padded; per-head ones always.
+        plan = PrefillPlan(key_valid, positions, compress=bool((real_len > keep).any()) or not bool(key_valid.all()),
+                           chunk_mode=chunk_mode if chunked else None, reserve=n if chunked and chunk_mode == "exact" else None)
+        logits = self._run_prompt(input_ids, None if chunked else attention_mask, positions, bounds, plan, keep)
+        seq_len = real_len.cpu() if position_ids is None else (position_ids.max(dim=1).values + 1).cpu()
+        self._finish_prefill(real_len, keep, seq_len)
+        return logits
+
+    def _run_prompt(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, positions: torch.Tensor,
+                    bounds: list[tuple[int, int]], plan: PrefillPlan, keep: int) -> torch.Tensor:
+        """Run the prompt's passes (``bounds``: one, or its chunks) with the hook compressing every layer; return the
+        last token's logits."""
+        device, n = input_ids.device, input_ids.shape[1]
+        self.cache.plan = plan
+        with hooked(self.model):
             for begin, end in bounds:
-                plan["final"] = end == n
-                if plan["chunk_mode"] == "compress":  # the cache's kept tokens, then the chunk: a prompt of its own
+                plan.final = end == n
+                if plan.chunk_mode == "compress":  # the cache's kept tokens, then the chunk: a prompt of its own
                     held = self.cache.get_seq_length() if begin else 0
-                    plan["compress"] = held + end - begin > keep
-                    plan["key_valid"] = torch.ones(len(input_ids), held + end - begin, dtype=torch.bool, device=device)
-                    plan["positions"] = torch.cat([torch.full((len(input_ids), held), -1, device=device),
-                                                   positions[:, begin:end]], dim=1)
+                    plan.compress = held + end - begin > keep
+                    plan.key_valid = torch.ones(len(input_ids), held + end - begin, dtype=torch.bool, device=device)
+                    plan.positions = torch.cat([torch.full((len(input_ids), held), -1, device=device),
+                                                positions[:, begin:end]], dim=1)
                 self.cache.compressed_layers = set()
-                output = self.model(
-                    input_ids=input_ids[:, begin:end],
-                    attention_mask=attention_mask if len(bounds) == 1 else None,
-                    position_ids=positions[:, begin:end],
-                    past_key_values=self.cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
+                output = self.model(input_ids=input_ids[:, begin:end], attention_mask=attention_mask,
+                                    position_ids=positions[:, begin:end], past_key_values=self.cache, use_cache=True,
+                                    logits_to_keep=1, evalkit_cache=self.cache)
                 missing = set(range(len(self.cache.layers))) - self.cache.compressed_layers
                 if missing:
                     raise RuntimeError(
                         f"the compression hook never ran for layers {sorted(missing)}: this model's attention does "
                         "not go through transformers' AttentionInterface, so it cannot be compressed"
                     )
-        self.cache.prefill_plan = None
+        self.cache.plan = None
+        return output.logits[:, -1].float()
+
+    def _finish_prefill(self, real_len: torch.Tensor, keep: int, seq_len: torch.Tensor) -> None:
+        """The row bookkeeping after prefill: per row, the slots its kept prompt holds, and where decoding goes on."""
         for layer in self.cache.layers:
             layer.reserved = None  # an uncompressed layer keeps its view of it; a compressed one, its own copy
         self.cache.prefill_slots = [layer.keys.shape[-2] for layer in self.cache.layers]
-        head_slots = self.cache.finish_head_prefill() if self.head_layouts else 0
-        if per_head:
-            # Rows keep per-layer, per-head validity; the row state only counts tokens and positions.
-            keep = head_slots
-            kept = torch.stack([layer.heads.kept_prompt.amax(dim=1).cpu() for layer in self.cache.layers]).amax(dim=0)
-            fixed, ring = kept.clone(), torch.full_like(kept, UNBOUNDED)
-        else:
-            kept = torch.minimum(real_len, torch.tensor(keep, device=device)).cpu()
-            fixed, ring = self.policy.decode_layout(kept)
+        slots, kept, fixed, ring = self.layout.row_plan(self.cache, real_len, keep, self.cache.finish_head_prefill())
+        device = real_len.device
         self.cache.state = RowState(
-            valid=torch.arange(keep, device=device)[None, :] < kept.to(device)[:, None],
-            slot_pos=torch.full((len(kept), keep), -1, dtype=torch.long, device=device),
-            seq_len=real_len.cpu() if position_ids is None else (position_ids.max(dim=1).values + 1).cpu(),
+            valid=torch.arange(slots, device=device)[None, :] < kept.to(device)[:, None],
+            slot_pos=torch.full((len(kept), slots), -1, dtype=torch.long, device=device),
+            seq_len=seq_len,
             written=kept.clone(),
             fixed=fixed,
             ring=ring,
             kept_prompt=kept.clone(),
             peak=kept.clone(),
         )
-        return output.logits[:, -1].float()
 
     def _check_chunking(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, chunk: int,
                         chunk_mode: str) -> None:
@@ -167,33 +168,21 @@ class CompressionSession:
         """
         if self.cache.state is None:
             raise RuntimeError("call prefill before step")
-        count = input_ids.shape[1]
+        count, device = input_ids.shape[1], input_ids.device
         if active is None:
             active = torch.ones(input_ids.shape[0], dtype=torch.bool)
-        per_head = self.policy.per_head
-        if count > 1 and (self.evicting or (not per_head and self.state.wraps(count))):
+        if count > 1 and (self.evicting or self.layout.wraps(self.state, count)):
             return torch.cat([self.step(input_ids[:, i : i + 1], active) for i in range(count)], dim=1)
-        positions = self.state.seq_len[:, None].to(input_ids.device) + torch.arange(count, device=input_ids.device)
-        if self.head_layouts:  # layers with per-head layouts build their own masks (see the hook)
-            self.cache.pending_positions, self.cache.active = positions, active.to(input_ids.device)
-            self.cache.decode_steps += 1
-        if per_head:
-            state = self.state
-            state.seq_len += count
-            state.written += count
-            mask = None
-        else:
-            mask = self.cache.plan_step(count, active.cpu())
-            if self.eager:
-                mask = additive_mask(mask, self.model.dtype)
-        with hooked(self.model, self.cache):
-            output = self.model(
-                input_ids=input_ids,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=self.cache,
-                use_cache=True,
-            )
+        positions = self.state.seq_len[:, None].to(device) + torch.arange(count, device=device)
+        self.cache.decode_steps += 1
+        slots, mask, all_visible = self.layout.advance(self.state, count, active.cpu())
+        steps = torch.full((len(input_ids),), self.cache.decode_steps, dtype=torch.long, device=device)
+        self.cache.step = DecodeStep(positions, steps, active.to(device), slots, all_visible)
+        if mask is not None and self.eager:
+            mask = additive_mask(mask, self.model.dtype)
+        with hooked(self.model):
+            output = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                                past_key_values=self.cache, use_cache=True, evalkit_cache=self.cache)
         return output.logits.float()
 
     def realized(self, row: int) -> dict:

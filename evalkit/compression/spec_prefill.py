@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from .generate import stop_token_ids
+from .stopping import stop_token_ids
 
 
 @dataclasses.dataclass

@@ -45,3 +45,35 @@ def stop_criteria(tokenizer, stop_strings: str | list[str], prompt_length: int):
         return DecodedStop(tokenizer, stop_strings, prompt_length)
 
 
+
+
+class StopStrings:
+    """The engine's stop strings: one criteria per set of strings (built once, kept across runs), and where the first
+    one appears in a request's generated tokens."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.criteria: dict[tuple[str, ...], object] = {}
+
+    def checker(self, strings: tuple[str, ...]):
+        """The criteria for ``strings`` (None: no stop strings)."""
+        if not strings:
+            return None
+        if strings not in self.criteria:
+            if self.tokenizer is None:
+                raise ValueError("stop_strings need the engine's tokenizer")
+            self.criteria[strings] = stop_criteria(self.tokenizer, list(strings), 0)
+        return self.criteria[strings]
+
+    def cut(self, tokens: list[int], start: int, strings: tuple[str, ...], checker) -> int | None:
+        """Length of ``tokens`` once the first of ``strings`` appears among those from ``start`` on (None: none)."""
+        if len(tokens) == start:
+            return None
+        if self.tokenizer is not None:  # quick look at the new text first; most looks find nothing
+            tail = self.tokenizer.decode(tokens[max(0, start - 64) :], skip_special_tokens=True)
+            if not any(s in tail for s in strings):
+                return None
+        for length in range(start + 1, len(tokens) + 1):
+            if bool(checker(torch.tensor([tokens[:length]]), None)[0]):
+                return length
+        return None

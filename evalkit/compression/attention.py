@@ -1,0 +1,124 @@
+"""The attention hook: attention functions registered in transformers' ``AttentionInterface`` that delegate the
+attention itself to the model's own implementation (sdpa or eager) and hand the session's cache what it needs: at the
+end of prefill, the post-RoPE queries and the layer's keys (the policy scores them, the cache keeps its picks); while
+decoding, each layer's mask and eviction from its layout (:mod:`.layout`).
+
+The cache travels with the model call as the keyword argument ``evalkit_cache`` (transformers hands a forward's extra
+keyword arguments down to every attention call): no global state, and a compiled step can read it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+from .kernels import attention_with_sums
+from .model_spec import attention_sinks, family_eager
+
+CACHE_ARGUMENT = "evalkit_cache"  # the model call's keyword argument that hands the attention its cache
+MASK_CELLS = 1 << 22  # a later prefill chunk's attention: query rows per call so that its mask stays this small
+
+
+def _later_chunk(cache, module, query, key, value, eager: bool) -> bool:
+    """Whether this attention is a later chunk of a chunked prefill that :func:`chunk_attention` may compute: sdpa,
+    a full-attention layer of a model with per-head keys (not a latent), no learned sinks."""
+    return (cache is not None and cache.plan is not None and cache.plan.chunk_mode is not None
+            and not eager and query.shape[2] < key.shape[2] and attention_sinks(module) is None
+            and not getattr(module, "sliding_window", None) and query.shape[-1] == key.shape[-1] == value.shape[-1]
+            and query.shape[1] % key.shape[1] == 0)
+
+
+def chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Causal attention of a prefill chunk's queries (the last q of the n keys) over every key, a block of query rows
+    at a time, each block's mask at most :data:`MASK_CELLS` cells (the chunk's own mask, q x n, is what would
+    otherwise bound chunked prefill's memory: a 4k chunk at 32k tokens is 128M cells, 512 MB as sdpa's float mask).
+    Returns ``[B, q, Hq, D]``, as transformers' sdpa attention does."""
+    count, n = query.shape[2], key.shape[2]
+    past = n - count
+    rows = max(1, min(count, MASK_CELLS // n))
+    blocks = []
+    for begin in range(0, count, rows):
+        end = min(count, begin + rows)
+        visible = (torch.arange(past + end, device=query.device)[None, :]
+                   <= torch.arange(past + begin, past + end, device=query.device)[:, None])
+        blocks.append(torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, begin:end], key[:, :, : past + end], value[:, :, : past + end], attn_mask=visible[None, None],
+            scale=scaling, enable_gqa=query.shape[1] != key.shape[1]))
+    return torch.cat(blocks, dim=2).transpose(1, 2).contiguous()
+
+
+def _fused_prefill(cache, module, query, key, value, eager: bool) -> bool:
+    """Whether this attention is a whole unpadded prompt's, in a layer whose policy scores by attention sums and will
+    compress it: :func:`attention_with_sums` then computes the output and the sums in one pass (sdpa models; a
+    full-attention layer with per-head keys, no learned sinks)."""
+    if cache is None or cache.plan is None or cache.plan.chunk_mode is not None or eager:
+        return False
+    plan, policy = cache.plan, cache.layer_policies[module.layer_idx]
+    return (policy.sums_attention and plan.compress and query.shape[2] == key.shape[2] > 1
+            and bool(plan.key_valid.all()) and attention_sinks(module) is None
+            and not getattr(module, "sliding_window", None) and query.shape[-1] == key.shape[-1] == value.shape[-1]
+            and query.shape[1] % key.shape[1] == 0 and module.layer_idx not in cache.compressed_layers)
+
+
+def _hooked_attention(delegate, eager: bool):
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        cache = kwargs.pop(CACHE_ARGUMENT, None)
+        scaling = kwargs.get("scaling", module.scaling)
+        if _later_chunk(cache, module, query, key, value, eager):
+            output = chunk_attention(query, key, value, scaling)
+            cache.prefill_attention(module.layer_idx, module, query, key, value, scaling)
+            return output, None
+        if _fused_prefill(cache, module, query, key, value, eager):
+            output, sums = attention_with_sums(query, key, value, scaling)
+            # The view then holds no queries: its sums are all of them (``prior_sums``), and nothing is recomputed.
+            cache.compress_layer(module.layer_idx, module, query[:, :, :0], key, value, scaling, sums)
+            return output, None
+        decoding = cache is not None and cache.plan is None
+        if decoding:  # the layer's layout masks the step (a per-head layout by each head's own validity)
+            layer, step = cache.layers[module.layer_idx], cache.step.on(key.device)
+            attention_mask = layer.layout.decode_mask(layer, step, attention_mask, query.shape[1],
+                                                      query.dtype if eager else None)
+        forward = family_eager(module, delegate) if eager else delegate
+        output = forward(module, query, key, value, attention_mask, **kwargs)
+        if cache is not None and cache.plan is not None:
+            cache.prefill_attention(module.layer_idx, module, query, key, value, scaling)
+        elif decoding:
+            layer.layout.after_attention(layer, step, query, key, value, scaling, attention_sinks(module), module)
+        return output
+
+    return attention
+
+
+def _register_hooks() -> None:
+    # Llama's eager attention is the one the Llama, Qwen2/3 and Mistral families share.
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    delegates = {"sdpa": sdpa_attention_forward, "eager": eager_attention_forward}
+    for name, delegate in delegates.items():
+        AttentionInterface.register(f"evalkit_{name}", _hooked_attention(delegate, eager=name == "eager"))
+        AttentionMaskInterface.register(f"evalkit_{name}", ALL_MASK_ATTENTION_FUNCTIONS[name])
+
+
+_register_hooks()
+
+
+@contextlib.contextmanager
+def attention_implementation(model, name: str | None):
+    """Run the model's attention through the registered implementation ``name`` for the duration (None: leave it)."""
+    original = model.config._attn_implementation
+    if name is not None:
+        model.config._attn_implementation = name
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = original
+
+
+def hooked(model):
+    """Route the model's attention through the hook for the duration (each model call then hands it the cache as
+    ``evalkit_cache``)."""
+    return attention_implementation(model, f"evalkit_{model.config._attn_implementation}")

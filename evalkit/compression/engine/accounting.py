@@ -1,0 +1,62 @@
+"""What the engine counts: decode steps and busy slot-steps (its utilization), and each finished request's stats,
+read off the request's own tokens and the tensors the engine allocated."""
+
+from __future__ import annotations
+
+import time
+
+from ..methods.sliding_window import SlidingWindow
+from .request import Completion, Resident
+from .slot_pool import SlotPool
+
+
+class Accounting:
+    def __init__(self, pool: SlotPool):
+        self.pool = pool
+        self.counters = {"decode_steps": 0, "busy_slot_steps": 0}
+
+    def count(self, steps: int, busy_slots: int) -> None:
+        self.counters["decode_steps"] += steps
+        self.counters["busy_slot_steps"] += steps * busy_slots
+
+    def utilization(self) -> float:
+        """Busy slot-steps over all slot-steps so far."""
+        total = self.counters["decode_steps"] * self.pool.slots
+        return self.counters["busy_slot_steps"] / total if total else 0.0
+
+    def complete(self, slot: int, resident: Resident) -> Completion:
+        generated = len(resident.tokens)
+        # Every token fed back takes a new slot until the ring is full; the count never drops, so the end is the peak.
+        # (Read off the request's own tokens: the device may have run a few steps past a stop string.)
+        peak = row_peak = min(resident.held_at_start + max(generated - 1, 0), resident.limit)
+        if self.pool.head_layouts:  # per-head layouts are tracked on the device: the mean over layers and heads
+            peaks = [layer.layout.held(layer, slot, row_peak)[0] for layer in self.pool.cache.layers]
+            peak = round(sum(peaks) / len(peaks), 3)
+        prompt = resident.stats["prompt_tokens"]
+        seen = prompt + max(generated - 1, 0)
+        # From its first token to the sync at which its end was seen (up to sync_every steps later).
+        decode_seconds = time.perf_counter() - resident.admitted_at
+        stats = {**resident.stats, "decode_seconds": decode_seconds, "generated_tokens": generated,
+                 "peak_cache_tokens": peak, "tokens_seen": seen,
+                 "realized_ratio": seen / peak, "reserved_cache_tokens": self.pool.slot_tokens,
+                 **self._bytes(slot, row_peak, seen)}
+        return Completion(resident.index, list(resident.tokens), stats)
+
+    def _bytes(self, slot: int, row_peak: int, seen: int) -> dict:
+        """What the request's cache really took, in bytes, read off the tensors the engine allocated: ``kv_bytes_peak``
+        the most it held (per layer: its peak tokens, or per head its own peak, times the bytes of a token's keys
+        and values in that layer's dtype and widths: latent widths for MLA), ``kv_bytes_reserved`` what its slot
+        reserves, ``kv_bytes_full`` what a full cache holds for the same ``seen`` tokens (a sliding-window layer at
+        most its window), and ``memory_ratio`` = full / peak."""
+        peak = reserved = full = 0
+        for layer in self.pool.cache.layers:
+            token_bytes = (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
+            heads = layer.keys.shape[1]
+            held = layer.layout.held(layer, slot, row_peak)[1]
+            peak += held * token_bytes
+            reserved += self.pool.slot_tokens * heads * token_bytes
+            policy = layer.layout.policy
+            window = policy.cache_capacity() if isinstance(policy, SlidingWindow) else None
+            full += (min(seen, window) if window else seen) * heads * token_bytes
+        return {"kv_bytes_peak": peak, "kv_bytes_reserved": reserved, "kv_bytes_full": full,
+                "memory_ratio": full / peak if peak else None}

@@ -1,0 +1,68 @@
+"""What goes into the engine and comes out: a :class:`Request`, its :class:`Completion`, and the host's record of the
+request a slot serves (:class:`Resident`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation: prompt token ids and its own settings.
+
+    ``compress_prefix`` and ``position_ids`` mean what they mean for :func:`evalkit.compression.generate`.
+    """
+
+    input_ids: Sequence[int] | torch.Tensor
+    max_new_tokens: int = 64
+    do_sample: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    stop_strings: Sequence[str] = ()
+    seed: int = 0
+    compress_prefix: int | None = None
+    position_ids: Sequence[int] | torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        self.input_ids = torch.as_tensor(self.input_ids, dtype=torch.long).reshape(-1)
+        if self.input_ids.numel() == 0:
+            raise ValueError("a request needs at least one prompt token")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if self.temperature is not None and not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if (self.temperature is not None or self.top_p is not None) and not self.do_sample:
+            raise ValueError("temperature and top_p apply only with do_sample=True")
+        self.stop_strings = (self.stop_strings,) if isinstance(self.stop_strings, str) else tuple(self.stop_strings)
+        if self.position_ids is not None:
+            self.position_ids = torch.as_tensor(self.position_ids, dtype=torch.long).reshape(-1)
+            if self.position_ids.shape != self.input_ids.shape:
+                raise ValueError("position_ids must have one position per prompt token")
+
+
+@dataclasses.dataclass
+class Completion:
+    index: int  # the request's place in the stream
+    tokens: list[int]  # generated tokens (EOS included when it ended the request; nothing after a stop string)
+    stats: dict  # as generate()'s stats, plus reserved_cache_tokens (the slot's allocation)
+
+
+@dataclasses.dataclass
+class Resident:
+    """Host-side record of the request a slot serves."""
+
+    index: int
+    request: Request
+    stats: dict
+    written_at_start: int  # cache writes before the first decode step (to size a growing cache)
+    held_at_start: int  # tokens the cache held after prefill
+    limit: int  # most tokens the cache can hold (fixed + ring)
+    ended_at_once: bool  # its first token ended it
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    stop: object | None = None
+    admitted_at: float = 0.0  # host clock when its first token was chosen (end of its admission)

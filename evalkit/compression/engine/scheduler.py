@@ -1,0 +1,85 @@
+"""A stream's way through the slots: waiting requests take free slots in arrival order; the host looks at the slots
+every ``sync_every`` steps for new tokens, stop strings and finished requests, and hands those back."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from ..stopping import StopStrings
+from .request import Completion, Request, Resident
+from .slot_pool import SlotPool
+
+
+class Scheduler:
+    """One run of ``stream``: who waits, who holds which slot, who is done."""
+
+    def __init__(self, stream: list[Request], pool: SlotPool, stops: StopStrings, eos: torch.Tensor | None,
+                 sync_every: int):
+        self.pool, self.stops, self.eos, self.sync_every = pool, stops, eos, sync_every
+        self.waiting = deque(enumerate(stream))
+        self.residents: dict[int, Resident] = {}
+        self.done: dict[int, Completion] = {}
+        self.started = time.perf_counter()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.residents)
+
+    def admit(self) -> bool:
+        """Fill the free slots from the queue; return whether a request ended at its first token (EOS, or one new
+        token asked for)."""
+        ended_at_once = False
+        for slot in range(self.pool.slots):
+            if slot not in self.residents and self.waiting:
+                index, request = self.waiting.popleft()
+                resident = self.residents[slot] = self.pool.admit(slot, index, request, self.eos)
+                resident.stop = self.stops.checker(request.stop_strings)
+                # Timed on the host where admission already synchronised (its first token was read back).
+                resident.admitted_at = time.perf_counter()
+                resident.stats["time_to_first_token_s"] = resident.admitted_at - self.started
+                ended_at_once |= resident.ended_at_once
+        return ended_at_once
+
+    def collect(self, complete: Callable[[int, Resident], Completion],
+                on_finish: Callable[[Completion], None] | None) -> None:
+        """The host's look at the slots: new tokens, stop strings, finished requests out (``complete`` makes a
+        finished request's completion)."""
+        if not self.residents:
+            return
+        generated, finished, recent = self._look()
+        rows = self.pool.rows
+        for slot in list(self.residents):
+            resident = self.residents[slot]
+            start = len(resident.tokens)
+            resident.tokens += recent[slot][: generated[slot] - start]
+            cut = (self.stops.cut(resident.tokens, start, resident.request.stop_strings, resident.stop)
+                   if resident.stop is not None else None)
+            if cut is not None:
+                del resident.tokens[cut:]
+                rows.finished[slot] = True
+            elif not finished[slot]:
+                continue
+            self.done[resident.index] = completion = complete(slot, resident)
+            del self.residents[slot]
+            if on_finish is not None:
+                on_finish(completion)
+
+    def _look(self) -> tuple[list[int], list[bool], list[list[int]]]:
+        """In one transfer: per slot, its token count, whether it is finished, and its tokens since the last look
+        (at most ``sync_every + 1``)."""
+        rows = self.pool.rows
+        width = self.sync_every + 1
+        starts = torch.tensor([len(self.residents[s].tokens) if s in self.residents else 0
+                               for s in range(self.pool.slots)], device=rows.out.device)
+        columns = (starts[:, None] + torch.arange(width, device=rows.out.device)) % rows.out.shape[1]
+        view = torch.cat([rows.generated[:, None], rows.finished[:, None].long(), rows.out.gather(1, columns)], dim=1)
+        table = view.tolist()
+        return [r[0] for r in table], [bool(r[1]) for r in table], [r[2:] for r in table]
+
+    def completions(self) -> list[Completion]:
+        """Every completion, in request order."""
+        return [self.done[i] for i in range(len(self.done))]

@@ -75,7 +75,8 @@ def test_duplicate_longbench_ids_are_a_data_error_or_skipped_and_counted(tmp_pat
     path = write_jsonl(tmp_path / "lb.jsonl", rows)
     result = evalkit("task=longbench_v2", f"task.dataset.path={path}", f"results_dir={tmp_path / 'results'}", cwd=tmp_path)
     assert_one_line_error(result, tmp_path, "lb.jsonl: row 3 (_id=lb-1): field '_id': duplicate id 'lb-1' (first at row 1)")
-    from evalkit.scoring import data, longbench
+    from evalkit.scoring import data
+    from evalkit.tasks.longbench_v2 import longbench
 
     with data.collecting_skipped_rows() as skipped:
         kept = checked_rows(load_rows(str(path)), str(path), longbench.check_row, "skip", id_field="_id")

@@ -13,8 +13,9 @@ import torch
 from test_benchmarks import lcb_rows
 
 from evalkit.lm import CONTEXT_END, EvalkitLM, truncate_middle
-from evalkit.scoring import aime, longbench
-from evalkit.scoring import livecodebench as lcb
+from evalkit.tasks.aime24 import aime
+from evalkit.tasks.livecodebench import livecodebench as lcb
+from evalkit.tasks.longbench_v2 import longbench
 from evalkit.train_tiny import build_tokenizer
 
 

@@ -1,11 +1,11 @@
-"""lm-eval hooks of LongBench-v2; the protocol itself lives in evalkit.scoring.longbench."""
+"""lm-eval hooks of LongBench-v2; the protocol itself lives beside them, in longbench.py."""
 
 import json
 
 import datasets
 
-from evalkit.scoring import longbench
 from evalkit.scoring.data import checked_rows, load_rows
+from evalkit.tasks.longbench_v2 import longbench
 
 
 def load(path=longbench.HUB_ID, cot=False, reasoning_file=None, reasoning_max_gen_toks=1024, bad_rows="error",

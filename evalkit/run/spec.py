@@ -1,5 +1,5 @@
 """A run's config, checked: :func:`validate` turns a composed config (plain dict) into a :class:`RunSpec` before any
-model loads, or raises :class:`~evalkit.run.errors.ConfigError` with one line."""
+model loads, or raises :class:`~evalkit.errors.ConfigError` with one line."""
 
 from __future__ import annotations
 
@@ -10,10 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from evalkit import budget as budget_grammar
-from evalkit import task_defs
-from evalkit.paths import tasks_dir
-
-from .errors import ConfigError, InvalidCombination
+from evalkit.errors import ConfigError, InvalidCombination
+from evalkit.task import LM_EVAL, task_of
 
 if TYPE_CHECKING:  # torch and the compression code load with the first validate(), not with this module
     import evalkit.compression as ec
@@ -37,7 +35,6 @@ def __getattr__(name: str):
 # `generation` (overrides of the task's generation_kwargs), `repeats` (samples per prompt), `system_instruction`.
 # `gen_prefix`: text the assistant turn starts with (AIME's "<think>\n" switch).
 # `source: lm_eval`: a task of lm-eval's own registry (conf/task/lm_eval.yaml), with `num_fewshot` and `metadata`.
-LM_EVAL = "lm_eval"  # task.source of a task from lm-eval's own registry (conf/task/lm_eval.yaml)
 TASK_OPTION_KEYS = ("dataset", "generation", "repeats", "system_instruction", "gen_prefix", "source", "num_fewshot",
                     "metadata")
 
@@ -186,10 +183,8 @@ def precheck(cfg: dict) -> dict:
         raise ConfigError("task.name is required: the lm-eval task to run (task=lm_eval task.name=gsm8k)")
     if source not in (None, LM_EVAL):
         raise ConfigError(f"task.source must be lm_eval (a task of lm-eval's registry) or absent, got {source!r}")
-    if source is None and not (tasks_dir() / task_name).is_dir():
-        available = sorted(p.name for p in tasks_dir().iterdir() if p.is_dir() and not p.name.startswith(("_", ".")))
-        raise ConfigError(f"unknown task {task_name!r}; available: {available}")
     options = {key: task.get(key) for key in TASK_OPTION_KEYS if task.get(key) is not None}
+    task_of(task_name, options).check()
     check_known(task, ("name", *TASK_OPTION_KEYS), "task.")
     for key in ("dataset", "generation"):
         if not isinstance(options.get(key, {}), dict):
@@ -271,12 +266,7 @@ def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
     except (ValueError, TypeError) as error:
         raise ConfigError(str(error)) from None
     apply_chat_template = checked["apply_chat_template"]
-    adjust = task_defs.hook(checked["task"], "adjust_options")  # the task's own option rules (tasks/<name>/utils.py)
-    if adjust is not None:
-        try:
-            apply_chat_template = adjust(options, apply_chat_template)
-        except ValueError as error:
-            raise ConfigError(f"task.{error}") from None
+    apply_chat_template = task_of(checked["task"], options).adjust_options(options, apply_chat_template)
     prefill_chunk, chunk_mode = checked["prefill_chunk"], cfg.get("prefill_chunk_mode", "exact")
     # The mode is checked always; whether the method can take it, only when it applies (a chunk is set).
     refusal = ec.chunk_mode_refusal(policy if prefill_chunk is not None else ec.Full(), chunk_mode)

@@ -21,18 +21,9 @@ from tqdm import tqdm
 
 import evalkit.compression as ec
 from evalkit.measure import Throughput
-from evalkit.models import (  # noqa: F401  (their former home: kept for callers)
-    ASSETS,
-    DTYPES,
-    check_loaded_weights,
-    check_weight_files,
-    load_model,
-    resolve_device,
-    resolve_pretrained,
-    stop_token_ids_of,
-)
+from evalkit.models import load_model
 from evalkit.progress import request_keys
-from evalkit.prompts import CONTEXT_END, SCOPES, TRUNCATIONS, truncate_middle  # noqa: F401  (the adapter's names)
+from evalkit.prompts import CONTEXT_END, SCOPES, TRUNCATIONS, truncate_middle
 
 POLICY_FIELDS = tuple(sorted({field for name in ec.POLICIES for field in ec.method_params(name)}))
 

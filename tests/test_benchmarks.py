@@ -9,7 +9,7 @@ import zlib
 
 import pytest
 
-from evalkit.lm import CONTEXT_END
+from evalkit.prompts import CONTEXT_END
 from evalkit.scoring.data import load_rows
 from evalkit.tasks.aime24 import aime
 from evalkit.tasks.livecodebench import livecodebench as lcb

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from evalkit.lm import CONTEXT_END
+from evalkit.prompts import CONTEXT_END
 from evalkit.tasks.longbench_v2 import longbench
 
 # -- LongBench-v2 (pred.py, result.py) ------------------------------------------------------------------------------
@@ -40,7 +40,8 @@ def byte_level_lm(random_model_dir):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from evalkit.lm import EvalkitLM, load_model
+    from evalkit.lm import EvalkitLM
+    from evalkit.models import load_model
 
     core = Tokenizer(models.BPE())
     core.pre_tokenizer, core.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()

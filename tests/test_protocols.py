@@ -12,7 +12,8 @@ import pytest
 import torch
 from test_benchmarks import lcb_rows
 
-from evalkit.lm import CONTEXT_END, EvalkitLM, truncate_middle
+from evalkit.lm import EvalkitLM
+from evalkit.prompts import CONTEXT_END, truncate_middle
 from evalkit.tasks.aime24 import aime
 from evalkit.tasks.livecodebench import livecodebench as lcb
 from evalkit.tasks.longbench_v2 import longbench

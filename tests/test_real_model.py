@@ -22,7 +22,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from evalkit.lm import load_model
+    from evalkit.models import load_model
 
     torch.set_num_threads(2)
     return load_model(SMOLLM2, device="cpu")

@@ -12,7 +12,7 @@ import importlib
 
 _HOMES = {
     "evalkit.errors": ("ConfigError", "Interrupted", "InvalidCombination", "RunError"),
-    f"{__name__}.spec": ("METHOD_PARAMS", "MODEL_KEYS", "RUN_KEYS", "TASK_OPTION_KEYS", "RunSpec", "check_known",
+    f"{__name__}.spec": ("MODEL_KEYS", "RUN_KEYS", "TASK_OPTION_KEYS", "RunSpec", "check_known",
                          "precheck", "validate"),
     f"{__name__}.digest": ("completed_runs", "config_digest", "identify"),
     f"{__name__}.pricing": ("deployed_capacity", "memory_rows"),

@@ -25,12 +25,6 @@ def _method_params() -> dict[str, tuple[str, ...]]:
     return {name: ec.method_params(name) for name in ec.POLICIES}
 
 
-def __getattr__(name: str):
-    if name == "METHOD_PARAMS":  # kept for callers of the former module-level table
-        return _method_params()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 # conf/task/<name>.yaml beyond its name: `dataset` (arguments of the task's loader: hub id or path, release, ...),
 # `generation` (overrides of the task's generation_kwargs), `repeats` (samples per prompt), `system_instruction`.
 # `gen_prefix`: text the assistant turn starts with (AIME's "<think>\n" switch).

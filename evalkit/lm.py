@@ -24,8 +24,7 @@ from evalkit.measure import Throughput
 from evalkit.models import load_model
 from evalkit.progress import request_keys
 from evalkit.prompts import CONTEXT_END, SCOPES, TRUNCATIONS, truncate_middle
-
-POLICY_FIELDS = tuple(sorted({field for name in ec.POLICIES for field in ec.method_params(name)}))
+from evalkit.run.spec import policy_from_config
 
 
 def stats_keys(requests) -> list[tuple]:
@@ -83,9 +82,6 @@ class EvalkitLM(LM):
             raise ValueError(f"compression_scope must be one of {SCOPES}, got {compression_scope!r}")
         self.compression_scope = compression_scope
         self.context_unmarked = 0  # compression_scope=context: prompts without the end-of-context mark (compressed whole)
-        unknown = set(policy_params) - set(POLICY_FIELDS)
-        if unknown:
-            raise ValueError(f"unknown evalkit model arguments {sorted(unknown)}")
         if model is None:
             if pretrained is None:
                 raise ValueError("give either pretrained=<hub id or path> or a loaded model")
@@ -99,7 +95,8 @@ class EvalkitLM(LM):
         self.max_context = int(max_context or getattr(model.config, "max_position_embeddings", 0) or 0)
         if self.max_context < 1:
             raise ValueError("max_context is needed when the model config has no max_position_embeddings")
-        self.policy = policy or ec.policy_from_budget(method, budget, self.max_context, **policy_params)
+        # lm_eval --model evalkit --model_args method=...,budget=...: checked as the evalkit CLI checks a config
+        self.policy = policy or policy_from_config({"name": method, **policy_params}, budget, self.max_context)
         ec.cache.check_hookable(model)
         self.batch_size = int(batch_size)  # engine slots: sequences decoded together
         self.compile, self.sync_every = ec.compile_backend(compile), int(sync_every)

@@ -229,21 +229,19 @@ def precheck(cfg: dict) -> dict:
     }
 
 
-def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
-    """Check a composed config (plain dict) and build the policy; raise ConfigError with one clear line."""
+def policy_from_config(method_cfg: dict, budget: str | None, max_context: int,
+                       method_explicit: bool = True) -> ec.Policy:
+    """The KV policy of a method config (``conf/method/<name>.yaml``'s keys, ``name`` among them) at ``budget`` (the
+    budget grammar's text; None: none) over ``max_context`` tokens: the one way the evalkit CLI, ``lm_eval --model
+    evalkit`` and Python callers build a policy, so that all three refuse a bad value alike. With ``method_explicit``
+    False, a method without a budget is the full-cache baseline (``evalkit task=X``). Raises ConfigError (one line)."""
     import evalkit.compression as ec
 
-    from .pricing import price_deployment
-
-    checked = precheck(cfg)
-    budget, max_context, options = checked["budget"], checked["max_context"], checked["options"]
-    method_cfg = dict(cfg.get("method") or {})
+    method_cfg = dict(method_cfg)
     method = method_cfg.pop("name", None)
-    spec_prefill, label = None, method
-    if method == "spec_prefill":
-        spec_prefill = _spec_prefill_settings(method_cfg)
-        method = spec_prefill.pop("then")
-        method_explicit = True  # the decoding policy was chosen explicitly (`then`)
+    if method == "spec_prefill":  # what the draft's settings leave configures the decoding policy, `then`
+        method = _spec_prefill_settings(method_cfg)["then"]
+        method_explicit = True
     method_params = _method_params()
     if method not in method_params:
         raise ConfigError(f"unknown method {method!r}; choose one of {sorted([*method_params, 'spec_prefill'])}")
@@ -256,9 +254,25 @@ def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
     check_known(method_cfg, method_params[method], "method.")
     params = {key: value for key, value in method_cfg.items() if value is not None}
     try:
-        policy = ec.policy_from_budget(method, budget, max_context, **params)
+        return ec.policy_from_budget(method, budget, max_context, **params)
     except (ValueError, TypeError) as error:
         raise ConfigError(str(error)) from None
+
+
+def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
+    """Check a composed config (plain dict) and build the policy; raise ConfigError with one clear line."""
+    import evalkit.compression as ec
+
+    from .pricing import price_deployment
+
+    checked = precheck(cfg)
+    budget, max_context, options = checked["budget"], checked["max_context"], checked["options"]
+    method_cfg = dict(cfg.get("method") or {})
+    policy = policy_from_config(method_cfg, budget, max_context, method_explicit)
+    method, label, spec_prefill = policy.name, method_cfg.pop("name", None), None
+    if label == "spec_prefill":  # the draft's settings (the policy above is the decoding one, `then`)
+        spec_prefill = _spec_prefill_settings(method_cfg)
+        del spec_prefill["then"]
     apply_chat_template = checked["apply_chat_template"]
     apply_chat_template = task_of(checked["task"], options).adjust_options(options, apply_chat_template)
     prefill_chunk, chunk_mode = checked["prefill_chunk"], cfg.get("prefill_chunk_mode", "exact")

@@ -39,8 +39,8 @@ try:
     from omegaconf import DictConfig, OmegaConf
 
     from evalkit.config import normalize_overrides
+    from evalkit.errors import ConfigError, Interrupted, RunError
     from evalkit.paths import conf_dir
-    from evalkit.run.errors import ConfigError, Interrupted, RunError
     from evalkit.run.spec import precheck
 except KeyboardInterrupt:
     _INTERRUPTED = True

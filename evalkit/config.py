@@ -26,10 +26,10 @@ def task_default(key: str, *, _root_) -> object:
     """``${task_default:generation_kwargs.temperature}``: the value at the dotted ``key`` of the task's own lm-eval
     YAML (``tasks/<task.name>/<task.name>.yaml``, its includes merged), so a default lives once, where the official
     protocol is written; conf/task/ names the option a user overrides and documents it. Reads YAML only (no torch)."""
-    from evalkit import task_defs
+    from evalkit.task import FolderTask
 
     name = _root_.task.name
-    value = task_defs.definition(name)
+    value = FolderTask(name).definition()
     for part in key.split("."):
         if not isinstance(value, dict) or part not in value:
             raise KeyError(f"task {name}: its YAML (tasks/{name}/{name}.yaml) has no {key!r} for ${{task_default:{key}}}")

@@ -21,20 +21,10 @@ from tqdm import tqdm
 
 import evalkit.compression as ec
 from evalkit.measure import Throughput
-from evalkit.models import (  # noqa: F401  (their former home: kept for callers)
-    ASSETS,
-    DTYPES,
-    check_loaded_weights,
-    check_weight_files,
-    load_model,
-    resolve_device,
-    resolve_pretrained,
-    stop_token_ids_of,
-)
+from evalkit.models import load_model
 from evalkit.progress import request_keys
-from evalkit.prompts import CONTEXT_END, SCOPES, TRUNCATIONS, truncate_middle  # noqa: F401  (the adapter's names)
-
-POLICY_FIELDS = tuple(sorted({field for name in ec.POLICIES for field in ec.method_params(name)}))
+from evalkit.prompts import CONTEXT_END, SCOPES, TRUNCATIONS, truncate_middle
+from evalkit.run.spec import policy_from_config
 
 
 def stats_keys(requests) -> list[tuple]:
@@ -92,9 +82,6 @@ class EvalkitLM(LM):
             raise ValueError(f"compression_scope must be one of {SCOPES}, got {compression_scope!r}")
         self.compression_scope = compression_scope
         self.context_unmarked = 0  # compression_scope=context: prompts without the end-of-context mark (compressed whole)
-        unknown = set(policy_params) - set(POLICY_FIELDS)
-        if unknown:
-            raise ValueError(f"unknown evalkit model arguments {sorted(unknown)}")
         if model is None:
             if pretrained is None:
                 raise ValueError("give either pretrained=<hub id or path> or a loaded model")
@@ -108,7 +95,8 @@ class EvalkitLM(LM):
         self.max_context = int(max_context or getattr(model.config, "max_position_embeddings", 0) or 0)
         if self.max_context < 1:
             raise ValueError("max_context is needed when the model config has no max_position_embeddings")
-        self.policy = policy or ec.policy_from_budget(method, budget, self.max_context, **policy_params)
+        # lm_eval --model evalkit --model_args method=...,budget=...: checked as the evalkit CLI checks a config
+        self.policy = policy or policy_from_config({"name": method, **policy_params}, budget, self.max_context)
         ec.model_spec.check_hookable(model)
         self.batch_size = int(batch_size)  # engine slots: sequences decoded together
         self.compile, self.sync_every = ec.compile_backend(compile), int(sync_every)

@@ -9,10 +9,11 @@ import zlib
 
 import pytest
 
-from evalkit.lm import CONTEXT_END
-from evalkit.scoring import aime, longbench
-from evalkit.scoring import livecodebench as lcb
+from evalkit.prompts import CONTEXT_END
 from evalkit.scoring.data import load_rows
+from evalkit.tasks.aime24 import aime
+from evalkit.tasks.livecodebench import livecodebench as lcb
+from evalkit.tasks.longbench_v2 import longbench
 
 
 # -- fixtures in the exact hub schemas ---------------------------------------------------------------------------

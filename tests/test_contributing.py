@@ -130,9 +130,10 @@ def test_a_method_is_its_file_and_its_yaml(tmp_path, random_model_dir):
 
 @pytest.mark.slow
 def test_a_task_is_its_folder_and_its_yaml(tmp_path, random_model_dir):
-    """The task checklist: tasks/<name>/ (YAML + utils.py) and conf/task/<name>.yaml; the CLI runs it, the rows
-    carry its subsets, and the report reads its declared primary metric and heatmap."""
-    from evalkit import task_defs
+    """The task checklist: tasks/<name>/ (YAML, utils.py and a module of its own) and conf/task/<name>.yaml; the CLI
+    runs it, its loader builds the data with the run's tokenizer, the rows carry its subsets, and the report reads its
+    declared primary metric and heatmap."""
+    from evalkit.task import task_of
 
     name = f"probe_task_{uuid.uuid4().hex[:8]}"
     files = {
@@ -152,19 +153,30 @@ def test_a_task_is_its_folder_and_its_yaml(tmp_path, random_model_dir):
               - metric: contains
                 aggregation: mean
                 higher_is_better: true
+              - metric: question_tokens
+                aggregation: mean
+                higher_is_better: true
             metadata:
               version: 1.0
               subset_field: [size, kind]
               heatmap: {{rows: kind, columns: size}}
             """,
-        ROOT / "tasks" / name / "utils.py": """
+        ROOT / "tasks" / name / "scoring.py": """
+            def contains(answer, response):
+                return float(answer in response)
+            """,
+        ROOT / "tasks" / name / "utils.py": f"""
             import datasets
+            from transformers import AutoTokenizer
+
+            from evalkit.tasks.{name}.scoring import contains
 
 
-            def load(**_options):
-                rows = [{"id": str(i), "question": f"Repeat {i}:", "answer": str(i), "size": 1 + i % 2,
-                         "kind": "ab"[i % 2]} for i in range(4)]
-                return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
+            def load(pretrained=None, **_options):
+                tokenizer = AutoTokenizer.from_pretrained(pretrained)  # the run's model's
+                rows = [{{"id": str(i), "question": f"Repeat {{i}}:", "answer": str(i), "size": 1 + i % 2,
+                         "kind": "ab"[i % 2], "tokens": len(tokenizer(f"Repeat {{i}}:")["input_ids"])}} for i in range(4)]
+                return datasets.DatasetDict({{"test": datasets.Dataset.from_list(rows)}})
 
 
             def doc_to_text(doc):
@@ -172,7 +184,7 @@ def test_a_task_is_its_folder_and_its_yaml(tmp_path, random_model_dir):
 
 
             def process_results(doc, results):
-                return {"contains": float(doc["answer"] in results[0])}
+                return {{"contains": contains(doc["answer"], results[0]), "question_tokens": doc["tokens"]}}
 
 
             def dataset_identity(dataset_kwargs):
@@ -189,18 +201,22 @@ def test_a_task_is_its_folder_and_its_yaml(tmp_path, random_model_dir):
         samples, metrics = pd.read_parquet(results / "samples"), pd.read_parquet(results / "metrics")
         assert len(samples) == 4 and set(samples["subset"]) == {"1/a", "2/b"} and (samples["dataset_source"] == "probe@1").all()
         assert "contains" in set(metrics["metric"])
-        task_defs.definition.cache_clear()
-        assert task_defs.primary_metric(name) == "contains" and task_defs.heatmap(name) == ("kind", "size")
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(random_model_dir)
+        counted = [len(tokenizer(f"Repeat {i}:")["input_ids"]) for i in range(4)]
+        overall = metrics[(metrics["metric"] == "question_tokens") & (metrics["subset"] == "all")]
+        assert overall["value"].tolist() == [pytest.approx(sum(counted) / 4)]
+        assert task_of(name).primary_metric() == "contains" and task_of(name).heatmap() == ("kind", "size")
         report = subprocess.run([sys.executable, "-m", "evalkit.results.report", str(results)], capture_output=True,
                                 text=True, timeout=300)
         assert report.returncode == 0, report.stderr[-2000:]
         assert (results / "report" / f"{name}_heatmap.png").is_file()
     finally:
         _removed(files)
-        task_defs.definition.cache_clear()
 
 
-# conf/task/<name>.yaml's groups and the YAML keys they set (see evalkit.run.tasks.task_with_options).
+# conf/task/<name>.yaml's groups and the YAML keys they set (see evalkit.task.FolderTask.config).
 CONF_TO_YAML = {"dataset": "dataset_kwargs", "generation": "generation_kwargs", "repeats": "repeats",
                 "gen_prefix": "gen_prefix"}
 
@@ -208,12 +224,12 @@ CONF_TO_YAML = {"dataset": "dataset_kwargs", "generation": "generation_kwargs", 
 def test_a_task_default_lives_once_in_its_yaml():
     """A conf/task value equal to the task YAML's own default would be the same default kept twice: conf/task reads it
     with ${task_default:...} instead (or sets a different value, an evalkit setting such as MATH-500's repeats)."""
-    from evalkit import task_defs
+    from evalkit.task import task_of
 
     derived = 0
     for path in sorted((ROOT / "conf" / "task").glob("*.yaml")):
         conf = yaml.safe_load(path.read_text())
-        definition = task_defs.definition(conf["name"]) if conf.get("source") is None else {}
+        definition = task_of(conf["name"]).definition() if conf.get("source") is None else {}
         for group, yaml_key in CONF_TO_YAML.items():
             value = conf.get(group)
             pairs = value.items() if isinstance(value, dict) else [(None, value)] if group in conf else []

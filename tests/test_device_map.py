@@ -8,7 +8,7 @@ import torch
 from conftest import random_prompt, tiny_model
 
 import evalkit.compression as ec
-from evalkit.lm import load_model
+from evalkit.models import load_model
 from evalkit.run import ConfigError
 from evalkit.run.spec import _device_map
 

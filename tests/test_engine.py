@@ -331,7 +331,8 @@ def test_adapter_repeats_sample_differently_and_reproducibly(random_model_dir):
     and the same request gets the same text in another run, whatever the order."""
     from lm_eval.api.instance import Instance
 
-    from evalkit.lm import EvalkitLM, load_model
+    from evalkit.lm import EvalkitLM
+    from evalkit.models import load_model
 
     tiny, tokenizer = load_model(str(random_model_dir), device="cpu")
     tiny.generation_config.eos_token_id = tokenizer.eos_token_id = None  # random weights: no early EOS

@@ -170,7 +170,7 @@ class Request:
 
 @pytest.fixture(scope="module")
 def adapter_parts(random_model_dir):
-    from evalkit.lm import load_model
+    from evalkit.models import load_model
 
     return load_model(str(random_model_dir), device="cpu")
 
@@ -368,7 +368,8 @@ def test_generation_stops_on_every_eos_of_the_generation_config(adapter_parts, t
     engine, ec.generate and the fidelity pass; the run identity records the list."""
     from lm_eval.api.instance import Instance
 
-    from evalkit.lm import EvalkitLM, stop_token_ids_of
+    from evalkit.lm import EvalkitLM
+    from evalkit.models import stop_token_ids_of
 
     model, tokenizer = adapter_parts
     prompt = "k1 v2 u3 k4 v5 ? k1"

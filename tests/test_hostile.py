@@ -18,8 +18,8 @@ import zlib
 import pytest
 
 from evalkit import sandbox
-from evalkit.scoring import livecodebench as lcb
 from evalkit.scoring.data import RowError
+from evalkit.tasks.livecodebench import livecodebench as lcb
 from tests.test_benchmarks import lcb_rows
 
 pytestmark = pytest.mark.hostile

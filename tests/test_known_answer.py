@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from evalkit.config import compose as compose_config
-from evalkit.lm import ASSETS
+from evalkit.models import ASSETS
 from evalkit.run import run, validate
 
 pytestmark = [
@@ -60,7 +60,7 @@ def test_snapstream_is_between_streaming_and_snapkv(scores):
 def test_spec_prefill_with_the_tiny_model_as_draft_keeps_the_needle():
     import evalkit.compression as ec
     from evalkit import synthetic
-    from evalkit.lm import load_model
+    from evalkit.models import load_model
 
     model, tokenizer = load_model("builtin:kv_retrieval_tiny", device="cpu")
     spec = ec.SpecPrefill(draft=model, draft_tokenizer=tokenizer, keep=0.1, chunk_size=None, look_ahead_cnt=2, tail=2, keep_first=True)

@@ -170,10 +170,10 @@ def test_rulers_prompts_mark_where_their_context_ends():
     fwe, qa) gets the mark right after its context, before its question; the prompt is otherwise RULER's."""
     import importlib
 
-    from evalkit import task_defs
     from evalkit.prompts import CONTEXT_END
+    from evalkit.task.registry import family_hooks
 
-    mark = task_defs.family_hooks("ruler")["doc_to_text"]
+    mark = family_hooks("ruler")["doc_to_text"]
     templates = {"niah": importlib.import_module("lm_eval.tasks.ruler.niah_utils").TEMPLATE}
     for name in ("vt", "cwe", "fwe", "qa"):
         pytest.importorskip("wonderwords")
@@ -202,21 +202,21 @@ def test_lm_evals_index_is_built_once_and_then_read_from_disk(tmp_path, monkeypa
     damaged file is built again."""
     import lm_eval.tasks
 
-    from evalkit.run import tasks
+    from evalkit.task import registry
 
     built = FakeIndex.built
     built.clear()
     monkeypatch.setenv("EVALKIT_CACHE", str(tmp_path))
     monkeypatch.setattr(lm_eval.tasks, "TaskManager", FakeIndex)
-    tasks.registry.cache_clear()
+    registry.index.cache_clear()
     try:
-        assert tasks.registry().task_index == {"gsm8k": "entry"} and len(built) == 1
+        assert registry.index().task_index == {"gsm8k": "entry"} and len(built) == 1
         (kept,) = (tmp_path / "lm_eval_index").glob("*.pkl")
-        tasks.registry.cache_clear()  # a new process
-        assert tasks.registry().task_index == {"gsm8k": "entry"} and len(built) == 1
+        registry.index.cache_clear()  # a new process
+        assert registry.index().task_index == {"gsm8k": "entry"} and len(built) == 1
         kept.write_bytes(b"not a pickle")
-        tasks.registry.cache_clear()
-        assert tasks.registry().task_index == {"gsm8k": "entry"} and len(built) == 2
+        registry.index.cache_clear()
+        assert registry.index().task_index == {"gsm8k": "entry"} and len(built) == 2
         assert not list((tmp_path / "lm_eval_index").glob("*.tmp"))
     finally:
-        tasks.registry.cache_clear()
+        registry.index.cache_clear()

@@ -75,7 +75,8 @@ def test_duplicate_longbench_ids_are_a_data_error_or_skipped_and_counted(tmp_pat
     path = write_jsonl(tmp_path / "lb.jsonl", rows)
     result = evalkit("task=longbench_v2", f"task.dataset.path={path}", f"results_dir={tmp_path / 'results'}", cwd=tmp_path)
     assert_one_line_error(result, tmp_path, "lb.jsonl: row 3 (_id=lb-1): field '_id': duplicate id 'lb-1' (first at row 1)")
-    from evalkit.scoring import data, longbench
+    from evalkit.scoring import data
+    from evalkit.tasks.longbench_v2 import longbench
 
     with data.collecting_skipped_rows() as skipped:
         kept = checked_rows(load_rows(str(path)), str(path), longbench.check_row, "skip", id_field="_id")
@@ -210,3 +211,23 @@ def test_a_sweep_skips_a_group_option_that_does_not_exist_and_runs_the_others(tm
     none_left = evalkit("-m", "method=nosuch,nope", "+budget=4x", f"results_dir={tmp_path / 'other'}", cwd=tmp_path)
     assert none_left.returncode == 2 and "no option of method in this sweep exists" in none_left.stderr
     assert not (tmp_path / "other").exists()
+
+
+@pytest.mark.parametrize("method_args, cli_args", [
+    ("method=snapkv,budget=4x,window=0", ["method=snapkv", "+budget=4x", "method.window=0"]),
+    ("method=snapkv,budget=4x,windw=8", ["method=snapkv", "+budget=4x", "+method.windw=8"]),
+    ("method=snapkv", ["method=snapkv", "~budget"]),
+])
+def test_a_bad_method_value_reads_alike_through_lm_eval_and_the_cli(tmp_path, random_model_dir, method_args, cli_args):
+    """`lm_eval --model evalkit --model_args method=...` builds its policy as the evalkit CLI does
+    (:func:`evalkit.run.spec.policy_from_config`): the same mistake, the same one line."""
+    from evalkit.errors import ConfigError
+    from evalkit.lm import EvalkitLM
+
+    result = evalkit(*cli_args, f"model.pretrained={random_model_dir}", "model.max_context=256",
+                     f"results_dir={tmp_path / 'results'}", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    with pytest.raises(ConfigError) as refused:
+        EvalkitLM.create_from_arg_string(f"pretrained={random_model_dir},max_context=256,device=cpu,{method_args}")
+    assert "\n" not in str(refused.value) and str(refused.value) in result.stderr
+    assert_one_line_error(result, tmp_path, str(refused.value))

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from evalkit.lm import CONTEXT_END
-from evalkit.scoring import longbench
+from evalkit.prompts import CONTEXT_END
+from evalkit.tasks.longbench_v2 import longbench
 
 # -- LongBench-v2 (pred.py, result.py) ------------------------------------------------------------------------------
 TRICKY = {"context": "  A paper: let $Q$ be the set and $C_B$ a constant; $DOC$ here. ", "question": " Is $DOC$ in $C_A$? ",
@@ -40,7 +40,8 @@ def byte_level_lm(random_model_dir):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from evalkit.lm import EvalkitLM, load_model
+    from evalkit.lm import EvalkitLM
+    from evalkit.models import load_model
 
     core = Tokenizer(models.BPE())
     core.pre_tokenizer, core.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
@@ -108,14 +109,14 @@ AIME_CASES = [
 
 @pytest.mark.parametrize("column, profile", [(2, "open_r1"), (3, "lighteval"), (4, "r1_final_box")])
 def test_aime_extraction_profiles_agree_with_the_official_rewards(column, profile):
-    from evalkit.scoring import aime
+    from evalkit.tasks.aime24 import aime
 
     got = [aime.score({"answer": case[0]}, [case[1]], profile)["pass@1"] for case in AIME_CASES]
     assert got == [float(case[column]) for case in AIME_CASES]
 
 
 def test_aime_lighteval_prompt_is_aime_prompt_fn():
-    from evalkit.scoring import aime
+    from evalkit.tasks.aime24 import aime
 
     problem = "Find $x$ if {x} = 2."
     assert aime.prompt({"problem": problem, "prompt_style": "lighteval"}) == (
@@ -160,7 +161,7 @@ def test_lcb_verdicts_match_lcb_runner(name):
     subprocess.Popen...; no address-space cap by default."""
     import json
 
-    from evalkit.scoring import livecodebench as lcb
+    from evalkit.tasks.livecodebench import livecodebench as lcb
 
     tests, program, official = LCB_CASES[name]
     doc = {"tests": json.dumps(tests), "func_name": "solve" if tests[0]["testtype"] == "functional" else ""}
@@ -170,7 +171,7 @@ def test_lcb_verdicts_match_lcb_runner(name):
 def test_lcb_memory_cap_is_an_option_off_by_default():
     import json
 
-    from evalkit.scoring import livecodebench as lcb
+    from evalkit.tasks.livecodebench import livecodebench as lcb
 
     tests, program, _ = LCB_CASES["3 GiB mapped"]
     doc = {"tests": json.dumps(tests), "func_name": ""}

@@ -12,9 +12,11 @@ import pytest
 import torch
 from test_benchmarks import lcb_rows
 
-from evalkit.lm import CONTEXT_END, EvalkitLM, truncate_middle
-from evalkit.scoring import aime, longbench
-from evalkit.scoring import livecodebench as lcb
+from evalkit.lm import EvalkitLM
+from evalkit.prompts import CONTEXT_END, truncate_middle
+from evalkit.tasks.aime24 import aime
+from evalkit.tasks.livecodebench import livecodebench as lcb
+from evalkit.tasks.longbench_v2 import longbench
 from evalkit.train_tiny import build_tokenizer
 
 
@@ -114,9 +116,9 @@ def test_lcb_timeout_and_errors_fail():
 
 
 def test_lcb_generation_defaults_are_the_official_runner():
-    from evalkit.run import task_with_options
+    from evalkit.task import task_of
 
-    config = task_with_options("livecodebench", {})
+    config = task_of("livecodebench").config({})
     kwargs = config["generation_kwargs"]
     assert (kwargs["max_gen_toks"], kwargs["temperature"], kwargs["top_p"], kwargs["until"]) == (2000, 0.2, 0.95, ["###"])
     assert config["repeats"] == 10 and config["dataset_kwargs"]["timeout_s"] == 6
@@ -158,9 +160,9 @@ def test_lcb_date_window_compares_full_datetimes():
 def test_longbench_samples_at_temperature_0_1_on_every_call():
     from test_harness import spec_for
 
-    from evalkit.run import task_with_options
+    from evalkit.task import task_of
 
-    kwargs = task_with_options("longbench_v2", {})["generation_kwargs"]
+    kwargs = task_of("longbench_v2").config({})["generation_kwargs"]
     assert kwargs["do_sample"] is True and kwargs["temperature"] == 0.1 and kwargs["max_gen_toks"] == 128
     spec = spec_for("task=longbench_v2")
     assert spec.task_options["generation"]["do_sample"] is True and spec.task_options["generation"]["temperature"] == 0.1
@@ -226,15 +228,16 @@ def test_aime_cons_at_n_votes_over_equivalent_answers():
 def test_aime_official_setting_is_64_samples_and_think_prefix_is_a_switch(random_model_dir):
     from test_harness import composed, spec_for
 
-    from evalkit.run import task_with_options, validate
+    from evalkit.run import validate
+    from evalkit.task import task_of
 
-    assert task_with_options("aime24", {})["repeats"] == 64
+    assert task_of("aime24").config({})["repeats"] == 64
     assert spec_for("task=aime24").task_options["repeats"] == 64
     assert composed("+experiment=paper_grid", "task=aime24")["task"]["repeats"] == 64
     cfg = composed("task=aime24")
     cfg["task"]["gen_prefix"] = "<think>\n"
     spec = validate(cfg, method_explicit=False)
-    assert task_with_options("aime24", spec.task_options)["gen_prefix"] == "<think>\n"
+    assert task_of("aime24").config(spec.task_options)["gen_prefix"] == "<think>\n"
     assert json.loads(spec.flat_config()["task_options"])["gen_prefix"] == "<think>\n"
     lm = EvalkitLM(pretrained=str(random_model_dir), max_context=256, device="cpu", apply_chat_template=True)
     lm.tokenizer.chat_template = "{{ bos_token }}{% for m in messages %} {{ m.content }}{% endfor %}{% if add_generation_prompt %} ?{% endif %}"

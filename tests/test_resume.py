@@ -285,7 +285,7 @@ def test_a_run_records_the_throughput_it_measured(tmp_path, random_model_dir):
     assert rows.loc["peak_rss_bytes", "value"] > 50 * 2**20  # the process with torch and a model: at least 50 MiB
     # the decode step beside its roofline: the bytes it reads (parameters + the whole static cache) over the copy
     # bandwidth measured now; a step can beat neither
-    from evalkit.lm import load_model
+    from evalkit.models import load_model
 
     loaded, _ = load_model(str(random_model_dir))
     parameters = sum(p.numel() * p.element_size() for p in loaded.parameters())

@@ -16,11 +16,11 @@ from omegaconf import OmegaConf
 from test_benchmarks import longbench_rows, write_jsonl
 from test_harness import composed
 
+import evalkit.compression as ec
 from evalkit.identity import fingerprint, source_identity
 from evalkit.paths import conf_dir
 from evalkit.results import read_table
 from evalkit.run import (
-    METHOD_PARAMS,
     InvalidCombination,
     config_digest,
     identify,
@@ -249,5 +249,5 @@ def test_baselines_grid_is_the_paper_grid_with_every_method():
         valid += 1
         assert spec.model_name == "llama31_8b_instruct"
     methods = {job[1].split("=")[1] for job in jobs}
-    assert methods == set(METHOD_PARAMS)  # every method the harness knows
+    assert methods == set(ec.POLICIES)  # every method the harness knows
     assert valid == 3 + (len(methods) - 1) * 3 * 3  # full once per task; every other method x 3 budgets x 3 tasks

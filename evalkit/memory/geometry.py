@@ -20,6 +20,8 @@ import json
 import math
 from pathlib import Path
 
+from evalkit.attention_shape import attention_shape, config_reader
+
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
 
 
@@ -232,21 +234,20 @@ def _moe_fields(get) -> dict:
 def from_hf_config(config, name: str | None = None, params: float = 0.0, active_params: float | None = None) -> ModelGeometry:
     """Geometry from a transformers config object (or its dict): MLA when it has ``kv_lora_rank``; its experts when
     it is a mixture of experts (then ``params`` is needed to price its weights; 0 prices the cache alone)."""
-    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+    get = config_reader(config)
     name = name or get("_name_or_path") or get("model_type") or "model"
-    layers, heads = get("num_hidden_layers"), get("num_attention_heads")
+    shape = attention_shape(config)
     sliding = sum(kind == "sliding_attention" for kind in (get("layer_types") or []))
     moe = {**_moe_fields(get), **({"sliding_layers": sliding, "sliding_window": get("sliding_window")} if sliding else {})}
-    if moe.get("experts") and moe["experts"] * moe["expert_params"] * (layers - moe["dense_layers"]) > params:
+    if moe.get("experts") and moe["experts"] * moe["expert_params"] * (shape.layers - moe["dense_layers"]) > params:
         # No parameter count to split: price the cache (and whatever params says) as a dense model.
         moe = {k: v for k, v in moe.items() if k in ("sliding_layers", "sliding_window")}
-    if get("kv_lora_rank"):
-        return ModelGeometry(name, layers=layers, heads=heads, attention="mla", kv_lora_rank=get("kv_lora_rank"),
-                             qk_rope_head_dim=get("qk_rope_head_dim") or 0, params=params, active_params=active_params,
-                             **moe)
-    head_dim = get("head_dim") or (get("hidden_size") // heads if get("hidden_size") and heads else None)
-    return ModelGeometry(name, layers=layers, heads=heads, kv_heads=get("num_key_value_heads") or heads,
-                         head_dim=head_dim, params=params, active_params=active_params, **moe)
+    if shape.attention == "mla":
+        return ModelGeometry(name, layers=shape.layers, heads=shape.heads, attention="mla",
+                             kv_lora_rank=shape.kv_lora_rank, qk_rope_head_dim=shape.qk_rope_head_dim, params=params,
+                             active_params=active_params, **moe)
+    return ModelGeometry(name, layers=shape.layers, heads=shape.heads, kv_heads=shape.kv_heads,
+                         head_dim=shape.head_dim, params=params, active_params=active_params, **moe)
 
 
 def resolve_model(model) -> ModelGeometry:

@@ -20,8 +20,7 @@ import numpy as np
 import pandas as pd
 
 from evalkit import budget as budget_grammar
-from evalkit import task_defs
-from evalkit.run.spec import LM_EVAL
+from evalkit.task import Task, task_names, task_of
 
 from .tables import read_table
 
@@ -57,19 +56,20 @@ def varying(runs: pd.DataFrame, columns: list[str]) -> list[str]:
     return [c for c in columns if runs[c].map(_label).nunique() > 1]
 
 
-def from_lm_eval(task_options) -> bool:
-    """Whether a run's task came from lm-eval's registry (``task=lm_eval``), not from evalkit's tasks/ (a name can be
-    both: lm-eval's ``aime25`` is not evalkit's)."""
+def run_task(task: str, task_options: str | None = None) -> Task:
+    """The task a run evaluated: its recorded ``task_options`` (JSON) say which kind (a name can be both: lm-eval's
+    ``aime25`` is not evalkit's)."""
     try:
-        return json.loads(task_options or "{}").get("source") == LM_EVAL
+        options = json.loads(task_options or "{}")
     except (TypeError, ValueError):
-        return False
+        options = {}
+    return task_of(task, options if isinstance(options, dict) else {})
 
 
 def primary_metric(task: str, metrics: pd.DataFrame, task_options: str | None = None) -> str:
-    """The primary metric of evalkit's task (:func:`evalkit.task_defs.primary_metric`); for a task of lm-eval's
-    registry (``task_options`` says so), or without a declaration, the first metric it reported."""
-    declared = None if from_lm_eval(task_options) else task_defs.primary_metric(task)
+    """The primary metric the task declares (:meth:`evalkit.task.Task.primary_metric`); without a declaration (a
+    task of lm-eval's registry), the first metric it reported."""
+    declared = run_task(task, task_options).primary_metric()
     if declared is not None:
         return declared
     names = metrics[(metrics["task"] == task) & (metrics["subset"] == "all") & ~metrics["metric"].isin(SECONDARY)]
@@ -328,7 +328,9 @@ def write_report(results_dir: str | Path, out: str | Path | None = None, iterati
         if drawn is not None:
             paths[name.removesuffix(".png")] = drawn
             text += [f"![{name.removesuffix('.png').replace('_', ' ')}]({name})", ""]
-    registry_runs = set(metrics.loc[metrics["task_options"].map(from_lm_eval), "run_id"]) if "task_options" in metrics else set()
+    recorded = metrics[["run_id", "task", "task_options"]].drop_duplicates() if "task_options" in metrics else None
+    registry_runs = set() if recorded is None else {
+        run for run, task, options in recorded.itertuples(index=False) if run_task(task, options).from_registry}
     # 2-D heatmaps: evalkit tasks that declare one (needle: depth x length), lm-eval groups with subsets below their
     # tasks (RULER: task x length)
     for registry in (False, True):
@@ -338,7 +340,7 @@ def write_report(results_dir: str | Path, out: str | Path | None = None, iterati
             axes = heatmap_axes(task, samples[samples["run_id"].isin(chosen["run_id"])], registry)
             if axes is None:
                 continue
-            name = f"{task}_registry" if registry and task in task_defs.task_names() else task
+            name = f"{task}_registry" if registry and task in task_names() else task
             label = "score" if registry else primary_metric(task, metrics)  # a registry group's: each task's own
             paths[name] = subset_heatmaps(chosen, samples, task, out / f"{name}_heatmap.png", axes, label)
             (rows_field, columns_field), _ = axes
@@ -349,11 +351,12 @@ def write_report(results_dir: str | Path, out: str | Path | None = None, iterati
 
 def heatmap_axes(task: str, samples: pd.DataFrame | None = None, registry: bool = False):
     """``((rows, columns), fields)``: what a heatmap of ``task`` shows and how its samples' subsets are made. An
-    evalkit task declares it (:func:`evalkit.task_defs.heatmap`); a group of lm-eval's registry whose samples carry a
+    evalkit task declares it (:meth:`evalkit.task.Task.heatmap`); a group of lm-eval's registry whose samples carry a
     subset below their task (RULER: ``niah_single_1/4096``) is drawn task x that subset. None: no heatmap."""
     if not registry:
-        axes = task_defs.heatmap(task)
-        return (axes, task_defs.subset_fields(task)) if axes else None
+        declared = task_of(task)
+        axes = declared.heatmap()
+        return (axes, declared.subset_fields()) if axes else None
     subsets = samples["subset"].dropna().astype(str) if samples is not None and len(samples) else pd.Series(dtype=str)
     if subsets.empty or not subsets.str.count("/").eq(1).all():
         return None
@@ -408,7 +411,7 @@ def subset_heatmaps(table: pd.DataFrame, samples: pd.DataFrame, task: str, path:
         axis.set_title(f"{title}\n{extra}".strip(), fontsize=9)
         axis.set_xlabel(columns_field)
     axes[0][0].set_ylabel(rows_field)
-    figure.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label=label or task_defs.primary_metric(task) or "score")
+    figure.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label=label or task_of(task).primary_metric() or "score")
     figure.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(figure)
     return path

@@ -20,7 +20,7 @@ def tidy_rows(
 ) -> tuple[list[dict], list[dict]]:
     """Metrics and sample rows from lm-eval's results dict (with ``log_samples``) and the adapter's stats, keyed by
     request: ``(task, doc_id, repeat)`` (see :func:`evalkit.lm.stats_keys`); ``reasoning``: the first call's text per
-    document, for two-call protocols; ``hooks``: an lm-eval task family's (:func:`evalkit.task_defs.family_hooks`)."""
+    document, for two-call protocols; ``hooks``: an lm-eval task family's (:meth:`evalkit.task.Task.family_hooks`)."""
     metrics, samples = task_rows(results, task, stats, reasoning, hooks)
     return metrics + summary_rows(samples), samples
 

@@ -1,5 +1,6 @@
 """One evaluation run: its config checked (:mod:`.spec`), its identity (:mod:`.digest`), its memory price
-(:mod:`.pricing`), its lm-eval task (:mod:`.tasks`) and the run itself (:mod:`.runner`).
+(:mod:`.pricing`), its lm-eval task (:mod:`.tasks`) and the run itself (:mod:`.runner`); the errors it raises are
+:mod:`evalkit.errors`.
 
 Names load with their module on first use, so that checking a config (:func:`precheck`) needs neither torch nor
 transformers.
@@ -10,13 +11,12 @@ from __future__ import annotations
 import importlib
 
 _HOMES = {
-    "errors": ("ConfigError", "Interrupted", "InvalidCombination", "RunError"),
-    "spec": ("METHOD_PARAMS", "MODEL_KEYS", "RUN_KEYS", "TASK_OPTION_KEYS", "RunSpec", "check_known", "precheck",
-             "validate"),
-    "digest": ("completed_runs", "config_digest", "identify"),
-    "pricing": ("deployed_capacity", "memory_rows"),
-    "tasks": ("task_with_options",),
-    "runner": ("RunResult", "remove_unfinished_tables", "run", "summary"),
+    "evalkit.errors": ("ConfigError", "Interrupted", "InvalidCombination", "RunError"),
+    f"{__name__}.spec": ("MODEL_KEYS", "RUN_KEYS", "TASK_OPTION_KEYS", "RunSpec", "check_known",
+                         "precheck", "validate"),
+    f"{__name__}.digest": ("completed_runs", "config_digest", "identify"),
+    f"{__name__}.pricing": ("deployed_capacity", "memory_rows"),
+    f"{__name__}.runner": ("RunResult", "remove_unfinished_tables", "run", "summary"),
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 __all__ = sorted(_HOME_OF)
@@ -25,7 +25,7 @@ __all__ = sorted(_HOME_OF)
 def __getattr__(name: str):
     if name not in _HOME_OF:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_HOME_OF[name]}"), name)
+    return getattr(importlib.import_module(_HOME_OF[name]), name)
 
 
 def __dir__():

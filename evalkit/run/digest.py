@@ -11,12 +11,11 @@ import uuid
 from importlib import metadata
 from pathlib import Path
 
-from evalkit import identity, task_defs
-from evalkit.paths import tasks_dir
+from evalkit import identity
+from evalkit.errors import RunError, model_unavailable
+from evalkit.task import task_of
 
-from .errors import ConfigError, RunError, model_unavailable
-from .spec import LM_EVAL, RunSpec
-from .tasks import registry_yaml, task_members, task_with_options
+from .spec import RunSpec
 
 
 def versions() -> dict:
@@ -52,44 +51,21 @@ def identify(spec: RunSpec) -> dict:
         except (identity.MissingSource, FileNotFoundError) as error:
             raise RunError(f"{label}: {error}") from None
 
-    members = task_members(spec.task, spec.task_options)  # the task, or an lm-eval group's tasks
-    configs = [task_with_options(name, spec.task_options) for name in members]
-    config = configs[0]
-    dataset = config.get("dataset_kwargs") or {}
-    data_source, generated = dataset.get("path"), None
-    definition, label = task_defs.folders(spec.task) or [tasks_dir() / spec.task], "task.dataset.path"
-    if spec.task_options.get("source") == LM_EVAL:  # lm-eval's own tasks: their YAML folders, data files or hub ids
-        own = registry_yaml(spec.task)  # a group's own YAML (a tag has none)
-        folders = {registry_yaml(name).parent for name in members} | ({own.parent} if own else set())
-        # and what evalkit adds to a family (tasks/lm_eval/<folder>.py: prompts, scoring per length)
-        hooks = {task_defs.family_file(folder.name) for folder in folders}
-        definition = sorted(folders | {path for path in hooks if path.is_file()})
-        files = dataset.get("data_files")
-        files = list(files.values()) if isinstance(files, dict) else files
-        hub = sorted({c.get("dataset_path") for c in configs if c.get("dataset_path")})
-        data_source = ([str(f) for f in ([files] if isinstance(files, str) else files)] if files
-                       else hub[0] if len(hub) == 1 else None)
-        if len(hub) > 1 and not files:  # a group over several hub datasets: each one's commit
-            generated = "; ".join(source("task", name, "dataset") for name in hub)
-        label = "task.dataset.kwargs.data_files" if files else label
-    elif not data_source:  # an evalkit task's own hooks (tasks/<name>/utils.py): its hub files, or built data's identity
-        try:
-            if task_defs.hook(spec.task, "dataset_sources"):
-                data_source = task_defs.hook(spec.task, "dataset_sources")(dataset)
-            if not data_source and task_defs.hook(spec.task, "dataset_identity"):
-                generated = task_defs.hook(spec.task, "dataset_identity")(dataset)
-        except ValueError as error:
-            raise ConfigError(f"task.{error}") from None
+    task = task_of(spec.task, spec.task_options)
+    data = task.data_origin(task.configs(spec.task_options))
+    if data.source:  # files or a hub id
+        dataset = source(data.label, data.source, "dataset", data.revision)
+    else:  # a group over several hub datasets (each one's commit), or data built at run time
+        dataset = "; ".join(source("task", hub, "dataset") for hub in data.hubs) if data.hubs else data.built
     draft = (spec.spec_prefill or {}).get("draft_model")
     spec.identity = {
         "model_source": source("model.pretrained", _resolved(resolve_pretrained, spec.pretrained), revision=spec.revision),
         # The ids generation stops on (the generation config's and the tokenizer's EOS), as a JSON list.
         "stop_token_ids": json.dumps(_stop_ids(spec)),
         "draft_source": source("method.draft_model", _resolved(resolve_pretrained, draft)) if draft else None,
-        "dataset_source": (source(label, data_source, "dataset", dataset.get("revision")) if data_source
-                           else generated),
+        "dataset_source": dataset,
         # What runs: the task's YAML and code, not its documentation (a README edit does not make runs new).
-        "task_definition": identity.fingerprint(definition, skip_suffixes=(".md",)),
+        "task_definition": identity.fingerprint(task.definition_paths(), skip_suffixes=(".md",)),
         "device_class": resolve_device(spec.device).split(":")[0],
     }
     return spec.identity

@@ -19,25 +19,16 @@ from pathlib import Path
 
 import pandas as pd
 
+from evalkit.errors import Interrupted, RunError, model_unavailable, one_line
 from evalkit.progress import Progress
 from evalkit.results import metrics_table, samples_table, write_table
 from evalkit.results.rows import group_rows, tidy_rows
+from evalkit.task import task_of
 
 from .digest import chat_template_sha, completed_runs, config_digest, git_output, identify, run_id_for, versions
-from .errors import Interrupted, RunError, model_unavailable, one_line
 from .pricing import memory_rows
 from .spec import RunSpec
-from .tasks import (
-    family_hooks,
-    group_aggregates,
-    load_task,
-    reasoning_pass,
-    stats_of_reasoning_pass,
-    task_manager,
-    task_members,
-    task_object,
-    task_with_options,
-)
+from .tasks import load_task, task_manager, task_object
 
 
 @dataclasses.dataclass
@@ -144,12 +135,12 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None) -> RunResult:
         print(f"resuming: {progress.resumed} generations already done ({progress_path})", flush=True)
     started = dt.datetime.now(dt.timezone.utc)
     run_id = run_id_for(spec, started)
-    members = task_members(spec.task, spec.task_options)  # the task, or an lm-eval group's tasks
-    configs = [task_with_options(name, spec.task_options, spec.bad_rows, model_path(spec.pretrained)) for name in members]
+    task = task_of(spec.task, spec.task_options)
+    members = task.members()  # the task, or an lm-eval group's tasks
+    configs = task.configs(spec.task_options, spec.bad_rows, model_path(spec.pretrained))
     seed_everything(spec.seed)  # as lm-eval seeds before it builds tasks: data built at run time (RULER) is the same
     loaded = [load_task(config) for config in configs]  # bad data fails here, before the model loads
-    tasks, skipped_rows = [task for task, _ in loaded], [row for _, skipped in loaded for row in skipped]
-    task_config = configs[0]
+    built, skipped_rows = [built for built, _ in loaded], [row for _, skipped in loaded for row in skipped]
     if spec.threads:
         import torch
 
@@ -190,20 +181,17 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None) -> RunResult:
             bootstrap_iters=1000,
         )
 
+    flow = task.generation_flow()  # the task's own passes (LongBench-v2's chain of thought), if it has them
     try:
-        stats, reasoning = lm.request_stats, None
-        if (task_config.get("dataset_kwargs") or {}).get("cot"):
-            task_config, stats, reasoning = reasoning_pass(evaluate, task_config, lm.request_stats, progress_path)
-        results = evaluate(task_config if reasoning is not None else tasks)
+        outcome = flow(evaluate, configs[0], lm.request_stats, progress_path.with_suffix("")) if flow else None
+        results, stats, reasoning = outcome or (evaluate(built), lm.request_stats, None)
     except KeyboardInterrupt:
         raise Interrupted(len(Progress(progress_path).done)) from None
-    if reasoning is not None:
-        stats = stats_of_reasoning_pass(results, spec.task, stats)
     if members == [spec.task]:
-        metrics, samples = tidy_rows(results, spec.task, stats, reasoning, family_hooks(spec.task, spec.task_options))
+        metrics, samples = tidy_rows(results, spec.task, stats, reasoning, task.family_hooks(spec.task))
     else:
-        hooks = {name: family_hooks(name, spec.task_options) for name in members}
-        metrics, samples = group_rows(results, members, stats, hooks, group_aggregates(spec.task, spec.task_options))
+        hooks = {name: task.family_hooks(name) for name in members}
+        metrics, samples = group_rows(results, members, stats, hooks, task.aggregates())
     metrics += lm.throughput.rows()
     metrics += context_check(spec, lm.context_unmarked, len(samples))
     metrics += budget_check(spec, samples)
@@ -219,7 +207,8 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None) -> RunResult:
     samples_path = write_table(samples_table(samples, config), spec.results_dir, "samples", run_id)
     paths = [write_table(metrics_table(metrics, config), spec.results_dir, "metrics", run_id), samples_path]
     progress.remove()
-    progress_path.with_name(f"{progress_path.stem}-reasoning.jsonl").unlink(missing_ok=True)
+    for kept in progress_path.parent.glob(f"{digest}-*"):  # what the task's own passes kept meanwhile
+        kept.unlink()
     return RunResult(run_id, pd.DataFrame(metrics), pd.DataFrame(samples), paths)
 
 

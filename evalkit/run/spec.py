@@ -1,5 +1,5 @@
 """A run's config, checked: :func:`validate` turns a composed config (plain dict) into a :class:`RunSpec` before any
-model loads, or raises :class:`~evalkit.run.errors.ConfigError` with one line."""
+model loads, or raises :class:`~evalkit.errors.ConfigError` with one line."""
 
 from __future__ import annotations
 
@@ -10,10 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from evalkit import budget as budget_grammar
-from evalkit import task_defs
-from evalkit.paths import tasks_dir
-
-from .errors import ConfigError, InvalidCombination
+from evalkit.errors import ConfigError, InvalidCombination
+from evalkit.task import LM_EVAL, task_of
 
 if TYPE_CHECKING:  # torch and the compression code load with the first validate(), not with this module
     import evalkit.compression as ec
@@ -27,17 +25,10 @@ def _method_params() -> dict[str, tuple[str, ...]]:
     return {name: ec.method_params(name) for name in ec.POLICIES}
 
 
-def __getattr__(name: str):
-    if name == "METHOD_PARAMS":  # kept for callers of the former module-level table
-        return _method_params()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 # conf/task/<name>.yaml beyond its name: `dataset` (arguments of the task's loader: hub id or path, release, ...),
 # `generation` (overrides of the task's generation_kwargs), `repeats` (samples per prompt), `system_instruction`.
 # `gen_prefix`: text the assistant turn starts with (AIME's "<think>\n" switch).
 # `source: lm_eval`: a task of lm-eval's own registry (conf/task/lm_eval.yaml), with `num_fewshot` and `metadata`.
-LM_EVAL = "lm_eval"  # task.source of a task from lm-eval's own registry (conf/task/lm_eval.yaml)
 TASK_OPTION_KEYS = ("dataset", "generation", "repeats", "system_instruction", "gen_prefix", "source", "num_fewshot",
                     "metadata")
 
@@ -184,10 +175,8 @@ def precheck(cfg: dict) -> dict:
         raise ConfigError("task.name is required: the lm-eval task to run (task=lm_eval task.name=gsm8k)")
     if source not in (None, LM_EVAL):
         raise ConfigError(f"task.source must be lm_eval (a task of lm-eval's registry) or absent, got {source!r}")
-    if source is None and not (tasks_dir() / task_name).is_dir():
-        available = sorted(p.name for p in tasks_dir().iterdir() if p.is_dir() and not p.name.startswith(("_", ".")))
-        raise ConfigError(f"unknown task {task_name!r}; available: {available}")
     options = {key: task.get(key) for key in TASK_OPTION_KEYS if task.get(key) is not None}
+    task_of(task_name, options).check()
     check_known(task, ("name", *TASK_OPTION_KEYS), "task.")
     for key in ("dataset", "generation"):
         if not isinstance(options.get(key, {}), dict):
@@ -238,21 +227,19 @@ def precheck(cfg: dict) -> dict:
     }
 
 
-def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
-    """Check a composed config (plain dict) and build the policy; raise ConfigError with one clear line."""
+def policy_from_config(method_cfg: dict, budget: str | None, max_context: int,
+                       method_explicit: bool = True) -> ec.Policy:
+    """The KV policy of a method config (``conf/method/<name>.yaml``'s keys, ``name`` among them) at ``budget`` (the
+    budget grammar's text; None: none) over ``max_context`` tokens: the one way the evalkit CLI, ``lm_eval --model
+    evalkit`` and Python callers build a policy, so that all three refuse a bad value alike. With ``method_explicit``
+    False, a method without a budget is the full-cache baseline (``evalkit task=X``). Raises ConfigError (one line)."""
     import evalkit.compression as ec
 
-    from .pricing import price_deployment
-
-    checked = precheck(cfg)
-    budget, max_context, options = checked["budget"], checked["max_context"], checked["options"]
-    method_cfg = dict(cfg.get("method") or {})
+    method_cfg = dict(method_cfg)
     method = method_cfg.pop("name", None)
-    spec_prefill, label = None, method
-    if method == "spec_prefill":
-        spec_prefill = _spec_prefill_settings(method_cfg)
-        method = spec_prefill.pop("then")
-        method_explicit = True  # the decoding policy was chosen explicitly (`then`)
+    if method == "spec_prefill":  # what the draft's settings leave configures the decoding policy, `then`
+        method = _spec_prefill_settings(method_cfg)["then"]
+        method_explicit = True
     method_params = _method_params()
     if method not in method_params:
         raise ConfigError(f"unknown method {method!r}; choose one of {sorted([*method_params, 'spec_prefill'])}")
@@ -265,16 +252,27 @@ def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
     check_known(method_cfg, method_params[method], "method.")
     params = {key: value for key, value in method_cfg.items() if value is not None}
     try:
-        policy = ec.policy_from_budget(method, budget, max_context, **params)
+        return ec.policy_from_budget(method, budget, max_context, **params)
     except (ValueError, TypeError) as error:
         raise ConfigError(str(error)) from None
+
+
+def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
+    """Check a composed config (plain dict) and build the policy; raise ConfigError with one clear line."""
+    import evalkit.compression as ec
+
+    from .pricing import price_deployment
+
+    checked = precheck(cfg)
+    budget, max_context, options = checked["budget"], checked["max_context"], checked["options"]
+    method_cfg = dict(cfg.get("method") or {})
+    policy = policy_from_config(method_cfg, budget, max_context, method_explicit)
+    method, label, spec_prefill = policy.name, method_cfg.pop("name", None), None
+    if label == "spec_prefill":  # the draft's settings (the policy above is the decoding one, `then`)
+        spec_prefill = _spec_prefill_settings(method_cfg)
+        del spec_prefill["then"]
     apply_chat_template = checked["apply_chat_template"]
-    adjust = task_defs.hook(checked["task"], "adjust_options")  # the task's own option rules (tasks/<name>/utils.py)
-    if adjust is not None:
-        try:
-            apply_chat_template = adjust(options, apply_chat_template)
-        except ValueError as error:
-            raise ConfigError(f"task.{error}") from None
+    apply_chat_template = task_of(checked["task"], options).adjust_options(options, apply_chat_template)
     prefill_chunk, chunk_mode = checked["prefill_chunk"], cfg.get("prefill_chunk_mode", "exact")
     # The mode is checked always; whether the method can take it, only when it applies (a chunk is set).
     refusal = ec.chunk_mode_refusal(policy if prefill_chunk is not None else ec.Full(), chunk_mode)

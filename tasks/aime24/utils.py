@@ -1,9 +1,10 @@
-"""lm-eval hooks of AIME24; the protocol itself lives in evalkit.scoring.aime."""
+"""lm-eval hooks of AIME24; the protocol itself lives beside them, in aime.py."""
 
 import datasets
 
-from evalkit.scoring import aime, all_responses, keep_all_samples  # noqa: F401 (the filter named in the YAML)
+from evalkit.scoring import all_responses, keep_all_samples  # noqa: F401 (the filter named in the YAML)
 from evalkit.scoring.data import DataError, checked_rows, load_rows
+from evalkit.tasks.aime24 import aime
 
 
 def load(path=aime.HUB_IDS[0], prompt_style="r1", extraction="open_r1", bad_rows="error", split="train", **_options):

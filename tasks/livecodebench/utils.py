@@ -1,10 +1,10 @@
-"""lm-eval hooks of LiveCodeBench; prompts, extraction and sandboxed tests live in evalkit.scoring.livecodebench."""
+"""lm-eval hooks of LiveCodeBench; prompts, extraction and sandboxed tests live beside them, in livecodebench.py."""
 
 import datasets
 
 from evalkit.scoring import all_responses, keep_all_samples  # noqa: F401 (the filter named in the YAML)
-from evalkit.scoring import livecodebench as lcb
 from evalkit.scoring.data import DataError, checked_rows, load_rows
+from evalkit.tasks.livecodebench import livecodebench as lcb
 
 
 def dataset_sources(dataset_kwargs):

@@ -1,9 +1,9 @@
-"""lm-eval hooks of the needle task; the haystack and scoring live in evalkit.scoring.needle."""
+"""lm-eval hooks of the needle task; the haystack and scoring live beside them, in needle.py."""
 
 import datasets
 
 from evalkit.prompts import CONTEXT_END
-from evalkit.scoring import needle
+from evalkit.tasks.needle import needle
 
 
 def load(lengths=(1000, 1800), depths=(0.0, 0.25, 0.5, 0.75, 1.0), per_cell=2, seed=1234, **_options):

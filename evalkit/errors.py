@@ -1,4 +1,5 @@
-"""The errors a run raises: each message is one line meant for the user."""
+"""The errors evalkit raises for its user (a config that cannot run, a run that cannot go on): each message is one
+line meant for the user."""
 
 from __future__ import annotations
 

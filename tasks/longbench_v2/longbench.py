@@ -1,6 +1,6 @@
 """LongBench-v2 (Bai et al., 2024) with the official prompts, middle truncation and answer extraction.
 
-The document is followed by :data:`evalkit.lm.CONTEXT_END`: with ``compression_scope=prompt`` (default) the adapter
+The document is followed by :data:`evalkit.prompts.CONTEXT_END`: with ``compression_scope=prompt`` (default) the adapter
 drops the mark and compresses the whole prompt, so SnapKV's observation window is the prompt's last tokens after the
 chat template: the end of the choices, the answer-format instruction and the template's generation prompt. With
 ``compression_scope=context`` only the text up to the end of the document is compressed.

@@ -7,10 +7,18 @@
 
 from __future__ import annotations
 
+import logging.config
 import signal
 import sys
 
 INTERRUPTED_EARLY = "evalkit: interrupted before the run started; nothing written"
+# Hydra's `stdout` job logging (conf/config.yaml selects it), for a single run evaluated without @hydra.main.
+JOB_LOGGING = {
+    "version": 1, "disable_existing_loggers": False,
+    "formatters": {"simple": {"format": "%(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "simple", "stream": "ext://sys.stdout"}},
+    "root": {"level": "INFO", "handlers": ["console"]},
+}
 
 
 def _remember_interrupt(signum, frame) -> None:
@@ -59,9 +67,10 @@ def evaluate(cfg: DictConfig, overrides: list[str], sweeping: bool = False) -> N
     try:
         plain = OmegaConf.to_container(cfg, resolve=True)
         _stop_if_interrupted()
-        precheck(plain)  # a mistake in the config is answered before torch and transformers load
+        explicit = method_was_chosen(overrides)
+        checked = precheck(plain, explicit)  # a mistake in the config is answered before torch and transformers load
         runner = _runner()
-        spec = runner.validate(plain, method_explicit=method_was_chosen(overrides))
+        spec = runner.validate(plain, method_explicit=explicit, checked=checked)
         result = runner.run(spec)
     except (ConfigError, RunError) as error:
         kind = "config error" if isinstance(error, ConfigError) else "error"
@@ -101,21 +110,23 @@ def _main(cfg: DictConfig) -> None:
     evaluate(cfg, list(hydra_cfg.overrides.task), sweeping=hydra_cfg.mode == RunMode.MULTIRUN)
 
 
-def composition_error(argv: list[str]) -> str | None:
-    """Hydra's own composition errors (an unknown group option or key, a malformed override) as one line, for a
-    single run; None when the command line composes (or is a sweep or a Hydra query, which Hydra reports itself)."""
+def single_run(argv: list[str]) -> tuple[DictConfig | None, list[str], str | None]:
+    """A single run's config, composed once: ``(config, overrides, None)``, or ``(None, [], error)`` with Hydra's
+    composition error (an unknown group option or key, a malformed override) as one line. A sweep, a Hydra query or
+    Hydra's own settings give ``(None, [], None)``: Hydra composes and reports those itself."""
     from hydra import compose, initialize_config_dir
     from hydra._internal.utils import get_args_parser
 
     args, _ = get_args_parser().parse_known_args(argv)
-    if args.multirun or args.cfg or args.info or args.shell_completion or args.help or args.hydra_help:
-        return None
+    if (args.multirun or args.cfg or args.info or args.shell_completion or args.help or args.hydra_help
+            or args.config_path or args.config_name or args.config_dir
+            or any(o.lstrip("+~").startswith("hydra.") for o in args.overrides)):
+        return None, [], None
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-            compose("config", overrides=args.overrides)
+            return compose("config", overrides=args.overrides), list(args.overrides), None
     except Exception as error:  # noqa: BLE001 (Hydra raises several kinds; each says what is wrong)
-        return _one_line(error)
-    return None
+        return None, [], _one_line(error)
 
 
 def _one_line(error: Exception) -> str:
@@ -171,11 +182,15 @@ def without_unknown_options(argv: list[str]) -> list[str]:
 def main() -> None:
     try:
         sys.argv[1:] = normalize_overrides(sys.argv[1:])
-        error = composition_error(sys.argv[1:])
+        cfg, overrides, error = single_run(sys.argv[1:])
         _stop_if_interrupted()
         if error:
             print(f"evalkit: config error: {error}", file=sys.stderr)
             sys.exit(2)
+        if cfg is not None:  # what @hydra.main would do for it, without composing it again
+            logging.config.dictConfig(JOB_LOGGING)
+            evaluate(cfg, overrides)
+            return
         sys.argv[1:] = without_unknown_options(sys.argv[1:])
         _stop_if_interrupted()
         _main()

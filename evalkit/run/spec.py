@@ -11,18 +11,12 @@ from typing import TYPE_CHECKING
 
 from evalkit import budget as budget_grammar
 from evalkit.errors import ConfigError, InvalidCombination
+from evalkit.method_schema import config_settings, schemas
 from evalkit.task import LM_EVAL, task_of
 
 if TYPE_CHECKING:  # torch and the compression code load with the first validate(), not with this module
     import evalkit.compression as ec
     from evalkit import memory
-
-
-def _method_params() -> dict[str, tuple[str, ...]]:
-    """Each method's settings a config may give (its policy's fields but what the budget decides)."""
-    import evalkit.compression as ec
-
-    return {name: ec.method_params(name) for name in ec.POLICIES}
 
 
 # conf/task/<name>.yaml beyond its name: `dataset` (arguments of the task's loader: hub id or path, release, ...),
@@ -141,12 +135,13 @@ def _require(section: dict, key: str, where: str):
     return section[key]
 
 
-def precheck(cfg: dict) -> dict:
-    """Everything about a composed config that needs neither torch nor a model (keys, the budget's grammar, numbers,
-    the task and its options, the device's spelling): the CLI answers these mistakes at once, before the libraries
-    load. Returns the values read, normalised; raises ConfigError with one line."""
+def precheck(cfg: dict, method_explicit: bool = True) -> dict:
+    """Everything about a composed config that needs neither torch nor a model (keys, the budget's grammar, the
+    method's settings against their declarations, numbers, the task and its options, the device's spelling): the CLI
+    answers these mistakes at once, before the libraries load. Returns the values read, normalised; raises
+    ConfigError with one line."""
     check_known(cfg, RUN_KEYS)
-    model, task = cfg.get("model") or {}, cfg.get("task") or {}
+    model = cfg.get("model") or {}
     check_known(model, MODEL_KEYS, "model.")
     if isinstance(cfg.get("memory"), dict):
         check_known(cfg["memory"], ("enforce",), "memory.")
@@ -160,15 +155,50 @@ def precheck(cfg: dict) -> dict:
         budget_grammar.parse(budget)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    method_settings(cfg.get("method") or {}, budget, method_explicit)
     max_context = _require(model, "max_context", "model")
     if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 1:
         raise ConfigError(f"model.max_context must be a positive integer, got {max_context!r}")
-    for key in ("seed", "batch_size"):
-        if not isinstance(cfg.get(key), int) or cfg[key] < (1 if key == "batch_size" else 0):
-            raise ConfigError(f"{key} must be a {'positive' if key == 'batch_size' else 'non-negative'} integer, got {cfg.get(key)!r}")
-    limit = cfg.get("limit")
-    if limit is not None and (not isinstance(limit, int) or limit < 1):
-        raise ConfigError(f"limit must be a positive integer or null, got {limit!r}")
+    task_name, options = _checked_task(cfg.get("task") or {})
+    return {
+        "budget": budget, "max_context": max_context, "task": task_name, "options": options,
+        "apply_chat_template": _require_bool(model.get("apply_chat_template", False), "model.apply_chat_template"),
+        **_checked_run_settings(cfg),
+        "model_name": str(_require(model, "name", "model")),
+        "pretrained": str(_require(model, "pretrained", "model")),
+    }
+
+
+def method_settings(method_cfg: dict, budget: str | None, method_explicit: bool = True) -> tuple[str, dict]:
+    """The method a config's ``method`` section names and its settings, checked against the methods' declarations
+    (names, types, bounds: :mod:`evalkit.method_schema`) without importing them: ``(method, settings)``. With
+    ``method_explicit`` False, a method without a budget is the full-cache baseline (``evalkit task=X``). Rules
+    between settings and the budget's size wait for the method itself. Raises ConfigError (one line)."""
+    method_cfg = dict(method_cfg)
+    method = method_cfg.pop("name", None)
+    known = schemas()
+    if method == "spec_prefill":  # the draft's own settings are checked with it; here those of its decoding method
+        method, method_explicit = method_cfg.get("then") or "full", True
+        method_cfg = {key: value for key, value in method_cfg.items()
+                      if method in known and key in config_settings(known[method])}
+    if method not in known:
+        raise ConfigError(f"unknown method {method!r}; choose one of {sorted([*known, 'spec_prefill'])}")
+    if budget is None and method != "full" and not method_explicit:
+        return "full", {}  # `evalkit task=X` with no budget is the full-cache baseline
+    check_known(method_cfg, config_settings(known[method]), "method.")
+    params = {key: value for key, value in method_cfg.items() if value is not None}
+    error = known[method].problem(params)
+    if error:
+        raise ConfigError(error)
+    if budget is None and method != "full":
+        raise InvalidCombination(f"method={method} needs a budget: add +budget=4x (or 2x, 8x, 16x, tokens_N)")
+    if budget is not None and method == "full":
+        raise InvalidCombination("method=full takes no budget; drop +budget or pick a compressing method")
+    return method, params
+
+
+def _checked_task(task: dict) -> tuple[str, dict]:
+    """The task's name and its options (``TASK_OPTION_KEYS``), checked."""
     task_name = _require(task, "name", "task")
     source = task.get("source")
     if task_name == "???":  # conf/task/lm_eval.yaml leaves the name to the command line
@@ -178,33 +208,31 @@ def precheck(cfg: dict) -> dict:
     options = {key: task.get(key) for key in TASK_OPTION_KEYS if task.get(key) is not None}
     task_of(task_name, options).check()
     check_known(task, ("name", *TASK_OPTION_KEYS), "task.")
-    for key in ("dataset", "generation"):
+    for key in ("dataset", "generation", "metadata"):
         if not isinstance(options.get(key, {}), dict):
             raise ConfigError(f"task.{key} must be a mapping, got {options[key]!r}")
     path = options.get("dataset", {}).get("path")
     if path is not None and not isinstance(path, str):
         raise ConfigError(f"task.dataset.path must be a path or a hub id (text), got {path!r}")
     for key in ("max_gen_toks", "max_new_tokens"):
-        value = options.get("generation", {}).get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(f"task.generation.{key} must be a positive integer, got {value!r}")
-    if "num_fewshot" in options and (isinstance(options["num_fewshot"], bool) or not isinstance(options["num_fewshot"], int)
-                                     or options["num_fewshot"] < 0):
-        raise ConfigError(f"task.num_fewshot must be a non-negative integer, got {options['num_fewshot']!r}")
-    if not isinstance(options.get("metadata", {}), dict):
-        raise ConfigError(f"task.metadata must be a mapping, got {options['metadata']!r}")
-    if "repeats" in options and (not isinstance(options["repeats"], int) or options["repeats"] < 1):
-        raise ConfigError(f"task.repeats must be a positive integer, got {options['repeats']!r}")
+        _require_count(options.get("generation", {}).get(key), f"task.generation.{key}", "a positive integer", 1)
+    _require_count(options.get("num_fewshot"), "task.num_fewshot", "a non-negative integer", 0)
+    _require_count(options.get("repeats"), "task.repeats", "a positive integer", 1)
+    return task_name, options
+
+
+def _checked_run_settings(cfg: dict) -> dict:
+    """The run's own settings beyond model, method and task, checked."""
+    _require_count(cfg.get("seed"), "seed", "a non-negative integer", 0, optional=False)
+    _require_count(cfg.get("batch_size"), "batch_size", "a positive integer", 1, optional=False)
+    _require_count(cfg.get("limit"), "limit", "a positive integer or null", 1)
+    _require_count(cfg.get("prefill_chunk"), "prefill_chunk", "a positive integer of tokens or null", 1)
+    _require_count(cfg.get("threads"), "threads", "a positive integer or null", 1)
+    fidelity_tokens = cfg.get("fidelity_tokens", 0)
+    _require_count(fidelity_tokens, "fidelity_tokens", "a non-negative integer", 0, optional=False)
     scope = cfg.get("compression_scope", "prompt")
     if scope not in ("prompt", "context"):
         raise ConfigError(f"compression_scope must be prompt or context, got {scope!r}")
-    prefill_chunk = cfg.get("prefill_chunk")
-    if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
-                                      or prefill_chunk < 1):
-        raise ConfigError(f"prefill_chunk must be a positive integer of tokens or null, got {prefill_chunk!r}")
-    fidelity_tokens = cfg.get("fidelity_tokens", 0)
-    if not isinstance(fidelity_tokens, int) or fidelity_tokens < 0:
-        raise ConfigError(f"fidelity_tokens must be a non-negative integer, got {fidelity_tokens!r}")
     bad_rows = cfg.get("bad_rows", "error")
     if bad_rows not in ("error", "skip"):
         raise ConfigError(f"bad_rows must be error or skip, got {bad_rows!r}")
@@ -212,19 +240,18 @@ def precheck(cfg: dict) -> dict:
     kind, _, index = device.partition(":")
     if device not in ("auto", "cpu", "mps") and not (kind == "cuda" and (not index or index.isdigit())):
         raise ConfigError(f"device must be auto, cpu, cuda, cuda:N or mps, got {device!r}")
-    threads = cfg.get("threads")
-    if threads is not None and (not isinstance(threads, int) or threads < 1):
-        raise ConfigError(f"threads must be a positive integer or null, got {threads!r}")
     return {
-        "budget": budget, "max_context": max_context, "limit": limit, "task": task_name, "options": options,
-        "apply_chat_template": _require_bool(model.get("apply_chat_template", False), "model.apply_chat_template"),
-        "scope": scope, "prefill_chunk": prefill_chunk, "fidelity_tokens": fidelity_tokens, "bad_rows": bad_rows,
-        "device": device, "threads": threads,
+        "limit": cfg.get("limit"), "scope": scope, "prefill_chunk": cfg.get("prefill_chunk"),
+        "fidelity_tokens": fidelity_tokens, "bad_rows": bad_rows, "device": device, "threads": cfg.get("threads"),
         "resume": _require_bool(cfg.get("resume", True), "resume"),
         "strict_budget": _require_bool(cfg.get("strict_budget", False), "strict_budget"),
-        "model_name": str(_require(model, "name", "model")),
-        "pretrained": str(_require(model, "pretrained", "model")),
     }
+
+
+def _require_count(value, name: str, kind: str, low: int, optional: bool = True) -> None:
+    """``value`` is an integer >= ``low`` (or None, where ``optional``); else one line saying it must be ``kind``."""
+    if (value is not None or not optional) and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+        raise ConfigError(f"{name} must be {kind}, got {value!r}")
 
 
 def policy_from_config(method_cfg: dict, budget: str | None, max_context: int,
@@ -236,34 +263,23 @@ def policy_from_config(method_cfg: dict, budget: str | None, max_context: int,
     import evalkit.compression as ec
 
     method_cfg = dict(method_cfg)
-    method = method_cfg.pop("name", None)
-    if method == "spec_prefill":  # what the draft's settings leave configures the decoding policy, `then`
-        method = _spec_prefill_settings(method_cfg)["then"]
-        method_explicit = True
-    method_params = _method_params()
-    if method not in method_params:
-        raise ConfigError(f"unknown method {method!r}; choose one of {sorted([*method_params, 'spec_prefill'])}")
-    if budget is None and method != "full":
-        if method_explicit:
-            raise InvalidCombination(f"method={method} needs a budget: add +budget=4x (or 2x, 8x, 16x, tokens_N)")
-        method, method_cfg = "full", {}  # `evalkit task=X` with no budget is the full-cache baseline
-    if budget is not None and method == "full":
-        raise InvalidCombination("method=full takes no budget; drop +budget or pick a compressing method")
-    check_known(method_cfg, method_params[method], "method.")
-    params = {key: value for key, value in method_cfg.items() if value is not None}
+    if method_cfg.get("name") == "spec_prefill":  # what the draft's settings leave configures the decoding policy
+        method_cfg["name"], method_explicit = _spec_prefill_settings(method_cfg)["then"], True
+    method, params = method_settings(method_cfg, budget, method_explicit)
     try:
         return ec.policy_from_budget(method, budget, max_context, **params)
     except (ValueError, TypeError) as error:
         raise ConfigError(str(error)) from None
 
 
-def validate(cfg: dict, method_explicit: bool = True) -> RunSpec:
-    """Check a composed config (plain dict) and build the policy; raise ConfigError with one clear line."""
+def validate(cfg: dict, method_explicit: bool = True, checked: dict | None = None) -> RunSpec:
+    """Check a composed config (plain dict) and build the policy; raise ConfigError with one clear line. ``checked``:
+    what :func:`precheck` returned for this config, where the caller ran it already."""
     import evalkit.compression as ec
 
     from .pricing import price_deployment
 
-    checked = precheck(cfg)
+    checked = checked or precheck(cfg, method_explicit)
     budget, max_context, options = checked["budget"], checked["max_context"], checked["options"]
     method_cfg = dict(cfg.get("method") or {})
     policy = policy_from_config(method_cfg, budget, max_context, method_explicit)

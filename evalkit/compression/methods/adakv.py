@@ -7,7 +7,8 @@ from typing import ClassVar
 
 import torch
 
-from .settings import setting
+from evalkit.method_settings import setting
+
 from .wrapper import Wrapper
 
 

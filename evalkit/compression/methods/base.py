@@ -21,10 +21,11 @@ from typing import ClassVar
 
 import torch
 
+from evalkit.method_settings import check, setting
+
 from ..kernels import reduce_groups, snapkv_scores
 from ..model_spec import attention_sinks
 from ..views import DecodeView, PrefillView
-from .settings import check, setting
 
 UNBOUNDED = 1 << 62  # ring size of a cache that only grows
 

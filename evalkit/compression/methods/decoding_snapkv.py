@@ -9,9 +9,10 @@ from typing import ClassVar
 
 import torch
 
+from evalkit.method_settings import check, setting
+
 from ..kernels import attention_probabilities, pool_scores, reduce_groups, slots_visible
 from ..views import DecodeView, PrefillView
-from .settings import check, setting
 from .snapkv import SnapKV
 from .wrapper import Wrapper
 

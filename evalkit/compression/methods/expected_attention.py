@@ -9,9 +9,10 @@ from typing import ClassVar
 import torch
 from transformers.models.llama.modeling_llama import rotate_half
 
+from evalkit.method_settings import setting
+
 from ..views import PrefillView
 from .base import PromptScoring
-from .settings import setting
 
 
 @dataclasses.dataclass

@@ -8,10 +8,11 @@ from typing import ClassVar
 
 import torch
 
+from evalkit.method_settings import setting
+
 from ..kernels import causal_attention_sums, free_lowest, reduce_groups
 from ..views import DecodeView, PrefillView
 from .base import Policy
-from .settings import setting
 
 
 @dataclasses.dataclass

@@ -7,9 +7,10 @@ from typing import ClassVar
 
 import torch
 
+from evalkit.method_settings import setting
+
 from ..views import PrefillView
 from .base import PromptScoring
-from .settings import setting
 
 
 @dataclasses.dataclass

@@ -7,11 +7,12 @@ from typing import ClassVar
 
 import torch
 
+from evalkit.method_settings import setting
+
 from ..kernels import free_lowest
 from ..model_spec import layer_kinds
 from ..views import DecodeView
 from .base import Policy
-from .settings import setting
 
 
 @dataclasses.dataclass

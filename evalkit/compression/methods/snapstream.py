@@ -7,8 +7,9 @@ from typing import ClassVar
 
 import torch
 
+from evalkit.method_settings import setting
+
 from .base import SnapKVScoring
-from .settings import setting
 
 
 @dataclasses.dataclass

@@ -7,8 +7,9 @@ from typing import ClassVar
 
 import torch
 
+from evalkit.method_settings import check_value, setting
+
 from .base import Policy
-from .settings import setting
 
 
 @dataclasses.dataclass
@@ -32,6 +33,7 @@ class StreamingLLM(Policy):
     def from_config(cls, capacity: int, **params) -> StreamingLLM:
         """The budget's capacity spent on ``sink`` + ``window`` (window = capacity - sink)."""
         sink = params.pop("sink", 4)
+        check_value(cls, "sink", sink)
         if "window" in params:
             raise ValueError("streaming_llm's window comes from the budget (capacity - sink); do not set both")
         if capacity <= sink:

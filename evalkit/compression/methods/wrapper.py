@@ -17,9 +17,10 @@ from typing import ClassVar
 
 import torch
 
+from evalkit.method_settings import setting
+
 from ..views import PrefillView
 from .base import REGISTRY, Policy, named_settings
-from .settings import setting
 
 
 def build_scorer(spec: str | Mapping | Policy, capacity: int, owner: str, inline: bool = False) -> Policy:

@@ -1,6 +1,7 @@
 """A method's settings, declared once: each is a dataclass field made by :func:`setting`, its type the field's
 annotation, its bounds in the field's metadata. The method checks them when it is built (:func:`check`) and a config
-is checked against the same declarations before torch loads (:mod:`.schema` reads them from the source). Torch-free."""
+is checked against the same declarations before torch loads (:mod:`evalkit.method_schema` reads them from the
+source). Torch-free."""
 
 from __future__ import annotations
 
@@ -38,6 +39,15 @@ def problem(owner: str, name: str, value, annotation: str, bounds: dict) -> str 
     if choices is not None and value not in choices:
         return f"{owner}.{name} must be one of {list(choices)}, got {value!r}"
     return None
+
+
+def check_value(cls, name: str, value) -> None:
+    """Raise a ValueError if ``value`` is out of the declared bounds of ``cls``'s setting ``name`` (before building
+    ``cls``: a value a method computes with first)."""
+    field = next(field for field in dataclasses.fields(cls) if field.name == name)
+    error = problem(cls.__name__, name, value, str(field.type), dict(field.metadata))
+    if error:
+        raise ValueError(error)
 
 
 def check(instance) -> None:

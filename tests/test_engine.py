@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import SMALL_POLICIES
 from torch._dynamo.testing import CompileCounter
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -38,19 +39,7 @@ def stream(count: int = 10, seed: int = 1, **settings) -> list[ec.Request]:
             for i, (n, m) in enumerate(zip(lengths, news))]
 
 
-POLICIES = [
-    ec.Full(),
-    ec.SnapStream(capacity=64, window=8, sink=4, recent=16),
-    ec.StreamingLLM(sink=4, window=40),
-    ec.SnapKV(capacity=48, window=8),
-    # Per-layer and per-head layouts: each slot carries a validity mask and positions per layer and KV head.
-    ec.PyramidKV.from_config(48, window=8),
-    ec.AdaKV.from_config(48, window=4, alpha_safeguard=0.5),
-    ec.H2O(capacity=40, recent=10),
-    ec.TOVA(capacity=40),
-    ec.DecodingSnapKV.from_config(64, window=4, kernel_size=3, interval=8),
-    ec.KNorm(capacity=40),
-]
+POLICIES = [make() for make in SMALL_POLICIES.values()]  # every registered method
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.name)

@@ -21,8 +21,7 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidde
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
 
 POLICIES = SMALL_POLICIES
-SCORED = ["snapstream", "snapkv", "pyramidkv", "adakv", "h2o", "tova", "observed_attention", "expected_attention",
-          "decoding_snapkv"]
+SCORED = [name for name, make in POLICIES.items() if make().needs_scores]  # every method that ranks tokens
 
 
 def small(family: str = "llama", dtype=torch.bfloat16):

@@ -111,8 +111,8 @@ def test_bad_config_exits_nonzero_and_writes_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("method=h3o", "Could not find 'method/h3o'; Available options in 'method': adakv, decoding_snapkv, "
-                   "expected_attention, full, h2o, knorm, observed_attention, pyramidkv, random, snapkv, snapstream"),
+    ("method=h3o", "Could not find 'method/h3o'; Available options in 'method': "
+                   + ", ".join(sorted(path.stem for path in (conf_dir() / "method").glob("*.yaml")))),
     ("bogus=1", "Could not override 'bogus'. To append to your config use +bogus=1"),
     ("method.window==", "Error parsing override 'method.window=='"),
 ])

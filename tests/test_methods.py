@@ -9,7 +9,7 @@ from typing import ClassVar  # module level: dataclasses reads a method's ClassV
 import pytest
 import torch
 from baseline_reference import kept_prompt, kept_snapkv_budgets, simulate_decoding
-from conftest import random_prompt, tiny_model
+from conftest import SMALL_POLICIES, random_prompt, registered, tiny_model
 from masked_reference import module_scaling
 
 import evalkit.compression as ec
@@ -28,7 +28,10 @@ DECODING = {
     "tova": lambda: ec.TOVA(capacity=21),
     "decoding_snapkv": lambda: ec.DecodingSnapKV.from_config(40, window=4, kernel_size=3, interval=8),
 }
-EVERY = {**PREFILL, **DECODING, "pyramidkv": lambda: ec.PyramidKV.from_config(20, window=6, kernel_size=5)}
+SIZED = {**PREFILL, **DECODING, "pyramidkv": lambda: ec.PyramidKV.from_config(20, window=6, kernel_size=5)}
+# Every registered method but those test_compression.py holds to its own references; a new one at its defaults.
+EVERY = {name: SIZED.get(name) or registered(name, 20) for name in sorted(ec.POLICIES)
+         if name not in ("full", "snapkv", "snapstream", "streaming_llm")}
 
 
 def held_positions(session, reference_keys: dict[int, torch.Tensor], row: int = 0) -> dict[int, list[set[int]]]:
@@ -138,6 +141,24 @@ def test_adakv_realized_budget_is_the_budget_on_average(llama):
     assert stats["kept_prompt_tokens"] == [20, 20]
     assert stats["peak_cache_tokens"] == pytest.approx(20 + 9)  # 9 generated tokens fed back
     assert stats["realized_ratio"] == pytest.approx((50 + 9) / 29)
+
+
+# -- the registry --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(SMALL_POLICIES))
+def test_every_registered_method_compresses_at_its_small_size(llama, name):
+    """Each method the every-method tests run, at its small size, compresses a 200-token prompt (a new method whose
+    defaults do not fails here, by name: give it small settings in conftest.SMALL_SETTINGS)."""
+    policy = SMALL_POLICIES[name]()
+    session = ec.CompressionSession(llama, policy)
+    session.prefill(random_prompt(200, seed=5))
+    held = max(int(layer.heads.valid[0].sum(dim=-1).max()) if layer.heads is not None else layer.keys.shape[2]
+               for layer in session.cache.layers)
+    assert (held < 200) == (name != "full"), f"{name} at {policy} holds {held} of 200 prompt tokens"
+
+
+def test_every_registered_method_is_exported_under_its_class_name():
+    assert {name: getattr(ec, cls.__name__, None) for name, cls in ec.POLICIES.items()} == ec.POLICIES
+    assert {cls.__name__ for cls in ec.POLICIES.values()} <= set(ec.__all__)
 
 
 # -- with room, every method is Full ----------------------------------------------------------------------------

@@ -41,11 +41,16 @@ def problem(owner: str, name: str, value, annotation: str, bounds: dict) -> str 
     return None
 
 
+def annotation(field: dataclasses.Field) -> str:
+    """A field's annotation as its source writes it (``int | None``), whether or not its module postpones them."""
+    return field.type if isinstance(field.type, str) else getattr(field.type, "__name__", None) or str(field.type)
+
+
 def check_value(cls, name: str, value) -> None:
     """Raise a ValueError if ``value`` is out of the declared bounds of ``cls``'s setting ``name`` (before building
     ``cls``: a value a method computes with first)."""
     field = next(field for field in dataclasses.fields(cls) if field.name == name)
-    error = problem(cls.__name__, name, value, str(field.type), dict(field.metadata))
+    error = problem(cls.__name__, name, value, annotation(field), dict(field.metadata))
     if error:
         raise ValueError(error)
 
@@ -54,7 +59,7 @@ def check(instance) -> None:
     """Raise a ValueError naming the first declared setting of ``instance`` out of its bounds."""
     owner = type(instance).__name__
     for field in dataclasses.fields(instance):
-        if "low" in field.metadata or "choices" in field.metadata or field.type in ("int", "bool", "float"):
-            error = problem(owner, field.name, getattr(instance, field.name), str(field.type), dict(field.metadata))
+        if "low" in field.metadata or "choices" in field.metadata or annotation(field) in ("int", "bool", "float"):
+            error = problem(owner, field.name, getattr(instance, field.name), annotation(field), dict(field.metadata))
             if error:
                 raise ValueError(error)

@@ -18,7 +18,7 @@ from helpers import evalkit
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = ROOT / "CONTRIBUTING.md"
-EXAMPLES = {"A new compression method": "snapkv", "A new task": "needle", "A new model family": "gemma3_4b_it"}
+EXAMPLES = {"A new compression method": "knorm", "A new task": "needle", "A new model family": "gemma3_4b_it"}
 
 
 def sections() -> dict[str, str]:
@@ -87,15 +87,20 @@ def _removed(files: dict[Path, str]) -> None:
 
 
 @pytest.mark.slow
-def test_a_method_is_its_file_and_its_yaml(tmp_path, random_model_dir):
-    """The method checklist: a policy file in evalkit/compression/methods/ and its YAML; the CLI runs it, the rows name it
-    and the cache held its budget, and the baselines grid lists it."""
+def test_a_method_is_its_file_its_yaml_and_its_test(tmp_path, random_model_dir):
+    """The method checklist, followed to the letter with a KeyDiff-like prompt scorer: its file, its YAML and its
+    exactness test, nothing else. Its test passes, every every-method test runs it (by its name), a bad value of its
+    setting is one line before torch loads, the CLI runs it within its budget, and the baselines grid lists it."""
     name = f"probe_{uuid.uuid4().hex[:8]}"
     files = {
         ROOT / "evalkit" / "compression" / "methods" / f"{name}.py": f'''
-            """A throwaway method: keeps the most recent prompt tokens (a test of the contributing checklist)."""
+            """A throwaway prompt scorer: keeps the keys least like the mean key (a test of the contributing checklist)."""
             import dataclasses
             from typing import ClassVar
+
+            import torch
+
+            from evalkit.method_settings import setting
 
             from .base import PromptScoring
 
@@ -103,17 +108,46 @@ def test_a_method_is_its_file_and_its_yaml(tmp_path, random_model_dir):
             @dataclasses.dataclass
             class Probe(PromptScoring):
                 name: ClassVar[str] = "{name}"
+                sharpness: float = setting(1.0, low=0)
 
                 def prefill_queries(self):
                     return 0
 
                 def score(self, view):
-                    return view.positions.float()[:, None, :].expand(view.keys.shape[:-1])
+                    valid = view.key_valid[:, None, :, None]
+                    mean = (view.keys * valid).sum(dim=2, keepdim=True) / valid.sum(dim=2, keepdim=True)
+                    return -self.sharpness * torch.cosine_similarity(view.keys, mean, dim=-1)
             ''',
-        ROOT / "conf" / "method" / f"{name}.yaml": f"name: {name}\n",
+        ROOT / "conf" / "method" / f"{name}.yaml": f"name: {name}\nsink: 0\nwindow: 0\nsharpness: 1.0\n",
+        ROOT / "tests" / f"test_{name}.py": f'''
+            import torch
+            from baseline_reference import full_run, top
+            from conftest import random_prompt
+            from test_methods import held_positions, reference_keys
+
+            import evalkit.compression as ec
+
+
+            def test_{name}_keeps_the_keys_least_like_the_mean(llama):
+                prompt = random_prompt(50, seed=11)
+                session = ec.CompressionSession(llama, ec.Probe(capacity=20))
+                session.prefill(prompt)
+                expected = {{layer: [top((-torch.cosine_similarity(k, k.mean(dim=0), dim=-1)).tolist(), 20)
+                                     for k in r["key"]] for layer, r in full_run(llama, prompt).items()}}
+                assert held_positions(session, reference_keys(llama, prompt)) == expected
+            ''',
     }
     try:
         _added(files)
+        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
+                                "-k", name, "tests/"], cwd=ROOT, capture_output=True, text=True, timeout=1200)
+        assert tests.returncode == 0, tests.stdout[-3000:]
+        passed = int(re.search(r"(\d+) passed", tests.stdout).group(1))
+        assert passed >= 12, tests.stdout[-3000:]  # its own test and the every-method ones, by its name
+        for every in ("test_methods.py", "test_engine.py", "test_chunked_prefill.py", "test_method_schema.py"):
+            assert re.search(rf"{every}::\S*{name}", _collected(name)), every
+        bad = evalkit(f"method={name}", "budget=4x", "method.sharpness=-1", cwd=tmp_path)
+        assert bad.returncode == 2 and bad.stderr.strip() == "evalkit: config error: Probe.sharpness must be a number >= 0, got -1"
         grid = subprocess.run([sys.executable, "-c", "from evalkit.config import registered_methods as m; print(m())"],
                               capture_output=True, text=True, timeout=300)
         assert name in grid.stdout.split(","), grid.stderr[-2000:]
@@ -126,6 +160,13 @@ def test_a_method_is_its_file_and_its_yaml(tmp_path, random_model_dir):
         assert (samples["realized_ratio"] > 1).all()
     finally:
         _removed(files)
+
+
+def _collected(name: str) -> str:
+    """The ids of the fast tier's tests that select ``name``."""
+    listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m",
+                             "not slow", "-k", name, "tests/"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return listed.stdout
 
 
 @pytest.mark.slow

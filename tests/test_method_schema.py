@@ -12,6 +12,7 @@ import pytest
 
 import evalkit.compression as ec
 from evalkit.method_schema import config_settings, schemas
+from evalkit.method_settings import annotation
 
 
 def test_every_registered_method_has_a_schema():
@@ -28,7 +29,7 @@ def test_the_schema_declares_what_the_class_declares(name):
     for field in own:
         declared = schema.settings[field.name]
         assert (declared.annotation, declared.default, declared.bounds) == (
-            str(field.type), field.default, dict(field.metadata)), field.name
+            annotation(field), field.default, dict(field.metadata)), field.name
 
 
 def bad_values(setting):

@@ -21,10 +21,10 @@ from tqdm import tqdm
 
 import evalkit.compression as ec
 from evalkit.measure import Throughput
+from evalkit.method_config import policy_from_config
 from evalkit.models import load_model
 from evalkit.progress import request_keys
 from evalkit.prompts import CONTEXT_END, SCOPES, TRUNCATIONS, truncate_middle
-from evalkit.run.spec import policy_from_config
 
 
 def stats_keys(requests) -> list[tuple]:

@@ -202,3 +202,15 @@ def test_every_scorer_can_be_reapplied_while_decoding(llama, name):
     engine = ec.Engine(llama, policy, slots=2).run([request, ec.Request(prompt[0, :20], max_new_tokens=30)])
     alone = ec.generate(llama, prompt, policy, max_new_tokens=20, return_logits=False)
     assert engine[0].tokens == alone.sequences[0, 50:].tolist()
+
+
+def test_decoding_over_adakv_over_knorm_fits_its_static_cache_and_the_engine_gives_the_tokens_of_alone(llama):
+    """Nested wrappers in the engine: AdaKV's unequal head shares of ``capacity - interval``, plus the ``interval``
+    tokens generated before the next re-application, fit the slot axis the policy asks for (its largest share plus
+    the interval, beyond ``capacity``), and every request decodes as it does alone."""
+    from test_compression import assert_engine_equals_alone
+
+    policy = ec.DecodingSnapKV(capacity=42, window=8, interval=10, scorer={"name": "adakv", "scorer": "knorm"})
+    kv_heads = llama.config.num_key_value_heads
+    assert policy.slot_capacity(kv_heads) == policy.scorer.prompt_slots(10**9, kv_heads) + 10 > 42
+    assert_engine_equals_alone(llama, policy, lengths=(60, 45, 70), new_tokens=30)

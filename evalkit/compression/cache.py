@@ -281,7 +281,7 @@ class CompressedCache(Cache):
         if not layers:
             return 0
         slots = max(layer.keys.shape[-2] for layer in layers)
-        capacities = [layer.layout.policy.cache_capacity() for layer in layers]
+        capacities = [layer.layout.policy.slot_capacity(layer.keys.shape[1]) for layer in layers]
         slots = max([slots, *(c for c in capacities if c is not None)])
         for layer in layers:
             layer.pad_slots(slots)

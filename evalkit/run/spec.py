@@ -4,14 +4,13 @@ model loads, or raises :class:`~evalkit.errors.ConfigError` with one line."""
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from evalkit import budget as budget_grammar
-from evalkit.errors import ConfigError, InvalidCombination
-from evalkit.method_schema import config_settings, schemas
+from evalkit.errors import ConfigError
+from evalkit.method_config import check_known, method_settings, policy_from_config, spec_prefill_settings
 from evalkit.task import LM_EVAL, task_of
 
 if TYPE_CHECKING:  # torch and the compression code load with the first validate(), not with this module
@@ -113,16 +112,6 @@ MODEL_KEYS = ("name", "pretrained", "max_context", "dtype", "apply_chat_template
               "deployment")
 
 
-def check_known(section: dict, known, where: str = "") -> None:
-    """Every key of ``section`` is one of ``known``; else one line naming the key and its nearest known spelling
-    (``where``: the section's prefix, e.g. ``model.``)."""
-    for key in section:
-        if key not in known:
-            near = difflib.get_close_matches(str(key), [str(k) for k in known], n=1, cutoff=0.6)
-            hint = f"did you mean {where}{near[0]}?" if near else f"known: {', '.join(sorted(map(str, known)))}"
-            raise ConfigError(f"unknown setting {where}{key}: {hint}")
-
-
 def _require_bool(value, name: str) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{name} must be true or false, got {value!r}")
@@ -167,34 +156,6 @@ def precheck(cfg: dict, method_explicit: bool = True) -> dict:
         "model_name": str(_require(model, "name", "model")),
         "pretrained": str(_require(model, "pretrained", "model")),
     }
-
-
-def method_settings(method_cfg: dict, budget: str | None, method_explicit: bool = True) -> tuple[str, dict]:
-    """The method a config's ``method`` section names and its settings, checked against the methods' declarations
-    (names, types, bounds: :mod:`evalkit.method_schema`) without importing them: ``(method, settings)``. With
-    ``method_explicit`` False, a method without a budget is the full-cache baseline (``evalkit task=X``). Rules
-    between settings and the budget's size wait for the method itself. Raises ConfigError (one line)."""
-    method_cfg = dict(method_cfg)
-    method = method_cfg.pop("name", None)
-    known = schemas()
-    if method == "spec_prefill":  # the draft's own settings are checked with it; here those of its decoding method
-        method, method_explicit = method_cfg.get("then") or "full", True
-        method_cfg = {key: value for key, value in method_cfg.items()
-                      if method in known and key in config_settings(known[method])}
-    if method not in known:
-        raise ConfigError(f"unknown method {method!r}; choose one of {sorted([*known, 'spec_prefill'])}")
-    if budget is None and method != "full" and not method_explicit:
-        return "full", {}  # `evalkit task=X` with no budget is the full-cache baseline
-    check_known(method_cfg, config_settings(known[method]), "method.")
-    params = {key: value for key, value in method_cfg.items() if value is not None}
-    error = known[method].problem(params)
-    if error:
-        raise ConfigError(error)
-    if budget is None and method != "full":
-        raise InvalidCombination(f"method={method} needs a budget: add +budget=4x (or 2x, 8x, 16x, tokens_N)")
-    if budget is not None and method == "full":
-        raise InvalidCombination("method=full takes no budget; drop +budget or pick a compressing method")
-    return method, params
 
 
 def _checked_task(task: dict) -> tuple[str, dict]:
@@ -254,24 +215,6 @@ def _require_count(value, name: str, kind: str, low: int, optional: bool = True)
         raise ConfigError(f"{name} must be {kind}, got {value!r}")
 
 
-def policy_from_config(method_cfg: dict, budget: str | None, max_context: int,
-                       method_explicit: bool = True) -> ec.Policy:
-    """The KV policy of a method config (``conf/method/<name>.yaml``'s keys, ``name`` among them) at ``budget`` (the
-    budget grammar's text; None: none) over ``max_context`` tokens: the one way the evalkit CLI, ``lm_eval --model
-    evalkit`` and Python callers build a policy, so that all three refuse a bad value alike. With ``method_explicit``
-    False, a method without a budget is the full-cache baseline (``evalkit task=X``). Raises ConfigError (one line)."""
-    import evalkit.compression as ec
-
-    method_cfg = dict(method_cfg)
-    if method_cfg.get("name") == "spec_prefill":  # what the draft's settings leave configures the decoding policy
-        method_cfg["name"], method_explicit = _spec_prefill_settings(method_cfg)["then"], True
-    method, params = method_settings(method_cfg, budget, method_explicit)
-    try:
-        return ec.policy_from_budget(method, budget, max_context, **params)
-    except (ValueError, TypeError) as error:
-        raise ConfigError(str(error)) from None
-
-
 def validate(cfg: dict, method_explicit: bool = True, checked: dict | None = None) -> RunSpec:
     """Check a composed config (plain dict) and build the policy; raise ConfigError with one clear line. ``checked``:
     what :func:`precheck` returned for this config, where the caller ran it already."""
@@ -285,7 +228,7 @@ def validate(cfg: dict, method_explicit: bool = True, checked: dict | None = Non
     policy = policy_from_config(method_cfg, budget, max_context, method_explicit)
     method, label, spec_prefill = policy.name, method_cfg.pop("name", None), None
     if label == "spec_prefill":  # the draft's settings (the policy above is the decoding one, `then`)
-        spec_prefill = _spec_prefill_settings(method_cfg)
+        spec_prefill = spec_prefill_settings(method_cfg)
         del spec_prefill["then"]
     apply_chat_template = checked["apply_chat_template"]
     apply_chat_template = task_of(checked["task"], options).adjust_options(options, apply_chat_template)
@@ -371,21 +314,3 @@ def _check_device(device: str) -> None:
             raise ConfigError("device=mps but MPS is not available on this machine")
         return
     raise ConfigError(f"device must be auto, cpu, cuda, cuda:N or mps, got {device!r}")
-
-
-def _spec_prefill_settings(method_cfg: dict) -> dict:
-    """Pop speculative prefill's own settings from ``method_cfg`` (what remains configures the decoding policy):
-    SpecPrefill's fields with their defaults; the draft is named by draft_model, the decoding policy by `then`."""
-    import evalkit.compression as ec
-
-    fields = {f.name: f.default for f in dataclasses.fields(ec.SpecPrefill) if f.name not in ("draft", "draft_tokenizer")}
-    settings = {key: method_cfg.pop(key, default) for key, default in fields.items()}
-    try:
-        ec.SpecPrefill(draft=None, draft_tokenizer=None, **settings)
-    except (ValueError, TypeError) as error:
-        raise ConfigError(f"method.{error}") from None
-    draft_model, then = method_cfg.pop("draft_model", None), method_cfg.pop("then", None) or "full"
-    if not draft_model:
-        raise ConfigError("method=spec_prefill needs method.draft_model=<hub id, local path or builtin:NAME>")
-    return {**settings, "draft_model": draft_model, "then": then}
-

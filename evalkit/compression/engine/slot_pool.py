@@ -94,7 +94,8 @@ class SlotPool:
     def prepare(self, stream: list[Request], requested: int | None) -> None:
         """Size the slots for ``stream`` (``requested``: the engine's ``slot_tokens``), reallocating only when the
         size changes, and free them all."""
-        capacity = self.policy.cache_capacity()
+        (kv_heads, _, _), _ = cache_geometry(self.model.config)
+        capacity = self.policy.slot_capacity(kv_heads)
         if capacity is not None:
             size = capacity
         elif requested is not None:

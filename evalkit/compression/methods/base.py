@@ -100,6 +100,11 @@ class Policy:
         """Most tokens the cache ever holds per sequence; ``None`` when it grows with the sequence."""
         return None
 
+    def slot_capacity(self, kv_heads: int) -> int | None:
+        """Most tokens one KV head of a layer ever holds (the slot axis of a static cache; ``None``: it grows): the
+        cache capacity, unless heads share it unequally."""
+        return self.cache_capacity()
+
     def decode_layout(self, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For per-row counts of kept prompt tokens, return (fixed slots, ring size) per row."""
         return kept.clone(), torch.full_like(kept, UNBOUNDED)

@@ -5,6 +5,7 @@ reasoning, arXiv 2505.24133), or any other prefill scorer re-applied the same wa
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import ClassVar
 
 import torch
@@ -80,6 +81,13 @@ class DecodingSnapKV(Wrapper):
 
     def cache_capacity(self) -> int:
         return self.capacity
+
+    def slot_capacity(self, kv_heads: int) -> int:
+        """Under an allocating scorer (AdaKV, PyramidKV) heads hold unequal shares of ``capacity``: the largest share
+        it gives, plus the ``interval`` tokens generated before the next re-application."""
+        if not self.scorer.allocates:
+            return self.capacity
+        return self.scorer.prompt_slots(sys.maxsize, kv_heads) + self.interval
 
     def query_window(self) -> int:
         return self.window

@@ -10,7 +10,7 @@ import dataclasses
 from functools import cache
 from pathlib import Path
 
-from evalkit.method_settings import problem
+from evalkit.method_settings import problem, setting
 
 METHODS = Path(__file__).parent / "compression" / "methods"
 
@@ -63,9 +63,8 @@ def _literal(node: ast.AST):
 def _field(target: str, annotation: str, value: ast.AST | None) -> Setting:
     if isinstance(value, ast.Call) and getattr(value.func, "id", None) == "setting":
         default = _literal(value.args[0]) if value.args else dataclasses.MISSING
-        bounds = {kw.arg: _literal(kw.value) for kw in value.keywords}
-        bounds = {key: value for key, value in bounds.items() if value is not None and value is not False}
-        return Setting(target, annotation, default, bounds)
+        declared = setting(**{kw.arg: _literal(kw.value) for kw in value.keywords})  # its metadata, as the class's
+        return Setting(target, annotation, default, dict(declared.metadata))
     return Setting(target, annotation, dataclasses.MISSING if value is None else _literal(value), {})
 
 

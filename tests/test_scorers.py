@@ -84,6 +84,8 @@ def test_the_scorer_is_one_recorded_spelling_and_bad_scorers_name_the_problem():
         (lambda: ec.AdaKV(capacity=48, scorer={"name": "knorm", "kernel_size": 3}),
          r"AdaKV.scorer.kernel_size is not a setting of knorm \(its settings: \['sink', 'window'\]\)"),
         (lambda: ec.AdaKV.from_config(48, window=8, scorer="knorm"), "AdaKV.window is a setting of the SnapKV score"),
+        (lambda: ec.AdaKV.from_config(48, window=8, scorer="snapkv"), "AdaKV.window is a setting of the SnapKV score, "
+                                                                      "unused with scorer=snapkv"),
         (lambda: ec.AdaKV(capacity=8, scorer={"name": "knorm", "window": 8}), r"AdaKV.scorer \(knorm\): KNorm.capacity"),
     ]:
         with pytest.raises(ValueError, match=message):

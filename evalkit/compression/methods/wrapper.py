@@ -122,9 +122,9 @@ class Wrapper(Policy):
         inline_name, defaults = cls.inline
         if scorer is None:
             scorer = {"name": inline_name, **defaults, **rest, **{n: own[n] for n in cls.shared_with_inline if n in own}}
-        for name, value in rest.items():
-            if scorer is not None and _name(scorer) != inline_name and value != defaults.get(
-                    name, _default(REGISTRY[inline_name], name)):
+            return cls(capacity=capacity, scorer=scorer, **own)
+        for name, value in rest.items():  # a named scorer, SnapKV too, takes its settings in its own section
+            if value != defaults.get(name, _default(REGISTRY[inline_name], name)):
                 raise ValueError(f"{cls.__name__}.{name} is a setting of the SnapKV score, unused with scorer="
                                  f"{_name(scorer)}: give the scorer's own settings in {cls.__name__}.scorer "
                                  "(e.g. {'name': 'knorm', 'window': 4})")

@@ -88,6 +88,8 @@ SMALL_SETTINGS = {
     "expected_attention": lambda: ec.ExpectedAttention(capacity=40, n_future_positions=16),
     "random": lambda: ec.Random(capacity=40, selection_seed=3),
     "decoding_snapkv": lambda: ec.DecodingSnapKV.from_config(64, window=4, kernel_size=3, interval=8),
+    "per_layer": lambda: ec.PerLayer.from_config(48, window=8, weights=(1.5, 0.5)),
+    "composed": lambda: ec.Composed(capacity=40, then={"name": "snapkv", "window": 8, "kernel_size": 5}),
 }
 
 

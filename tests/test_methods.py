@@ -13,6 +13,7 @@ from conftest import SMALL_POLICIES, random_prompt, registered, tiny_model
 from masked_reference import module_scaling
 
 import evalkit.compression as ec
+from evalkit.compression.methods.base import named_settings
 
 PREFILL = {
     "knorm": lambda: ec.KNorm(capacity=20),
@@ -28,7 +29,9 @@ DECODING = {
     "tova": lambda: ec.TOVA(capacity=21),
     "decoding_snapkv": lambda: ec.DecodingSnapKV.from_config(40, window=4, kernel_size=3, interval=8),
 }
-SIZED = {**PREFILL, **DECODING, "pyramidkv": lambda: ec.PyramidKV.from_config(20, window=6, kernel_size=5)}
+SIZED = {**PREFILL, **DECODING, "pyramidkv": lambda: ec.PyramidKV.from_config(20, window=6, kernel_size=5),
+         "per_layer": lambda: ec.PerLayer.from_config(20, window=4, kernel_size=5, weights=(1.5, 0.5)),
+         "composed": lambda: ec.Composed(capacity=20, then={"name": "snapkv", "window": 4, "kernel_size": 5})}
 # Every registered method but those test_compression.py holds to its own references; a new one at its defaults.
 EVERY = {name: SIZED.get(name) or registered(name, 20) for name in sorted(ec.POLICIES)
          if name not in ("full", "snapkv", "snapstream", "streaming_llm")}
@@ -258,7 +261,11 @@ def test_every_method_config_builds_its_policy_with_the_documented_defaults(name
     written = safe_load((conf_dir() / "method" / f"{name}.yaml").read_text())
     for key, value in written.items():
         if key != "name" and value is not None:
-            assert spec.policy.settings()[key] == value, key
+            built = spec.policy.settings()[key]
+            if isinstance(built, dict) and isinstance(value, str):  # a method named: built with its own defaults
+                assert built == named_settings(ec.policy_from_budget(value, "tokens_4096", 8192)), key
+            else:
+                assert built == value, key
     assert spec.flat_config()["policy_params"].count('"capacity": 4096') == 1
 
 

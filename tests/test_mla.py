@@ -51,6 +51,8 @@ SMALL = {
     "adakv": lambda: ec.AdaKV.from_config(20, window=4),
     "pyramidkv": lambda: ec.PyramidKV.from_config(20, window=6, kernel_size=5),
     "decoding_snapkv": lambda: ec.DecodingSnapKV.from_config(40, window=4, kernel_size=3, interval=8),
+    "per_layer": lambda: ec.PerLayer.from_config(20, window=4, kernel_size=5, weights=(1.5, 0.5)),
+    "composed": lambda: ec.Composed(capacity=20, then={"name": "snapkv", "window": 4, "kernel_size": 5}),
 }
 POLICIES = {name: SMALL.get(name) or registered(name, 20) for name in sorted(ec.POLICIES)
             if name != "full" and (SMALL.get(name) or registered(name, 20))().supports_latent}

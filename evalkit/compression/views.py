@@ -61,3 +61,25 @@ class DecodeView:
     values: torch.Tensor | None = None
     module: torch.nn.Module | None = None
     rotary: object = None
+
+
+def held_as_prompt(held: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, *,
+                   query: torch.Tensor, scaling: float, layer_idx: int, num_layers: int, module: torch.nn.Module,
+                   rotary=None) -> tuple[PrefillView, torch.Tensor]:
+    """The tokens ``held`` ``[B, Hkv, S]`` (of ``keys``/``values`` ``[B, Hkv, S, D]`` at text ``positions``
+    ``[B, Hkv, S]``) as a prompt a method can rank: each head's tokens in text order, the others before them as a
+    prompt's left padding (each head its own where heads hold different counts). Returns the view and the ``order``
+    ``[B, Hkv, S]`` that made it: position ``i`` of the view is slot ``order[..., i]``."""
+    order = positions.masked_fill(~held, -1).argsort(dim=-1, stable=True)  # the others first, then text order
+
+    def in_order(tensor: torch.Tensor) -> torch.Tensor:
+        index = order if tensor.dim() == 3 else order[..., None].expand(-1, -1, -1, tensor.shape[-1])
+        return tensor.gather(2, index)
+
+    ordered = in_order(held)
+    equal = bool((ordered == ordered[:, :1]).all())  # every head holds as many
+    view = PrefillView(query=query, keys=in_order(keys), values=in_order(values), key_valid=ordered.any(dim=1),
+                       scaling=scaling, layer_idx=layer_idx, num_layers=num_layers, module=module,
+                       positions=in_order(positions)[:, 0].clamp(min=0), rotary=rotary,
+                       head_valid=None if equal else ordered)
+    return view, order

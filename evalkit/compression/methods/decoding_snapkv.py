@@ -13,7 +13,7 @@ import torch
 from evalkit.method_settings import check, setting
 
 from ..kernels import attention_probabilities, pool_scores, reduce_groups, slots_visible
-from ..views import DecodeView, PrefillView
+from ..views import DecodeView, held_as_prompt
 from .snapkv import SnapKV
 from .wrapper import Wrapper
 
@@ -130,21 +130,13 @@ class DecodingSnapKV(Wrapper):
     def _reapply(self, view: DecodeView) -> torch.Tensor:
         """The slots the wrapped method drops when it selects from the cache as from a prompt (see the class): each
         head's tokens in text order, its empty slots before them as a prompt's left padding."""
-        valid, positions = view.valid, view.positions
-        order = positions.masked_fill(~valid, -1).argsort(dim=-1, stable=True)  # empty slots first, then text order
-
-        def in_order(tensor: torch.Tensor) -> torch.Tensor:
-            index = order if tensor.dim() == 3 else order[..., None].expand(-1, -1, -1, tensor.shape[-1])
-            return tensor.gather(2, index)
-
-        held = in_order(valid)  # [B, Hkv, S]
-        equal = bool((held == held[:, :1]).all())  # every head holds as many (a plain scorer's re-application)
+        valid = view.valid
         config = getattr(view.module, "config", None)
-        prompt = PrefillView(
-            query=view.query_buffer, keys=in_order(view.keys), values=in_order(view.values),
-            key_valid=held.any(dim=1), scaling=view.scaling, layer_idx=getattr(view.module, "layer_idx", 0),
-            num_layers=getattr(config, "num_hidden_layers", 1), module=view.module,
-            positions=in_order(positions)[:, 0].clamp(min=0), rotary=view.rotary, head_valid=None if equal else held)
+        prompt, order = held_as_prompt(valid, view.keys, view.values, view.positions, query=view.query_buffer,
+                                       scaling=view.scaling, layer_idx=getattr(view.module, "layer_idx", 0),
+                                       num_layers=getattr(config, "num_hidden_layers", 1), module=view.module,
+                                       rotary=view.rotary)
+        held = valid.gather(-1, order)
         indices, counts, _ = self.select(prompt, valid.shape[1])
         picked = torch.arange(indices.shape[-1], device=valid.device) < counts[..., None]
         kept = torch.zeros_like(held).scatter_(-1, indices, picked)

@@ -23,9 +23,10 @@ from ..views import PrefillView
 from .base import REGISTRY, Policy, named_settings
 
 
-def build_scorer(spec: str | Mapping | Policy, capacity: int, owner: str, inline: bool = False) -> Policy:
-    """The method ``spec`` names (a name, its settings with a name, or a method), sized by ``capacity``. ``inline``:
-    the wrapper's own method (its errors name the wrapper's settings)."""
+def build_scorer(spec: str | Mapping | Policy, capacity: int, owner: str, inline: bool = False,
+                 field: str = "scorer") -> Policy:
+    """The method ``spec`` names (a name, its settings with a name, or a method), sized by ``capacity``, for
+    ``owner.field``. ``inline``: the wrapper's own method (its errors name the wrapper's settings)."""
     if isinstance(spec, Policy):
         return dataclasses.replace(spec, **{name: capacity for name in spec.budget_fields if name == "capacity"})
     if isinstance(spec, str):
@@ -34,20 +35,20 @@ def build_scorer(spec: str | Mapping | Policy, capacity: int, owner: str, inline
         settings = dict(spec)
         name = settings.pop("name", None)
     else:
-        raise ValueError(f"{owner}.scorer must be a method name, its settings with a name, or a method; got {spec!r}")
+        raise ValueError(f"{owner}.{field} must be a method name, its settings with a name, or a method; got {spec!r}")
     if name not in REGISTRY:
-        raise ValueError(f"{owner}.scorer: unknown method {name!r}; choose one of {scorers()}")
+        raise ValueError(f"{owner}.{field}: unknown method {name!r}; choose one of {scorers()}")
     cls = REGISTRY[name]
     allowed = cls.config_settings()
     unknown = sorted(set(settings) - set(allowed))
     if unknown:
-        raise ValueError(f"{owner}.scorer.{unknown[0]} is not a setting of {name} (its settings: {list(allowed)})")
+        raise ValueError(f"{owner}.{field}.{unknown[0]} is not a setting of {name} (its settings: {list(allowed)})")
     try:
         return cls.from_config(capacity, **settings) if cls.takes_budget else cls(**settings)
     except (TypeError, ValueError) as error:
         if inline:  # its settings are the wrapper's own in a config: named as the wrapper's
             raise ValueError(str(error).replace(f"{cls.__name__}.", f"{owner}.", 1)) from None
-        raise ValueError(f"{owner}.scorer ({name}): {error}") from None
+        raise ValueError(f"{owner}.{field} ({name}): {error}") from None
 
 
 def scorers() -> list[str]:

@@ -1,0 +1,66 @@
+"""Per-layer budgets over any scorer (kvpress ``PerLayerCompressionPress``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import torch
+
+from .wrapper import Wrapper
+
+
+@dataclasses.dataclass
+class PerLayer(Wrapper):
+    """A scorer's ranking (SnapKV's by default, see :mod:`.wrapper`) with each layer's share of the budget given.
+
+    Layer ``l`` keeps ``floor(capacity * w_l / mean(weights))`` prompt tokens per KV head (at most the prompt), so
+    the layers keep ``capacity`` on average. ``weights`` gives one share per layer or a coarser profile stretched
+    over the depth: layer ``l`` of ``L`` takes ``weights[l * len(weights) // L]`` (the mean is then exact when
+    ``L`` is a multiple of ``len(weights)``; the statistics report the realized one). None: every layer keeps
+    ``capacity`` (the scorer alone).
+
+    kvpress' ``PerLayerCompressionPress(press, compression_ratios)`` keeps ``int(n * (1 - r_l))`` tokens in layer
+    ``l``; with ``weights = [1 - r_l]`` and the budget ``n * (1 - mean(r))`` this keeps the same counts (up to the
+    rounding of the product).
+    """
+
+    name: ClassVar[str] = "per_layer"
+    per_head: ClassVar[bool] = True  # layers hold different counts
+    allocates: ClassVar[bool] = True
+    weights: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.weights is not None:
+            weights = tuple(self.weights) if not isinstance(self.weights, (str, bytes)) else ()
+            if not weights or not all(isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0
+                                      for w in weights):
+                raise ValueError(f"PerLayer.weights must be a list of positive numbers (one per layer, or a profile "
+                                 f"over the depth), got {self.weights!r}")
+            self.weights = tuple(float(w) for w in weights)
+        super().__post_init__()
+        lightest, forced = self._layer_capacity(0, 1, lowest=True), self.scorer.kept_sink() + self.scorer.kept_window()
+        if lightest <= forced:
+            raise ValueError(f"PerLayer: its lightest layer keeps {lightest} tokens, not more than the {forced} "
+                             f"{self.scorer.name} always keeps (raise the budget or that layer's weight)")
+
+    def prompt_capacity(self) -> int:
+        return self.capacity
+
+    def _layer_capacity(self, layer_idx: int, num_layers: int, lowest: bool = False, highest: bool = False) -> int:
+        if self.weights is None:
+            return self.capacity
+        mean = sum(self.weights) / len(self.weights)
+        weight = (min(self.weights) if lowest else max(self.weights) if highest
+                  else self.weights[layer_idx * len(self.weights) // num_layers])
+        return math.floor(self.capacity * weight / mean)
+
+    def layer_budget(self, layer_idx: int, num_layers: int, real_len: torch.Tensor) -> torch.Tensor:
+        return real_len.clamp(max=self._layer_capacity(layer_idx, num_layers))
+
+    def allocate(self, scores: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+        return budget[:, None].expand(-1, scores.shape[1]).clone()  # every head of the layer keeps its budget
+
+    def prompt_slots(self, n: int, kv_heads: int) -> int:
+        return min(n, self._layer_capacity(0, 1, highest=True))

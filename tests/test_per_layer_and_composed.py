@@ -120,3 +120,12 @@ def test_composed_refuses_what_it_cannot_compose(config, message):
 def test_per_layer_refuses_bad_weights(weights, message):
     with pytest.raises(ValueError, match=message):
         ec.PerLayer.from_config(100, weights=weights)
+
+
+def test_per_layer_refuses_a_profile_that_does_not_divide_the_layers(llama):
+    with pytest.raises(ValueError, match="PerLayer.weights gives 3 shares, and the model's 2 layers are not a multiple"):
+        ec.CompressionSession(llama, ec.PerLayer(capacity=40, scorer="knorm", weights=(2, 1, 0.5)))
+    nested = ec.DecodingSnapKV(capacity=80, window=4, interval=8,
+                               scorer={"name": "per_layer", "scorer": "knorm", "weights": [2, 1, 0.5]})
+    with pytest.raises(ValueError, match="PerLayer.weights gives 3 shares"):  # asked through the wrappers
+        ec.CompressionSession(llama, nested)

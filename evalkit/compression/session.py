@@ -44,6 +44,7 @@ class CompressionSession:
         check_hookable(model)
         if getattr(model.config, "kv_lora_rank", None) and not policy.supports_latent:
             raise ValueError(f"{policy.name} cannot score a latent (MLA) cache: {policy.latent_refusal}")
+        policy.check_layers(model.config.num_hidden_layers)
         self.model = model
         self.policy = policy
         self.cache = CompressedCache(policy, model.config.num_hidden_layers, rotary_embedding(model),

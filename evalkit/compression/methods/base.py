@@ -84,6 +84,10 @@ class Policy:
         """The settings a config may give (everything but what the budget decides)."""
         return tuple(field.name for field in dataclasses.fields(cls) if field.name not in cls.budget_fields)
 
+    def check_layers(self, num_layers: int) -> None:
+        """Raise a ValueError if the method cannot run on a model of ``num_layers`` layers (settings given per
+        layer)."""
+
     def kept_sink(self) -> int:
         """Leading prompt tokens always kept (attention sinks)."""
         return 0

@@ -62,6 +62,10 @@ class Composed(Policy):
         return {"capacity": self.capacity, "first": named_settings(self.first), "then": named_settings(self.then),
                 "first_keeps": self.first_keeps}
 
+    def check_layers(self, num_layers: int) -> None:
+        self.first.check_layers(num_layers)
+        self.then.check_layers(num_layers)
+
     def prompt_capacity(self) -> int:
         return self.capacity
 

@@ -16,10 +16,9 @@ class PerLayer(Wrapper):
     """A scorer's ranking (SnapKV's by default, see :mod:`.wrapper`) with each layer's share of the budget given.
 
     Layer ``l`` keeps ``floor(capacity * w_l / mean(weights))`` prompt tokens per KV head (at most the prompt), so
-    the layers keep ``capacity`` on average. ``weights`` gives one share per layer or a coarser profile stretched
-    over the depth: layer ``l`` of ``L`` takes ``weights[l * len(weights) // L]`` (the mean is then exact when
-    ``L`` is a multiple of ``len(weights)``; the statistics report the realized one). None: every layer keeps
-    ``capacity`` (the scorer alone).
+    the layers keep ``capacity`` on average. ``weights`` gives one share per layer, or a coarser profile stretched
+    over the depth (layer ``l`` of ``L`` takes ``weights[l * len(weights) // L]``, ``L`` a multiple of
+    ``len(weights)``, so that the mean stays the budget). None: every layer keeps ``capacity`` (the scorer alone).
 
     kvpress' ``PerLayerCompressionPress(press, compression_ratios)`` keeps ``int(n * (1 - r_l))`` tokens in layer
     ``l``; with ``weights = [1 - r_l]`` and the budget ``n * (1 - mean(r))`` this keeps the same counts (up to the
@@ -55,6 +54,12 @@ class PerLayer(Wrapper):
         weight = (min(self.weights) if lowest else max(self.weights) if highest
                   else self.weights[layer_idx * len(self.weights) // num_layers])
         return math.floor(self.capacity * weight / mean)
+
+    def check_layers(self, num_layers: int) -> None:
+        if self.weights is not None and num_layers % len(self.weights):
+            raise ValueError(f"PerLayer.weights gives {len(self.weights)} shares, and the model's {num_layers} layers "
+                             "are not a multiple of that: give one per layer, or a profile whose length divides it")
+        self.scorer.check_layers(num_layers)
 
     def layer_budget(self, layer_idx: int, num_layers: int, real_len: torch.Tensor) -> torch.Tensor:
         return real_len.clamp(max=self._layer_capacity(layer_idx, num_layers))

@@ -138,6 +138,9 @@ class Wrapper(Policy):
             return {**wrapped, **own}
         return {**own, "scorer": named_settings(self.scorer)}
 
+    def check_layers(self, num_layers: int) -> None:
+        self.scorer.check_layers(num_layers)
+
     def kept_sink(self) -> int:
         return self.scorer.kept_sink()
 

@@ -112,7 +112,7 @@ def save(model, tokenizer, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=20000, help="at most this many steps")
@@ -128,14 +128,26 @@ def main() -> None:
     parser.add_argument("--rope-theta", type=float, default=500000.0)
     parser.add_argument("--queries", type=int, default=16, help="question rounds per training prompt")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    rng = random.Random(args.seed)
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, args.hidden_size, args.layers, args.head_dim, args.rope_theta)
     model.config._attn_implementation = "sdpa"
+    train(model, tokenizer, args, random.Random(args.seed))
+    model.eval()
+    save(model, tokenizer, args.out)
+    print(f"saved to {args.out}; final held-out accuracy {accuracy(model, tokenizer, random.Random(99)):.3f}")
+
+
+def train(model, tokenizer, args: argparse.Namespace, rng: random.Random) -> None:
+    """Train ``model`` on the curriculum until held-out accuracy reaches ``args.target`` (or ``args.steps`` run out),
+    saving a checkpoint at each mastered stage."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 100))
     model.train()
@@ -171,9 +183,6 @@ def main() -> None:
                 tqdm.write(f"step {step + 1}: held-out accuracy {held_out:.3f} ({time.time() - start:.0f}s)")
                 if held_out >= args.target:
                     break
-    model.eval()
-    save(model, tokenizer, args.out)
-    print(f"saved to {args.out}; final held-out accuracy {accuracy(model, tokenizer, random.Random(99)):.3f}")
 
 
 if __name__ == "__main__":

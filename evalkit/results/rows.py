@@ -72,70 +72,81 @@ def task_rows(results: dict, task: str, stats: dict[tuple, dict], reasoning: dic
         logged = [sample for sample in logged if sample.get("filter", filters[0]) == filters[0]]
     samples = []
     for sample in logged:
-        predictions = all_responses(sample.get("filtered_resps") or sample.get("resps") or [])
         metric = metric_names[0] if metric_names else None
         if "sample_metric" in hooks:
             metric = hooks["sample_metric"](sample, metric_names)
         subset = "/".join(str(sample.get("doc", {}).get(f)) for f in subset_fields) or None
         if "sample_subset" in hooks:
             subset = hooks["sample_subset"](sample.get("doc") or {})
+        predictions = all_responses(sample.get("filtered_resps") or sample.get("resps") or [])
         for repeat, prediction in enumerate(predictions):
             row_stats = stats.get((task, sample.get("doc_id"), repeat), {})
-            kept = row_stats.get("kept_prompt_tokens")
-            samples.append(
-                {
-                    "doc_id": sample.get("doc_id"),
-                    "sample_id": str(sample.get("doc", {}).get("id", sample.get("doc_id"))),
-                    "subset": subset,
-                    "repeat": repeat,
-                    "prediction": prediction if isinstance(prediction, str) else json.dumps(prediction, default=str),
-                    "reasoning": reasoning.get(doc_key(sample.get("doc", {}))) if reasoning else None,
-                    "target": str(sample.get("target")),
-                    "score": float(sample[metric]) if metric in sample else None,
-                    "prompt_tokens": row_stats.get("prompt_tokens"),
-                    "generated_tokens": row_stats.get("generated_tokens"),
-                    "kept_prompt_tokens": sum(kept) / len(kept) if kept else None,  # mean over layers and heads
-                    "peak_cache_tokens": row_stats.get("peak_cache_tokens"),
-                    "tokens_seen": row_stats.get("tokens_seen"),
-                    "realized_ratio": row_stats.get("realized_ratio"),
-                    "truncated": row_stats.get("truncated"),
-                    "token_agreement": row_stats.get("token_agreement"),
-                    "first_divergence": row_stats.get("first_divergence"),
-                    "kl_mean": row_stats.get("kl_mean"),
-                    "spec_kept_tokens": row_stats.get("spec_kept_tokens"),
-                    "draft_seconds": row_stats.get("draft_seconds"),
-                    "prefill_seconds": row_stats.get("prefill_seconds"),
-                    "decode_seconds": row_stats.get("decode_seconds"),
-                    "time_to_first_token_s": row_stats.get("time_to_first_token_s"),
-                    "reserved_cache_tokens": row_stats.get("reserved_cache_tokens"),
-                    **{column: row_stats.get(column) for column in BYTE_COLUMNS},
-                    "over_budget": row_stats.get("over_budget"),
-                }
-            )
-    n = len({s["doc_id"] for s in samples})
+            samples.append(sample_row(sample, repeat, prediction, subset, metric, row_stats, reasoning))
+    metrics = score_rows(results["results"][task], len({s["doc_id"] for s in samples}), len(filters) > 1, hooks)
+    if subset_fields and samples:
+        metrics += subset_rows(samples, subset_fields, metric_names[0])
+    return metrics, samples
+
+
+# A request's statistics (the adapter's), copied into its sample row in this order.
+STAT_COLUMNS = ("prompt_tokens", "generated_tokens", "kept_prompt_tokens", "peak_cache_tokens", "tokens_seen",
+                "realized_ratio", "truncated", "token_agreement", "first_divergence", "kl_mean", "spec_kept_tokens",
+                "draft_seconds", "prefill_seconds", "decode_seconds", "time_to_first_token_s", "reserved_cache_tokens")
+
+
+def sample_row(sample: dict, repeat: int, prediction, subset: str | None, metric: str | None, row_stats: dict,
+               reasoning: dict[str, str] | None) -> dict:
+    """One generation's row: lm-eval's logged sample (its ``repeat``-th response) and its request's statistics."""
+    doc = sample.get("doc", {})
+    kept = row_stats.get("kept_prompt_tokens")
+    stat_values = {column: row_stats.get(column) for column in STAT_COLUMNS}
+    stat_values["kept_prompt_tokens"] = sum(kept) / len(kept) if kept else None  # mean over layers and heads
+    return {
+        "doc_id": sample.get("doc_id"),
+        "sample_id": str(doc.get("id", sample.get("doc_id"))),
+        "subset": subset,
+        "repeat": repeat,
+        "prediction": prediction if isinstance(prediction, str) else json.dumps(prediction, default=str),
+        "reasoning": reasoning.get(doc_key(doc)) if reasoning else None,
+        "target": str(sample.get("target")),
+        "score": float(sample[metric]) if metric in sample else None,
+        **stat_values,
+        **{column: row_stats.get(column) for column in BYTE_COLUMNS},
+        "over_budget": row_stats.get("over_budget"),
+    }
+
+
+def score_rows(scores: dict, n: int, by_filter: bool, hooks: dict) -> list[dict]:
+    """lm-eval's overall scores of a task (``metric,filter`` keys) as metrics rows over its ``n`` documents, named
+    with their filter where the task has several (``by_filter``)."""
     metrics = []
-    for key, value in results["results"][task].items():
+    for key, value in scores.items():
         if "," not in key or "_stderr" in key or not isinstance(value, (int, float)):
             continue
         metric_name = key.split(",")[0]
         if "metric_applies" in hooks and not hooks["metric_applies"](metric_name, value):
             continue
-        name = key if len(filters) > 1 else metric_name
-        stderr = results["results"][task].get(key.replace(metric_name, f"{metric_name}_stderr", 1))
-        metrics.append({"subset": "all", "metric": name, "value": float(value),
+        stderr = scores.get(key.replace(metric_name, f"{metric_name}_stderr", 1))
+        metrics.append({"subset": "all", "metric": key if by_filter else metric_name, "value": float(value),
                         "stderr": float(stderr) if isinstance(stderr, (int, float)) else None, "n": n})
-    if subset_fields and samples:
-        frame = pd.DataFrame(samples)
-        parts = frame["subset"].str.split("/", expand=True)
-        for position, _field in enumerate(subset_fields):
-            for subset, group in frame.groupby(parts[position]):
-                per_doc = group.groupby("doc_id")["score"].mean().dropna()  # unscored: out of the denominator
-                if per_doc.empty:
-                    continue
-                stderr = float(per_doc.std(ddof=1) / len(per_doc) ** 0.5) if len(per_doc) > 1 else None
-                metrics.append({"subset": subset, "metric": metric_names[0], "value": float(per_doc.mean()),
-                                "stderr": stderr, "n": len(per_doc)})
-    return metrics, samples
+    return metrics
+
+
+def subset_rows(samples: list[dict], subset_fields: list[str], metric: str) -> list[dict]:
+    """The task's metric per subset (each of its ``subset_fields``): the mean over documents of their mean score,
+    unscored documents out of the denominator."""
+    metrics = []
+    frame = pd.DataFrame(samples)
+    parts = frame["subset"].str.split("/", expand=True)
+    for position, _field in enumerate(subset_fields):
+        for subset, group in frame.groupby(parts[position]):
+            per_doc = group.groupby("doc_id")["score"].mean().dropna()
+            if per_doc.empty:
+                continue
+            stderr = float(per_doc.std(ddof=1) / len(per_doc) ** 0.5) if len(per_doc) > 1 else None
+            metrics.append({"subset": subset, "metric": metric, "value": float(per_doc.mean()), "stderr": stderr,
+                            "n": len(per_doc)})
+    return metrics
 
 
 def summary_rows(samples: list[dict]) -> list[dict]:

@@ -123,10 +123,6 @@ def remove_unfinished_tables(results_dir: Path, digest: str) -> None:
 
 
 def _run(spec: RunSpec, digest: str, model=None, tokenizer=None) -> RunResult:
-    import lm_eval
-
-    from evalkit.lm import EvalkitLM
-
     progress_path = spec.results_dir / ".progress" / f"{digest}.jsonl"
     if not spec.resume:
         progress_path.unlink(missing_ok=True)
@@ -136,7 +132,6 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None) -> RunResult:
     started = dt.datetime.now(dt.timezone.utc)
     run_id = run_id_for(spec, started)
     task = task_of(spec.task, spec.task_options)
-    members = task.members()  # the task, or an lm-eval group's tasks
     configs = task.configs(spec.task_options, spec.bad_rows, model_path(spec.pretrained))
     seed_everything(spec.seed)  # as lm-eval seeds before it builds tasks: data built at run time (RULER) is the same
     loaded = [load_task(config) for config in configs]  # bad data fails here, before the model loads
@@ -145,8 +140,33 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None) -> RunResult:
         import torch
 
         torch.set_num_threads(spec.threads)
+    lm = _load_lm(spec, progress, model, tokenizer)
+    flow = task.generation_flow()  # the task's own passes (LongBench-v2's chain of thought), if it has them
+    evaluate = _evaluator(spec, lm)
     try:
-        lm = EvalkitLM(
+        outcome = flow(evaluate, configs[0], lm.request_stats, progress_path.with_suffix("")) if flow else None
+        results, stats, reasoning = outcome or (evaluate(built), lm.request_stats, None)
+    except KeyboardInterrupt:
+        raise Interrupted(len(Progress(progress_path).done)) from None
+    metrics, samples = _rows(spec, task, results, stats, reasoning, lm, skipped_rows)
+    config = {"run_id": run_id, **spec.flat_config(), **identify(spec), "config_digest": digest,
+              "chat_template_sha": chat_template_sha(lm.tokenizer) if spec.apply_chat_template else None,
+              **versions(), "started_at": started.isoformat()}
+    # Samples first, metrics last (its parquet file after its CSV): a metrics parquet file means the run is complete.
+    samples_path = write_table(samples_table(samples, config), spec.results_dir, "samples", run_id)
+    paths = [write_table(metrics_table(metrics, config), spec.results_dir, "metrics", run_id), samples_path]
+    progress.remove()
+    for kept in progress_path.parent.glob(f"{digest}-*"):  # what the task's own passes kept meanwhile
+        kept.unlink()
+    return RunResult(run_id, pd.DataFrame(metrics), pd.DataFrame(samples), paths)
+
+
+def _load_lm(spec: RunSpec, progress: Progress, model=None, tokenizer=None):
+    """The run's lm-eval model (its model loaded unless given), or a one-line RunError saying why not."""
+    from evalkit.lm import EvalkitLM
+
+    try:
+        return EvalkitLM(
             pretrained=spec.pretrained, model=model, tokenizer=tokenizer, policy=spec.policy,
             max_context=spec.max_context, batch_size=spec.batch_size, device=spec.device, dtype=spec.dtype,
             seed=spec.seed, apply_chat_template=spec.apply_chat_template, compression_scope=spec.compression_scope,
@@ -159,13 +179,18 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None) -> RunResult:
     except ValueError as error:
         raise RunError(f"model {spec.pretrained}: {one_line(error)}") from None
 
-    # lm-eval asks git for a commit hash with the child's stderr on ours ("fatal: not a git repository" outside a
-    # checkout); the same question, asked quietly (the run's own identity records evalkit's revision).
+
+def _evaluator(spec: RunSpec, lm):
+    """``evaluate(config)``: lm-eval's evaluation of a task config (or of the tasks already built) with ``lm``,
+    seeded and configured as the run says."""
+    import lm_eval
     import lm_eval.evaluator
 
+    # lm-eval asks git for a commit hash with the child's stderr on ours ("fatal: not a git repository" outside a
+    # checkout); the same question, asked quietly (the run's own identity records evalkit's revision).
     lm_eval.evaluator.get_git_commit_hash = functools.partial(git_output, "describe", "--always")
 
-    def evaluate(config) -> dict:  # a task config, or the tasks already built
+    def evaluate(config) -> dict:
         return lm_eval.simple_evaluate(
             model=lm,
             tasks=[task_object(config)] if isinstance(config, dict) else config,
@@ -181,12 +206,13 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None) -> RunResult:
             bootstrap_iters=1000,
         )
 
-    flow = task.generation_flow()  # the task's own passes (LongBench-v2's chain of thought), if it has them
-    try:
-        outcome = flow(evaluate, configs[0], lm.request_stats, progress_path.with_suffix("")) if flow else None
-        results, stats, reasoning = outcome or (evaluate(built), lm.request_stats, None)
-    except KeyboardInterrupt:
-        raise Interrupted(len(Progress(progress_path).done)) from None
+    return evaluate
+
+
+def _rows(spec: RunSpec, task, results: dict, stats: dict, reasoning, lm, skipped_rows: list) -> tuple[list, list]:
+    """The run's metric and sample rows: the task's (one task, or a group's members), then what the run measured
+    and checked (throughput, context marks, budget, skipped rows, the memory verdict)."""
+    members = task.members()  # the task, or an lm-eval group's tasks
     if members == [spec.task]:
         metrics, samples = tidy_rows(results, spec.task, stats, reasoning, task.family_hooks(spec.task))
     else:
@@ -200,16 +226,7 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None) -> RunResult:
                         "n": len(skipped_rows)})
     if spec.memory is not None:
         metrics += memory_rows(spec.memory)
-    config = {"run_id": run_id, **spec.flat_config(), **identify(spec), "config_digest": digest,
-              "chat_template_sha": chat_template_sha(lm.tokenizer) if spec.apply_chat_template else None,
-              **versions(), "started_at": started.isoformat()}
-    # Samples first, metrics last (its parquet file after its CSV): a metrics parquet file means the run is complete.
-    samples_path = write_table(samples_table(samples, config), spec.results_dir, "samples", run_id)
-    paths = [write_table(metrics_table(metrics, config), spec.results_dir, "metrics", run_id), samples_path]
-    progress.remove()
-    for kept in progress_path.parent.glob(f"{digest}-*"):  # what the task's own passes kept meanwhile
-        kept.unlink()
-    return RunResult(run_id, pd.DataFrame(metrics), pd.DataFrame(samples), paths)
+    return metrics, samples
 
 
 def context_check(spec: RunSpec, unmarked: int, requests: int) -> list[dict]:

@@ -218,7 +218,6 @@ def _require_count(value, name: str, kind: str, low: int, optional: bool = True)
 def validate(cfg: dict, method_explicit: bool = True, checked: dict | None = None) -> RunSpec:
     """Check a composed config (plain dict) and build the policy; raise ConfigError with one clear line. ``checked``:
     what :func:`precheck` returned for this config, where the caller ran it already."""
-    import evalkit.compression as ec
 
     from .pricing import price_deployment
 
@@ -233,16 +232,8 @@ def validate(cfg: dict, method_explicit: bool = True, checked: dict | None = Non
     apply_chat_template = checked["apply_chat_template"]
     apply_chat_template = task_of(checked["task"], options).adjust_options(options, apply_chat_template)
     prefill_chunk, chunk_mode = checked["prefill_chunk"], cfg.get("prefill_chunk_mode", "exact")
-    # The mode is checked always; whether the method can take it, only when it applies (a chunk is set).
-    refusal = ec.chunk_mode_refusal(policy if prefill_chunk is not None else ec.Full(), chunk_mode)
-    if refusal:
-        raise ConfigError(refusal)
+    compile_with = _checked_runtime(policy, prefill_chunk, chunk_mode, checked["device"], cfg.get("compile", False))
     verdict = price_deployment(cfg, budget if method != "full" else None, policy)
-    _check_device(checked["device"])
-    try:
-        compile_with = ec.compile_backend(cfg.get("compile", False))
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
     model = cfg.get("model") or {}
     return RunSpec(
         spec_prefill=spec_prefill,
@@ -276,6 +267,21 @@ def validate(cfg: dict, method_explicit: bool = True, checked: dict | None = Non
         compile=compile_with,
         own_deployment=model.get("deployment"),
     )
+
+
+def _checked_runtime(policy, prefill_chunk: int | None, chunk_mode: str, device: str, compile_option):
+    """The chunked prefill mode (always checked; whether the method takes it, only when a chunk is set), the device
+    and the compile option (its backend, or None); a ConfigError otherwise."""
+    import evalkit.compression as ec
+
+    refusal = ec.chunk_mode_refusal(policy if prefill_chunk is not None else ec.Full(), chunk_mode)
+    if refusal:
+        raise ConfigError(refusal)
+    _check_device(device)
+    try:
+        return ec.compile_backend(compile_option)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")

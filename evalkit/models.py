@@ -105,3 +105,12 @@ def stop_token_ids_of(pretrained: str, revision: str | None = None) -> list[int]
         generation = GenerationConfig.from_model_config(AutoConfig.from_pretrained(path, revision=revision))
     model = type("Checkpoint", (), {"generation_config": generation})
     return ec.stop_token_ids(model, AutoTokenizer.from_pretrained(path, revision=revision))
+
+
+def load_spec_prefill(settings: dict, dtype: str = "float32", device: str = "auto"):
+    """Speculative prefill with its draft model loaded: ``settings`` are :class:`evalkit.compression.SpecPrefill`'s,
+    the draft named by ``draft_model`` (a hub id or path)."""
+    settings = dict(settings)
+    draft, draft_tokenizer = load_model(str(settings.pop("draft_model")), dtype=dtype, device=device,
+                                        attn_implementation="eager")
+    return ec.SpecPrefill(draft=draft, draft_tokenizer=draft_tokenizer, **settings)

@@ -28,6 +28,22 @@ def request_keys(requests: list[tuple[str, dict]]) -> list[str]:
     return keys
 
 
+def stats_keys(requests) -> list[tuple]:
+    """``(task, doc_id, repeat)`` of each request: the key its statistics are stored under, so that a sample's row
+    gets its own request's numbers whatever order the requests finish in. lm-eval hands a prompt sampled n times as
+    the same request n times, in the order it stores their responses; ``repeat`` counts a document's requests in that
+    order (for log-likelihood, its choices). A request without lm-eval's metadata is its own document, named by its
+    place in the call."""
+    seen: Counter = Counter()
+    keys = []
+    for position, request in enumerate(requests):
+        doc_id = getattr(request, "doc_id", None)
+        owner = (getattr(request, "task_name", None), position if doc_id is None else doc_id)
+        keys.append((*owner, seen[owner]))
+        seen[owner] += 1
+    return keys
+
+
 class Progress:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)

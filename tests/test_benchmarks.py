@@ -299,11 +299,11 @@ def test_adapter_middle_truncation_keeps_both_ends_and_the_document_split(random
 
     lm = EvalkitLM(pretrained=str(random_model_dir), max_context=64, device="cpu")
     text = " ".join(f"k{i}" for i in range(100)) + CONTEXT_END + " ? k5"
-    ids, _, truncated, starts = lm._encode([text], reserve=4, truncation="middle")
+    ids, _, truncated, starts = lm.prompts.encode([text], reserve=4, truncation="middle")
     tokens = lm.tokenizer.convert_ids_to_tokens(ids[0])
     assert truncated == [True] and len(tokens) == 60
     assert tokens[:3] == ["<s>", "k0", "k1"] and tokens[29] == "k28" and tokens[30] == "k72"
     assert tokens[-2:] == ["?", "k5"]
     assert starts == [58]  # 30 + 28 document tokens kept, then the question
-    ids, _, _, starts = lm._encode([text.replace(CONTEXT_END, "")], reserve=4, truncation="left")
+    ids, _, _, starts = lm.prompts.encode([text.replace(CONTEXT_END, "")], reserve=4, truncation="left")
     assert lm.tokenizer.convert_ids_to_tokens(ids[0])[0] == "k42" and starts == [None]

@@ -56,9 +56,9 @@ def byte_level_lm(random_model_dir):
 @pytest.mark.parametrize("scope", ["prompt", "context"])
 def test_longbench_prompt_is_tokenized_whole_with_the_document_end_found_by_offsets(byte_level_lm, scope):
     lm, document = byte_level_lm, "doc end.\n</text>\n\n"
-    lm.compression_scope = scope
+    lm.prompts.compression_scope = scope
     text = document + CONTEXT_END + "What is the answer?"
-    ids, _, _, (start,) = lm._encode([text], reserve=4)
+    ids, _, _, (start,) = lm.prompts.encode([text], reserve=4)
     whole = lm.tokenizer(document + "What is the answer?")["input_ids"]
     pieces = lm.tokenizer(document)["input_ids"] + lm.tokenizer("What is the answer?")["input_ids"]
     assert whole != pieces  # the tokenizer merges across the mark: tokenizing in two pieces would differ

@@ -186,9 +186,9 @@ def test_longbench_truncation_comes_before_the_chat_template(random_model_dir):
     lm = EvalkitLM(pretrained=str(random_model_dir), max_context=256, device="cpu", apply_chat_template=True)
     lm.tokenizer.chat_template = "{{ bos_token }}{% for m in messages %} {{ m.content }}{% endfor %} ?"
     templated = lm.apply_chat_template([{"role": "user", "content": " ".join(f"k{i}" for i in range(50))}])
-    cut, truncated = lm._truncate_raw(templated, 21)
+    cut, truncated = lm.prompts.truncate_raw(templated, 21)
     assert truncated and cut == "<s> " + " ".join([f"k{i}" for i in range(9)] + [f"k{i}" for i in range(39, 50)]) + " ?"
-    ids = lm._encode([cut], reserve=4)[0][0].tolist()
+    ids = lm.prompts.encode([cut], reserve=4)[0][0].tolist()
     assert len(ids) == 1 + 20 + 1  # the template's tokens are not counted in max_len
 
 
@@ -258,9 +258,9 @@ def test_templated_prompt_gets_one_bos(bos_template_lm):
     lm, bos = bos_template_lm, bos_template_lm.tokenizer.bos_token_id
     text = lm.apply_chat_template([{"role": "user", "content": "k1 v2 ? k1"}])
     assert text.startswith("<s>")
-    ids = lm._encode([text], reserve=4)[0][0].tolist()
+    ids = lm.prompts.encode([text], reserve=4)[0][0].tolist()
     assert ids[0] == bos and ids.count(bos) == 1
-    plain = lm._encode(["k1 v2 ? k1"], reserve=4)[0][0].tolist()
+    plain = lm.prompts.encode(["k1 v2 ? k1"], reserve=4)[0][0].tolist()
     assert plain == ids  # a plain prompt gets the tokenizer's BOS, once
 
 
@@ -281,5 +281,5 @@ def test_templated_loglikelihood_gets_one_bos(bos_template_lm):
 
 def test_raw_prompt_that_starts_with_bos_gets_no_second(random_model_dir):
     lm = EvalkitLM(pretrained=str(random_model_dir), max_context=256, device="cpu")
-    ids = lm._encode(["<s> k1 v2"], reserve=4)[0][0].tolist()
+    ids = lm.prompts.encode(["<s> k1 v2"], reserve=4)[0][0].tolist()
     assert ids.count(lm.tokenizer.bos_token_id) == 1

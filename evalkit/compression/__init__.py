@@ -14,6 +14,7 @@ from .engine import Completion, Engine, Request, compile_backend
 from .fidelity import fidelity
 from .generate import GenerationOutput, generate
 from .kernels import snapkv_scores
+from .loglikelihood import score_continuation
 from .methods.base import Policy
 from .methods.budget import POLICIES, budget_capacity, method_params, policy_from_budget
 from .session import CHUNK_MODES, CompressionSession, chunk_mode_refusal
@@ -46,6 +47,7 @@ __all__ = [
     "generate",
     "map_by_characters",
     "policy_from_budget",
+    "score_continuation",
     "snapkv_scores",
     "stop_token_ids",
 ]

@@ -1,0 +1,45 @@
+"""What one finished request cost against what its policy promised: whether its cache held more than the policy's
+capacities allow, and the simulator's price of its cache (to hold :mod:`evalkit.memory` to what the engine
+measured)."""
+
+from __future__ import annotations
+
+import evalkit.compression as ec
+
+
+class RequestCost:
+    """The checks of a run's requests against ``policy`` on ``model``."""
+
+    def __init__(self, model, policy: ec.Policy):
+        self.model, self.policy = model, policy
+        self._geometry = None  # evalkit.memory's view of the model (False: it cannot price this one)
+
+    def over_budget(self, stats: dict, tolerance: float = 0.01) -> bool | None:
+        """Whether the request's cache held more than the policy's capacities allow (by more than ``tolerance``):
+        the kept prompt tokens (mean over layers and heads: PyramidKV's and AdaKV's uneven shares average to the
+        budget) against the prompt capacity, the peak against the cache capacity. None without a capacity."""
+        prompt_cap, cache_cap = self.policy.prompt_capacity(), self.policy.cache_capacity()
+        if prompt_cap is None and cache_cap is None:
+            return None
+        kept = stats.get("kept_prompt_tokens") or []
+        mean_kept = sum(kept) / len(kept) if kept else 0.0
+        return bool((prompt_cap is not None and mean_kept > prompt_cap * (1 + tolerance))
+                    or (cache_cap is not None and float(stats["peak_cache_tokens"]) > cache_cap * (1 + tolerance)))
+
+    def predicted_bytes(self, request: ec.Request, measured: dict) -> float | None:
+        """``evalkit.memory``'s price of this request's cache (the model's geometry read from its config, the
+        policy's declared capacities); None where it cannot price the model."""
+        if self._geometry is None:
+            from evalkit.memory.geometry import from_hf_config
+
+            try:
+                self._geometry = from_hf_config(self.model.config)
+            except (ValueError, TypeError, AttributeError):
+                self._geometry = False
+        if not self._geometry:
+            return None
+        prompt = int(measured["prompt_tokens"])
+        tail = prompt - request.compress_prefix if request.compress_prefix is not None else 0
+        return float(self._geometry.request_kv_bytes(
+            prompt, int(measured["generated_tokens"]), str(self.model.dtype).removeprefix("torch."),
+            self.policy.prompt_capacity(), self.policy.cache_capacity(), uncompressed_tail=tail))

@@ -129,3 +129,12 @@ def test_per_layer_refuses_a_profile_that_does_not_divide_the_layers(llama):
                                scorer={"name": "per_layer", "scorer": "knorm", "weights": [2, 1, 0.5]})
     with pytest.raises(ValueError, match="PerLayer.weights gives 3 shares"):  # asked through the wrappers
         ec.CompressionSession(llama, nested)
+
+
+def test_the_lm_eval_adapter_refuses_the_profile_before_any_request(llama):
+    from evalkit.lm import EvalkitLM
+    from evalkit.train_tiny import build_tokenizer
+
+    with pytest.raises(ValueError, match="PerLayer.weights gives 3 shares"):
+        EvalkitLM(model=llama, tokenizer=build_tokenizer(), max_context=256,
+                  policy=ec.PerLayer(capacity=40, scorer="knorm", weights=(2, 1, 0.5)))

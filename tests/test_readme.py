@@ -171,6 +171,39 @@ def test_the_kvpress_comparisons_evalkit_side_reports_time_memory_and_kept_posit
             assert len(head) == 150 and set(range(536, 600)) <= set(head)
 
 
+def test_the_score_parity_says_so_and_exits_when_kvpress_cannot_be_installed(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    result = subprocess.run([sys.executable, str(README.parent / "benchmarks" / "parity_scores.py"), "--venv",
+                             str(blocked / "venv")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "kvpress could not be installed" in result.stdout and "skipped" in result.stdout
+
+
+def test_the_score_paritys_evalkit_side_keeps_each_methods_share(tmp_path):
+    """The evalkit worker of `parity_scores.py`: per case and ratio, each head keeps int(n * (1 - ratio)) positions,
+    the four sink tokens among them for the methods that force them."""
+    import json
+
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    torch.save({"keys": torch.randn(1, 2, 300, 16, generator=generator),
+                "values": torch.randn(1, 2, 300, 16, generator=generator)}, tmp_path / "tensors.pt")
+    result = subprocess.run([sys.executable, str(README.parent / "benchmarks" / "parity_scores.py"), "--worker",
+                             "evalkit", "--tensors", str(tmp_path / "tensors.pt")], capture_output=True, text=True,
+                            timeout=300, cwd=README.parent)
+    assert result.returncode == 0, result.stderr[-2000:]
+    kept = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert {key.rsplit("@", 1)[0] for key in kept} >= {"keydiff", "lagkv", "cur", "knorm"}
+    for key, heads in kept.items():
+        share = int(300 * (1 - float(key.rsplit("@", 1)[1])))
+        assert [len(head) for head in heads] == [share, share], key
+        if key.startswith(("lagkv", "cur")):
+            assert all({0, 1, 2, 3} <= set(head) for head in heads), key
+    assert kept["keydiff@0.5"] != kept["knorm@0.5"]  # different methods keep different tokens
+
+
 def test_ci_runs_the_readmes_test_command():
     """.ci/run installs what the README's test command installs and runs the same tests (the fast tier)."""
     setup = next(line for line in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)

@@ -10,7 +10,8 @@ import dataclasses
 
 def setting(default=dataclasses.MISSING, *, low=None, high=None, choices=None, odd=False,
             recorded_when_set=False) -> dataclasses.Field:
-    """A dataclass field with its bounds: ``low``/``high`` (numbers), ``choices`` (a tuple), ``odd`` (integers).
+    """A dataclass field with its bounds: ``low``/``high`` (numbers, or each number of a ``tuple[float, ...]``),
+    ``choices`` (a tuple), ``odd`` (integers).
     ``recorded_when_set``: a setting added after runs were recorded, left out of the tables while at its default so
     that those runs keep their config digest."""
     bounds = {"low": low, "high": high, "choices": choices, "odd": odd, "recorded_when_set": recorded_when_set}
@@ -24,6 +25,12 @@ def problem(owner: str, name: str, value, annotation: str, bounds: dict) -> str 
         return None if "None" in kinds else f"{owner}.{name} must be set, got None"
     low, high, choices = bounds.get("low"), bounds.get("high"), bounds.get("choices")
     allowed = "" if low is None else f" >= {low}" if high is None else f" in [{low}, {high}]"
+    if any(kind.startswith("tuple[") for kind in kinds):  # a list of numbers, each within the bounds
+        if isinstance(value, (list, tuple)) and value and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and (low is None or v >= low)
+                and (high is None or v <= high) for v in value):
+            return None
+        return f"{owner}.{name} must be a list of numbers{allowed}, got {value!r}"
     if "bool" in kinds:
         return None if isinstance(value, bool) else f"{owner}.{name} must be true or false, got {value!r}"
     if "int" in kinds or "float" in kinds:

@@ -36,6 +36,8 @@ def bad_values(setting):
     """One value of each kind the declaration rules out."""
     kinds = {part.strip() for part in setting.annotation.split("|")}
     bounds = setting.bounds
+    if any(kind.startswith("tuple[") for kind in kinds):  # a list of numbers
+        return ["3", [], [1, "x"], *([[bounds["low"] - 1]] if "low" in bounds else [])]
     if "bool" in kinds:
         return ["yes", 1]
     if kinds & {"int", "float"}:
@@ -84,6 +86,8 @@ def test_the_schema_passes_the_shipped_method_configs(name):
     (["+budget=4x", "method.kernel_size=4", "task=needle"], "SnapStream.kernel_size must be odd, got 4"),
     (["+budget=4x", "method=adakv", "method.pooling=sum"], "AdaKV.pooling must be one of ['max', 'avg'], got 'sum'"),
     (["+budget=4x", "method=knorm", "+method.windw=3"], "unknown setting method.windw: did you mean method.window?"),
+    (["+budget=4x", "method=per_layer", "method.weights=[1,-1]"],
+     "PerLayer.weights must be a list of numbers >= 0, got [1, -1]"),
 ])
 def test_a_bad_method_value_is_one_line_before_torch_loads(tmp_path, args, message):
     driver = ("import sys\nfrom evalkit.cli import main\nsys.argv[1:] = sys.argv[2:]\n"

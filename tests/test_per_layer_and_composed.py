@@ -113,8 +113,10 @@ def test_composed_refuses_what_it_cannot_compose(config, message):
 
 
 @pytest.mark.parametrize("weights, message", [
-    ([], "PerLayer.weights must be a list of positive numbers"),
-    ([1, -1], "PerLayer.weights must be a list of positive numbers"),
+    ([], "PerLayer.weights must be a list of numbers >= 0"),
+    ([1, -1], "PerLayer.weights must be a list of numbers >= 0"),
+    ([1, 0], "PerLayer: its lightest layer keeps 0 tokens"),
+    ([0, 0], "PerLayer: its lightest layer keeps 0 tokens"),
     ([8, 0.1], "PerLayer: its lightest layer keeps 2 tokens, not more than the 64 snapkv always keeps"),
 ])
 def test_per_layer_refuses_bad_weights(weights, message):

@@ -8,6 +8,8 @@ from typing import ClassVar
 
 import torch
 
+from evalkit.method_settings import setting
+
 from .wrapper import Wrapper
 
 
@@ -28,17 +30,12 @@ class PerLayer(Wrapper):
     name: ClassVar[str] = "per_layer"
     per_head: ClassVar[bool] = True  # layers hold different counts
     allocates: ClassVar[bool] = True
-    weights: tuple[float, ...] | None = None
+    weights: tuple[float, ...] | None = setting(None, low=0)  # a zero weight is refused below: its layer keeps 0
 
     def __post_init__(self) -> None:
-        if self.weights is not None:
-            weights = tuple(self.weights) if not isinstance(self.weights, (str, bytes)) else ()
-            if not weights or not all(isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0
-                                      for w in weights):
-                raise ValueError(f"PerLayer.weights must be a list of positive numbers (one per layer, or a profile "
-                                 f"over the depth), got {self.weights!r}")
-            self.weights = tuple(float(w) for w in weights)
         super().__post_init__()
+        if self.weights is not None:  # a config gives a list
+            self.weights = tuple(float(w) for w in self.weights)
         lightest, forced = self._layer_capacity(0, 1, lowest=True), self.scorer.kept_sink() + self.scorer.kept_window()
         if lightest <= forced:
             raise ValueError(f"PerLayer: its lightest layer keeps {lightest} tokens, not more than the {forced} "
@@ -51,6 +48,8 @@ class PerLayer(Wrapper):
         if self.weights is None:
             return self.capacity
         mean = sum(self.weights) / len(self.weights)
+        if mean == 0:
+            return 0
         weight = (min(self.weights) if lowest else max(self.weights) if highest
                   else self.weights[layer_idx * len(self.weights) // num_layers])
         return math.floor(self.capacity * weight / mean)

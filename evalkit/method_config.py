@@ -46,10 +46,12 @@ def method_settings(method_cfg: dict, budget: str | None, method_explicit: bool 
     error = known[method].problem(params)
     if error:
         raise ConfigError(error)
-    if budget is None and method != "full":
+    if budget is None and known[method].takes_budget:
         raise InvalidCombination(f"method={method} needs a budget: add +budget=4x (or 2x, 8x, 16x, tokens_N)")
     if budget is not None and method == "full":
         raise InvalidCombination("method=full takes no budget; drop +budget or pick a compressing method")
+    if budget is not None and not known[method].takes_budget:
+        raise InvalidCombination(f"method={method} sizes its cache by its own settings and takes no budget; drop +budget")
     return method, params
 
 

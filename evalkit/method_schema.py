@@ -29,6 +29,7 @@ class MethodSchema:
     class_name: str
     settings: dict[str, Setting]  # what a config may give, in the class's field order
     inline: MethodSchema | None  # a wrapper's own method, whose settings a config gives the wrapper flat
+    takes_budget: bool = True  # False: the method sizes the cache itself (full, simlayerkv, duo_attention)
 
     def problem(self, values: dict) -> str | None:
         """The first value in ``values`` (a method config's settings) out of its declared bounds, as the method says
@@ -121,7 +122,8 @@ def schemas(folder: str = str(METHODS)) -> dict[str, MethodSchema]:
             inline_schema = next(build(c.name) for c in classes.values()
                                  if c.registers and c.classvars.get("name") == inline[0] and is_policy(c.name))
         settings = {key: value for key, value in fields.items() if key not in budget}
-        return MethodSchema(classvars["name"], class_name, settings, inline_schema)
+        return MethodSchema(classvars["name"], class_name, settings, inline_schema,
+                            classvars.get("takes_budget", True) is not False)
 
     for cls in classes.values():
         if cls.registers and "name" in cls.classvars and is_policy(cls.name):

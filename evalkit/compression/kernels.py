@@ -28,6 +28,18 @@ def attention_probabilities(queries: torch.Tensor, keys: torch.Tensor, visible: 
     return torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
 
 
+def pre_rope(states: torch.Tensor, positions: torch.Tensor, rotary) -> torch.Tensor:
+    """Post-RoPE ``states`` ``[B, H, q, D]`` at text ``positions`` ``[B, q]`` rotated back to before RoPE, in fp32
+    (exact: RoPE is a rotation; a model that normalises before RoPE, as Qwen3, gives the normalised states)."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    if rotary is None:
+        raise ValueError("this method reads pre-RoPE queries or keys: it needs a model with rotary embeddings")
+    states = states.float()
+    cos, sin = (t.float()[:, None] for t in rotary(states, positions))  # [B, 1, q, D]
+    return (states * cos - rotate_half(states) * sin) / (cos * cos + sin * sin)
+
+
 def causal_visible(key_valid: torch.Tensor, begin: int, end: int) -> torch.Tensor:
     """``[B, 1 or Hkv, end - begin, n]`` bool: the prompt's queries ``begin..end-1`` see the keys at or before them,
     padding (``key_valid`` ``[B, n]``, or per head ``[B, Hkv, n]``, False) excluded."""

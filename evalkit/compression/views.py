@@ -83,3 +83,44 @@ def held_as_prompt(held: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                        positions=in_order(positions)[:, 0].clamp(min=0), rotary=rotary,
                        head_valid=None if equal else ordered)
     return view, order
+
+
+def row_of(view: PrefillView, row: int) -> tuple[PrefillView, int]:
+    """Row ``row`` of ``view`` as a batch of one unpadded prompt (what a reference that scores one prompt at a time
+    sees), and the index of its first real token in ``view``. Methods whose scores depend on the whole prompt
+    (statistics over it, chunks counted from its start) score each row this way, so a left-padded batch gives each
+    prompt what it gives alone."""
+    if view.head_valid is not None:
+        raise ValueError("this method ranks a prompt whose heads hold the same tokens; it cannot rank a cache whose "
+                         "heads hold different ones")
+    n, count = view.keys.shape[2], view.query.shape[2]
+    first = n - int(view.key_valid[row].sum())
+    queries = view.query[row : row + 1, :, max(0, first - (n - count)):]
+    return PrefillView(query=queries, keys=view.keys[row : row + 1, :, first:],
+                       values=view.values[row : row + 1, :, first:], key_valid=view.key_valid[row : row + 1, first:],
+                       scaling=view.scaling, layer_idx=view.layer_idx, num_layers=view.num_layers, module=view.module,
+                       positions=view.positions[row : row + 1, first:], rotary=view.rotary), first
+
+
+def scores_by_row(view: PrefillView, score) -> torch.Tensor:
+    """``score(row_view) -> [1, H, m]`` for each row of ``view`` alone (:func:`row_of`), as ``[B, H, n]`` (zeros on
+    left padding)."""
+    rows = []
+    for row in range(view.keys.shape[0]):
+        alone, first = row_of(view, row)
+        rows.append(torch.nn.functional.pad(score(alone).float(), (first, 0)))
+    return torch.cat(rows)
+
+
+def span(view: PrefillView, start: int, end: int, heads: slice = slice(None)) -> PrefillView:
+    """Tokens ``start..end-1`` of a one-prompt unpadded view (:func:`row_of`), KV heads ``heads``, as a prompt of
+    their own: their keys, values and positions, and their queries where the view holds every query (else the
+    view's, unused by a method that reads none)."""
+    n, groups = view.keys.shape[2], view.groups
+    query_heads = slice(None) if heads == slice(None) else slice(heads.start * groups, heads.stop * groups)
+    query = view.query[:, query_heads]
+    if query.shape[2] == n:
+        query = query[:, :, start:end]
+    return dataclasses.replace(view, query=query, keys=view.keys[:, heads, start:end],
+                               values=view.values[:, heads, start:end], key_valid=view.key_valid[:, start:end],
+                               positions=view.positions[:, start:end], prior_sums=None)

@@ -7,10 +7,10 @@ import math
 from typing import ClassVar
 
 import torch
-from transformers.models.llama.modeling_llama import rotate_half
 
 from evalkit.method_settings import setting
 
+from ..kernels import pre_rope as unrotated
 from ..views import PrefillView
 from .base import PromptScoring
 
@@ -40,14 +40,10 @@ class ExpectedAttention(PromptScoring):
     epsilon: float = setting(0.0, low=0)
 
     def score(self, view: PrefillView) -> torch.Tensor:
-        if view.rotary is None:
-            raise ValueError("expected_attention needs the model's rotary embedding (a RoPE model)")
         query, keys = view.query.float(), view.keys.float()
         batch, q_heads, _, dim = query.shape
         kv_heads, n = keys.shape[1], keys.shape[2]
-        cos, sin = (t.float() for t in view.rotary(query, view.query_positions))
-        cos, sin = cos[:, None], sin[:, None]  # [B, 1, q, D]
-        pre_rope = (query * cos - rotate_half(query) * sin) / (cos * cos + sin * sin)
+        pre_rope = unrotated(query, view.query_positions, view.rotary)
         rank = view.key_valid.long().cumsum(dim=1) - 1
         # The queries' statistics: those held (all of the prompt's, or under chunked prefill compressed as it goes
         # the chunk's), after the first ``sink`` tokens.

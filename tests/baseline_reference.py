@@ -26,8 +26,9 @@ def top(scores: list[float], count: int, offset: int = 0) -> set[int]:
 
 @torch.no_grad()
 def full_run(model, prompt: torch.Tensor) -> dict:
-    """Per layer: post-RoPE queries [Hq, n, D], keys and values [Hkv, n, D], pre-RoPE queries [Hq, n, D]."""
-    pre_rope = {}
+    """Per layer: post-RoPE queries [Hq, n, D], keys and values [Hkv, n, D], pre-RoPE queries [Hq, n, D] and keys
+    [Hkv, n, D]."""
+    pre_rope, pre_rope_keys = {}, {}
     hooks = []
     config = model.config
     heads, dim = config.num_attention_heads, config.hidden_size // config.num_attention_heads
@@ -38,6 +39,11 @@ def full_run(model, prompt: torch.Tensor) -> dict:
         # The query just before RoPE: after q_norm where the family has one (Qwen3), else q_proj's output.
         source = getattr(layer.self_attn, "q_norm", None) or layer.self_attn.q_proj
         hooks.append(source.register_forward_hook(keep))
+
+        def keep_key(module, inputs, output, index=index):
+            pre_rope_keys[index] = output[0].reshape(output.shape[1], -1, dim).transpose(0, 1).double()
+        source = getattr(layer.self_attn, "k_norm", None) or layer.self_attn.k_proj
+        hooks.append(source.register_forward_hook(keep_key))
     original = model.config._attn_implementation
     model.config._attn_implementation = "reference_masked"
     _RECORD.clear()
@@ -45,7 +51,8 @@ def full_run(model, prompt: torch.Tensor) -> dict:
         model(input_ids=prompt, past_key_values=DynamicCache(config=config), use_cache=True)
         return {
             layer: {"query": _RECORD["queries"][layer][0].double(), "key": _RECORD["keys"][layer][0].double(),
-                    "value": _RECORD["values"][layer][0].double(), "pre_rope": pre_rope[layer]}
+                    "value": _RECORD["values"][layer][0].double(), "pre_rope": pre_rope[layer],
+                    "pre_rope_key": pre_rope_keys[layer]}
             for layer in _RECORD["queries"]
         }
     finally:

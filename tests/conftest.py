@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import learned_files  # noqa: E402  (tests/ is on the path)
 import pytest
 import torch
 from transformers import (
@@ -90,6 +91,14 @@ SMALL_SETTINGS = {
     "decoding_snapkv": lambda: ec.DecodingSnapKV.from_config(64, window=4, kernel_size=3, interval=8),
     "per_layer": lambda: ec.PerLayer.from_config(48, window=8, weights=(1.5, 0.5)),
     "composed": lambda: ec.Composed(capacity=40, then={"name": "snapkv", "window": 8, "kernel_size": 5}),
+    "chunkkv": lambda: ec.ChunkKV.from_config(40, window=8, chunk_length=10),
+    "criticalkv": lambda: ec.CriticalKV.from_config(40, window=8),
+    "criticaladakv": lambda: ec.CriticalAdaKV.from_config(40, window=8),
+    "chunkwise": lambda: ec.ChunkWise.from_config(40, chunk_length=64, window=4),
+    "simlayerkv": lambda: ec.SimLayerKV(lazy_threshold=0.05, n_recent=32),
+    "qfilter": lambda: ec.QFilter(capacity=40, filters=str(learned_files.qfilters())),
+    "duo_attention": lambda: ec.DuoAttention(patterns=str(learned_files.duo_pattern([[0.9, 0.1], [0.3, 0.7]])),
+                                             head_ratio=1.0),  # every head streams: the layers shrink
 }
 
 

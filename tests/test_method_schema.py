@@ -23,6 +23,7 @@ def test_every_registered_method_has_a_schema():
 def test_the_schema_declares_what_the_class_declares(name):
     cls, schema = ec.POLICIES[name], schemas()[name]
     assert schema.class_name == cls.__name__
+    assert schema.takes_budget == cls.takes_budget
     assert config_settings(schema) == cls.config_settings()
     own = [field for field in dataclasses.fields(cls) if field.name not in cls.budget_fields]
     assert list(schema.settings) == [field.name for field in own]
@@ -65,7 +66,7 @@ def test_there_are_bad_values_for_every_kind_of_bound():
 @pytest.mark.parametrize("name, key, value", CASES)
 def test_the_schema_refuses_what_the_method_refuses_in_its_words(name, key, value):
     with pytest.raises(ValueError) as refused:
-        ec.policy_from_budget(name, "tokens_4096", 8192, **{key: value})
+        ec.policy_from_budget(name, "tokens_4096" if ec.POLICIES[name].takes_budget else None, 8192, **{key: value})
     assert schemas()[name].problem({key: value}) == str(refused.value)
 
 
@@ -85,6 +86,8 @@ def test_the_schema_passes_the_shipped_method_configs(name):
     (["method=snapkv", "method.window=-3", "task=needle"], "SnapKV.window must be an integer >= 1, got -3"),
     (["+budget=4x", "method.kernel_size=4", "task=needle"], "SnapStream.kernel_size must be odd, got 4"),
     (["+budget=4x", "method=adakv", "method.pooling=sum"], "AdaKV.pooling must be one of ['max', 'avg'], got 'sum'"),
+    (["+budget=4x", "method=simlayerkv"],
+     "method=simlayerkv sizes its cache by its own settings and takes no budget; drop +budget"),
     (["+budget=4x", "method=knorm", "+method.windw=3"], "unknown setting method.windw: did you mean method.window?"),
     (["+budget=4x", "method=per_layer", "method.weights=[1,-1]"],
      "PerLayer.weights must be a list of numbers >= 0, got [1, -1]"),

@@ -10,6 +10,7 @@ import pytest
 import torch
 from baseline_reference import kept_prompt, kept_snapkv_budgets, simulate_decoding
 from conftest import SMALL_POLICIES, random_prompt, registered, tiny_model
+from learned_files import duo_pattern, qfilters
 from masked_reference import module_scaling
 
 import evalkit.compression as ec
@@ -31,7 +32,14 @@ DECODING = {
 }
 SIZED = {**PREFILL, **DECODING, "pyramidkv": lambda: ec.PyramidKV.from_config(20, window=6, kernel_size=5),
          "per_layer": lambda: ec.PerLayer.from_config(20, window=4, kernel_size=5, weights=(1.5, 0.5)),
-         "composed": lambda: ec.Composed(capacity=20, then={"name": "snapkv", "window": 4, "kernel_size": 5})}
+         "composed": lambda: ec.Composed(capacity=20, then={"name": "snapkv", "window": 4, "kernel_size": 5}),
+         "chunkkv": lambda: ec.ChunkKV.from_config(20, window=4, kernel_size=5, chunk_length=5),
+         "criticalkv": lambda: ec.CriticalKV.from_config(20, window=4, kernel_size=5),
+         "criticaladakv": lambda: ec.CriticalAdaKV.from_config(20, window=4, kernel_size=5),
+         "chunkwise": lambda: ec.ChunkWise.from_config(20, chunk_length=16, window=2, kernel_size=3),
+         "simlayerkv": lambda: ec.SimLayerKV(lazy_threshold=0.05, n_recent=12),
+         "qfilter": lambda: ec.QFilter(capacity=20, filters=str(qfilters())),
+         "duo_attention": lambda: ec.DuoAttention(patterns=str(duo_pattern([[0.9, 0.1], [0.3, 0.7]], recent=8)))}
 # Every registered method but those test_compression.py holds to its own references; a new one at its defaults.
 EVERY = {name: SIZED.get(name) or registered(name, 20) for name in sorted(ec.POLICIES)
          if name not in ("full", "snapkv", "snapstream", "streaming_llm")}
@@ -170,6 +178,8 @@ def test_capacity_beyond_the_sequence_equals_full(llama, name):
     roomy = {
         "h2o": ec.H2O(capacity=200), "tova": ec.TOVA(capacity=200),
         "decoding_snapkv": ec.DecodingSnapKV(capacity=200, window=4, interval=8),
+        "simlayerkv": ec.SimLayerKV(lazy_threshold=1.0),
+        "duo_attention": ec.DuoAttention(patterns=str(duo_pattern([[0.9, 0.1], [0.3, 0.7]])), head_ratio=0),
     }
     policy = roomy.get(name) or dataclasses.replace(EVERY[name](), capacity=200)
     prompt = random_prompt(40, seed=2)
@@ -256,7 +266,8 @@ def test_every_method_config_builds_its_policy_with_the_documented_defaults(name
     from evalkit.paths import conf_dir
     from evalkit.run import validate
 
-    spec = validate(composed(f"method={name}", "+budget=tokens_4096", "model=llama31_8b_instruct"))
+    sized = ec.POLICIES[name].takes_budget
+    spec = validate(composed(f"method={name}", *(["+budget=tokens_4096"] if sized else []), "model=llama31_8b_instruct"))
     assert type(spec.policy) is ec.POLICIES[name]
     written = safe_load((conf_dir() / "method" / f"{name}.yaml").read_text())
     for key, value in written.items():
@@ -266,7 +277,7 @@ def test_every_method_config_builds_its_policy_with_the_documented_defaults(name
                 assert built == named_settings(ec.policy_from_budget(value, "tokens_4096", 8192)), key
             else:
                 assert built == value, key
-    assert spec.flat_config()["policy_params"].count('"capacity": 4096') == 1
+    assert spec.flat_config()["policy_params"].count('"capacity": 4096') == (1 if sized else 0)
 
 
 @pytest.mark.slow

@@ -53,6 +53,10 @@ SMALL = {
     "decoding_snapkv": lambda: ec.DecodingSnapKV.from_config(40, window=4, kernel_size=3, interval=8),
     "per_layer": lambda: ec.PerLayer.from_config(20, window=4, kernel_size=5, weights=(1.5, 0.5)),
     "composed": lambda: ec.Composed(capacity=20, then={"name": "snapkv", "window": 4, "kernel_size": 5}),
+    "chunkkv": lambda: ec.ChunkKV.from_config(20, window=4, kernel_size=5, chunk_length=5),
+    "chunkwise": lambda: ec.ChunkWise.from_config(20, chunk_length=16, window=2, kernel_size=3),
+    "criticalkv": lambda: ec.CriticalKV.from_config(20, window=4),
+    "criticaladakv": lambda: ec.CriticalAdaKV.from_config(20, window=4),
 }
 POLICIES = {name: SMALL.get(name) or registered(name, 20) for name in sorted(ec.POLICIES)
             if name != "full" and (SMALL.get(name) or registered(name, 20))().supports_latent}

@@ -1,0 +1,128 @@
+"""The zoo's methods against their plain definitions (zoo_reference.py): the kept positions per layer and KV head of
+the model's own keys, and the cache really shrunk to them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import zoo_reference as ref
+from baseline_reference import full_run
+from conftest import VOCAB, tiny_model
+from learned_files import duo_pattern, qfilters
+from masked_reference import module_scaling
+from test_methods import held_positions, reference_keys
+
+import evalkit.compression as ec
+
+N = 90
+
+
+def distinct_prompt(seed: int = 0, n: int = N) -> torch.Tensor:
+    return (3 + torch.randperm(VOCAB - 3, generator=torch.Generator().manual_seed(seed))[:n])[None]
+
+
+def kept_by_evalkit(model, policy, prompt):
+    session = ec.CompressionSession(model, policy)
+    session.prefill(prompt)
+    return held_positions(session, reference_keys(model, prompt)), session
+
+
+CASES = {
+    "leverage": (lambda: ec.LeverageScore(capacity=30), lambda m, r, s: ref.kept_leverage(r, 30)),
+    "leverage sketch 8 seed 3": (lambda: ec.LeverageScore(capacity=30, sketch_dimension=8, seed=3),
+                                 lambda m, r, s: ref.kept_leverage(r, 30, 8, 3)),
+    "non_causal_attention": (lambda: ec.NonCausalAttention(capacity=30, chunk_size=32),
+                             lambda m, r, s: ref.kept_non_causal(r, 30, 32)),
+    "non_causal_attention whole chunks": (lambda: ec.NonCausalAttention(capacity=30, chunk_size=45),
+                                          lambda m, r, s: ref.kept_non_causal(r, 30, 45)),
+    "compactor": (lambda: ec.Compactor(capacity=40, chunk_size=32), lambda m, r, s: ref.kept_compactor(r, 40, 32)),
+    "qfilter": (lambda: ec.QFilter(capacity=30, filters=str(qfilters())),
+                lambda m, r, s: ref.kept_qfilter(r, 30, torch.load_filters())),
+    "chunkkv": (lambda: ec.ChunkKV.from_config(40, window=8, chunk_length=10),
+                lambda m, r, s: ref.kept_chunkkv(r, 40, 8, 5, 10, s)),
+    "chunkkv short chunk": (lambda: ec.ChunkKV.from_config(42, window=8, chunk_length=7),
+                            lambda m, r, s: ref.kept_chunkkv(r, 42, 8, 5, 7, s)),
+    "criticalkv": (lambda: ec.CriticalKV.from_config(40, window=8),
+                   lambda m, r, s: ref.kept_criticalkv(r, m, 40, 8, 5, s)),
+    "criticaladakv": (lambda: ec.CriticalAdaKV.from_config(40, window=8),
+                      lambda m, r, s: ref.kept_criticaladakv(r, m, 40, 8, 5, s)),
+    "blockwise keydiff": (lambda: ec.BlockWise.from_config(30, block_size=16),
+                          lambda m, r, s: ref.kept_blockwise_keydiff(r, 30, 16)),
+    "chunkwise snapkv": (lambda: ec.ChunkWise.from_config(40, chunk_length=32, window=4),
+                         lambda m, r, s: ref.kept_chunkwise_snapkv(r, 40, 32, 4, 5, s)),
+}
+
+
+@pytest.fixture(autouse=True)
+def _filters(monkeypatch):
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(torch, "load_filters", lambda: load_file(str(qfilters() / "model.safetensors"))["q_filters"]
+                        .double(), raising=False)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_head_keeps_what_the_definition_names(llama, case):
+    build, reference = CASES[case]
+    policy = build()
+    prompt = distinct_prompt()
+    held, session = kept_by_evalkit(llama, policy, prompt)
+    expected = reference(llama, full_run(llama, prompt), module_scaling(llama))
+    assert held == expected
+    sizes = [len(head) for heads in held.values() for head in heads]
+    assert max(sizes) < N  # compressed, and the cache's tensors hold no more than the largest head
+    assert max(layer.keys.shape[-2] for layer in session.cache.layers) == max(sizes)
+
+
+def test_simlayerkv_keeps_the_lazy_layers_short_and_the_others_whole(llama):
+    prompt = distinct_prompt()
+    run, scaling = full_run(llama, prompt), module_scaling(llama)
+    attention = [ref.simlayerkv_attention(run[layer], 1, 4, 16, scaling) for layer in (0, 1)]
+    threshold = sum(attention) / 2  # between the two layers: one is lazy, the other not
+    policy = ec.SimLayerKV(lazy_threshold=threshold, n_recent=16)
+    held, session = kept_by_evalkit(llama, policy, prompt)
+    assert held == ref.kept_simlayerkv(run, threshold, 1, 4, 16, scaling)
+    assert sorted(len(heads[0]) for heads in held.values()) == [4 + 15, N]
+    out = ec.generate(llama, prompt, policy, max_new_tokens=3)
+    assert sorted(out.stats[0]["kept_prompt_tokens"]) == [19, N]
+
+
+def test_duo_attention_streams_the_lowest_scored_heads():
+    model = tiny_model("llama")
+    pattern = duo_pattern([[0.9, 0.1], [0.3, 0.7]], sink=4, recent=16)
+    prompt = distinct_prompt()
+    held, session = kept_by_evalkit(model, ec.DuoAttention(patterns=str(pattern), head_ratio=0.5), prompt)
+    streaming = set(range(4)) | set(range(N - 16, N))
+    assert held == {0: [set(range(N)), streaming], 1: [streaming, set(range(N))]}
+    out = ec.generate(model, prompt, ec.DuoAttention(patterns=str(pattern), head_ratio=0.25), max_new_tokens=3)
+    assert out.stats[0]["kept_prompt_tokens_per_head"] == [[N, 20], [N, N]]  # only the lowest score streams
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: ec.QFilter(capacity=20), "qfilter needs its learned filters: set method.filters"),
+    (lambda: ec.QFilter(capacity=20, filters="/nonexistent/qfilt"), "is neither a folder nor a Hugging Face"),
+    (lambda: ec.QFilter(capacity=20, filters=str(qfilters(layers=3))), "filters for 3 layers, the model has 2"),
+    (lambda: ec.DuoAttention(), "duo_attention needs its learned head patterns"),
+    (lambda: ec.DuoAttention(patterns=str(duo_pattern([[0.1, 0.2]]))), "scores 1 layers, the model has 2"),
+])
+def test_missing_or_mismatched_learned_weights_are_one_line(llama, build, message):
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        ec.CompressionSession(llama, build())
+
+
+def test_a_wrong_definition_is_caught(llama):
+    """The references can fail: ChunkKV with chunks of 5 is not what chunks of 10 keep."""
+    prompt = distinct_prompt()
+    held, _ = kept_by_evalkit(llama, ec.ChunkKV.from_config(40, window=8, chunk_length=10), prompt)
+    assert held != ref.kept_chunkkv(full_run(llama, prompt), 40, 8, 5, 5, module_scaling(llama))
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: ec.BlockWise.from_config(100, scorer="snapkv"), "it reads the prompt's queries"),
+    (lambda: ec.ChunkWise.from_config(20, scorer="h2o"), "ChunkWise.scorer cannot be h2o"),
+    (lambda: ec.SimLayerKV(n_recent=1), r"SimLayerKV.n_recent must be > n_last"),
+    (lambda: ec.DuoAttention(head_ratio=2), r"DuoAttention.head_ratio must be a number in \[0, 1\]"),
+])
+def test_bad_settings_are_named(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()

@@ -1,0 +1,227 @@
+"""Plain definitions of the zoo's methods (leverage, non-causal attention, Compactor, Q-Filters, ChunkKV, CriticalKV,
+CriticalAdaKV, SimLayerKV, DuoAttention, block-wise and chunk-wise scoring), written from their references (kvpress
+0.5.5's presses, the papers) for one unpadded sequence: explicit loops, float64, from the queries, keys and values of
+an ordinary full-cache run (baseline_reference.full_run). Each ``kept_*`` names, per layer, the positions each KV head
+keeps."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from baseline_reference import causal_probabilities, top
+from masked_reference import plain_snapkv_scores
+
+TOP = torch.finfo(torch.float32).max
+
+
+def z(scores: list[list[float]]) -> list[list[float]]:
+    flat = [s for head in scores for s in head]
+    mean = sum(flat) / len(flat)
+    std = max(math.sqrt(sum((s - mean) ** 2 for s in flat) / (len(flat) - 1)), 1e-6)
+    return [[(s - mean) / std for s in head] for head in scores]
+
+
+def leverage(pre_keys: torch.Tensor, layer: int, size: int, seed: int) -> list[list[float]]:
+    """Per KV head: x_j^T (X^T X + 0.01 I)^-1 x_j of the centred keys X sketched by the layer's projection."""
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(layer + 1):
+        projection = torch.randn(1, pre_keys.shape[0], pre_keys.shape[2], size, generator=generator)[0].double()
+    projection = projection / math.sqrt(size)
+    out = []
+    for head, keys in enumerate(pre_keys):
+        x = (keys - keys.mean(dim=0)) @ projection[head]
+        gram = x.T @ x + 0.01 * torch.eye(size, dtype=torch.double)
+        out.append([max(0.0, float(row @ torch.linalg.solve(gram, row))) for row in x])
+    return out
+
+
+def non_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunk: int) -> list[list[float]]:
+    """Per KV head: attention received within chunks (no mask, no scaling; the last chunk padded with zero vectors:
+    padded keys at logit -1e-9, padded queries all logits 0), mean over the group, times ||v||, averaged over 3
+    neighbours (zeros beyond the ends)."""
+    q_heads, n, _ = query.shape
+    kv_heads = key.shape[0]
+    group = q_heads // kv_heads
+    padded = math.ceil(n / chunk) * chunk
+    out = []
+    for kv_head in range(kv_heads):
+        received = [0.0] * n
+        for g in range(group):
+            q = query[kv_head * group + g]
+            for start in range(0, padded, chunk):
+                for i in range(start, start + chunk):
+                    logits = [(float(q[i] @ key[kv_head][j]) if i < n else 0.0) if j < n else -1e-9
+                              for j in range(start, start + chunk)]
+                    weights = torch.tensor(logits, dtype=torch.double).softmax(dim=0)
+                    for offset, j in enumerate(range(start, min(start + chunk, n))):
+                        received[j] += float(weights[offset]) / group
+        scores = [r * float(value[kv_head][j].norm()) for j, r in enumerate(received)]
+        out.append([(sum(scores[max(0, j - 1) : j + 2])) / 3 for j in range(n)])
+    return out
+
+
+def kept_leverage(run, capacity, size=48, seed=0):
+    return {layer: [top(head, capacity) for head in leverage(r["pre_rope_key"], layer, size, seed)]
+            for layer, r in run.items()}
+
+
+def kept_non_causal(run, capacity, chunk):
+    return {layer: [top(head, capacity) for head in non_causal(r["query"], r["key"], r["value"], chunk)]
+            for layer, r in run.items()}
+
+
+def kept_compactor(run, capacity, chunk, sink=8, window=4, size=48, seed=0):
+    kept = {}
+    for layer, r in run.items():
+        n = r["key"].shape[1]
+        middle = slice(sink, n - window)
+        lev = z(leverage(r["pre_rope_key"][:, middle], layer, size, seed))
+        att = z(non_causal(r["query"][:, middle], r["key"][:, middle], r["value"][:, middle], chunk))
+        blending = 1 - capacity / n
+        forced = set(range(sink)) | set(range(n - window, n))
+        kept[layer] = [forced | top([blending * a + b for a, b in zip(la, at)], capacity - sink - window, sink)
+                       for la, at in zip(lev, att)]
+    return kept
+
+
+def kept_qfilter(run, capacity, filters):
+    return {layer: [top([-float(filters[layer, h] @ k) for k in keys], capacity) for h, keys in enumerate(r["key"])]
+            for layer, r in run.items()}
+
+
+def snapkv_with_window(r, window, kernel, scaling) -> list[list[float]]:
+    """kvpress' SnapKVPress scores: average pooling, group mean, the window at the best score + 1."""
+    scores = plain_snapkv_scores(r["query"], r["key"], window, kernel, "avg", "mean", scaling).double().tolist()
+    best = max(s for head in scores for s in head) + 1
+    return [head + [best] * window for head in scores]
+
+
+def kept_chunkkv(run, capacity, window, kernel, length, scaling):
+    kept = {}
+    for layer, r in run.items():
+        scores = snapkv_with_window(r, window, kernel, scaling)
+        n = len(scores[0])
+        total = [sum(head[j] for head in scores) for j in range(n)]
+        chunks = [total[start : start + length] for start in range(0, n, length)]
+        means = [sum(c) / len(c) for c in chunks]
+        best = top(means, capacity // length)
+        chosen = {j for c in best for j in range(c * length, min((c + 1) * length, n))}
+        kept[layer] = [chosen for _ in scores]
+    return kept
+
+
+def projected_norms(r, o_proj: torch.Tensor) -> list[list[float]]:
+    """Per KV head: ||W_o^h v||_1 per token, averaged over the group's query heads h."""
+    kv_heads, n, dim = r["value"].shape
+    q_heads = r["query"].shape[0]
+    group = q_heads // kv_heads
+    weight = o_proj.detach().double()  # [hidden, Hq * D]
+    return [[sum(float((weight[:, h * dim : (h + 1) * dim] @ r["value"][kv][j]).abs().sum())
+                 for h in range(kv * group, (kv + 1) * group)) / group for j in range(n)] for kv in range(kv_heads)]
+
+
+def kept_criticalkv(run, model, capacity, window, kernel, scaling, epsilon=1e-4, ratio=0.5):
+    kept = {}
+    for layer, r in run.items():
+        n = r["key"].shape[1]
+        scores = snapkv_with_window(r, window, kernel, scaling)
+        norms = projected_norms(r, model.model.layers[layer].self_attn.o_proj.weight)
+        heads = []
+        for head, norm in zip(scores, norms):
+            first = top(head, max(1, int(capacity * ratio)))
+            final = [TOP if j in first else (head[j] + epsilon) * norm[j] for j in range(n)]
+            heads.append(top(final, capacity))
+        kept[layer] = heads
+    return kept
+
+
+def kept_criticaladakv(run, model, capacity, window, kernel, scaling, alpha=0.2, epsilon=1e-4, ratio=0.5):
+    """kvpress CriticalAdaKVPress step by step: safeguard, head budgets, first stage, projected norms."""
+    kept = {}
+    for layer, r in run.items():
+        kv_heads, n = r["key"].shape[:2]
+        scores = snapkv_with_window(r, window, kernel, scaling)
+        scores = [[math.inf if j >= n - window else s for j, s in enumerate(head)] for head in scores]
+        safe = max(1, int(capacity * alpha))
+        for head in scores:
+            for j in top(head, safe):
+                head[j] = TOP
+        ranked = sorted(((-s, h, j) for h, head in enumerate(scores) for j, s in enumerate(head)))
+        budgets = [0] * kv_heads
+        for _, h, _ in ranked[: kv_heads * capacity]:
+            budgets[h] += 1
+        norms = projected_norms(r, model.model.layers[layer].self_attn.o_proj.weight)
+        heads = []
+        for head, norm, budget in zip(scores, norms, budgets):
+            first = top(head, int(budget * ratio))
+            final = [TOP if j in first or head[j] == TOP else (head[j] + epsilon) * norm[j] for j in range(n)]
+            heads.append(top(final, budget))
+        kept[layer] = heads
+    return kept
+
+
+def simlayerkv_attention(r, n_last, n_initial, n_recent, scaling) -> float:
+    """The attention the last ``n_last`` queries give the first and the recent keys before them (mean over heads
+    and those queries)."""
+    n = r["key"].shape[1]
+    kv_heads, q_heads = r["key"].shape[0], r["query"].shape[0]
+    rows = []
+    for qh in range(q_heads):
+        p = causal_probabilities(r["query"][qh], r["key"][qh // (q_heads // kv_heads)], scaling)
+        rows += [p[i, : n - n_last] for i in range(n - n_last, n)]
+    mean = torch.stack(rows).mean(dim=0)
+    return float(mean[:n_initial].sum() + mean[-n_recent:].sum())
+
+
+def kept_simlayerkv(run, threshold, n_last, n_initial, n_recent, scaling):
+    kept = {}
+    for layer, r in run.items():
+        kv_heads, n = r["key"].shape[:2]
+        lazy = simlayerkv_attention(r, n_last, n_initial, n_recent, scaling) > threshold
+        chosen = set(range(n_initial)) | set(range(n - n_recent + n_last, n)) if lazy else set(range(n))
+        kept[layer] = [chosen for _ in range(kv_heads)]
+    return kept
+
+
+def keydiff(keys: torch.Tensor) -> list[float]:
+    unit = [k / k.norm() for k in keys]
+    anchor = sum(unit) / len(unit)
+    return [-float(k @ anchor / (k.norm() * anchor.norm())) for k in keys]
+
+
+def kept_blockwise_keydiff(run, capacity, block):
+    kept = {}
+    for layer, r in run.items():
+        n = r["key"].shape[1]
+        heads = []
+        for keys in r["key"]:
+            held = list(range(capacity))
+            for start in range(capacity, n, block):
+                candidates = held + list(range(start, min(start + block, n)))
+                scores = keydiff(keys[candidates])
+                order = sorted(range(len(candidates)), key=lambda i: (-scores[i], i))
+                held = [candidates[i] for i in order[:capacity]]
+            heads.append(set(held))
+        kept[layer] = heads
+    return kept
+
+
+def kept_chunkwise_snapkv(run, capacity, length, window, kernel, scaling):
+    kept = {}
+    for layer, r in run.items():
+        n = r["key"].shape[1]
+        heads = [set() for _ in range(r["key"].shape[0])]
+        for start in range(0, n, length):
+            end = min(start + length, n)
+            keep = max(1, (end - start) * capacity // n)
+            if keep >= end - start:
+                for head in heads:
+                    head |= set(range(start, end))
+                continue
+            scores = plain_snapkv_scores(r["query"][:, start:end], r["key"][:, start:end], window, kernel, "avg",
+                                         "mean", scaling).tolist()
+            for head, s in zip(heads, scores):
+                head |= top(s, keep - window, start) | set(range(end - window, end))
+        kept[layer] = heads
+    return kept

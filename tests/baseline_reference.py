@@ -104,20 +104,27 @@ def kept_observed(run, capacity, scaling):
     return kept
 
 
+def future_rotation(rotary, r, future: int) -> torch.Tensor:
+    """RoPE as a matrix, averaged over the ``future`` positions after the prompt."""
+    n, dim = r["key"].shape[1:]
+    rotation = torch.zeros(dim, dim, dtype=torch.double)
+    for position in range(n, n + future):
+        cos, sin = rotary(r["key"][None].float(), torch.tensor([[position]]))
+        cos, sin = cos[0, 0].double(), sin[0, 0].double()
+        matrix = torch.diag(cos)
+        for i in range(dim // 2):  # rotate_half: the first half takes -x2, the second half x1
+            matrix[i, i + dim // 2] = -sin[i]
+            matrix[i + dim // 2, i] = sin[i + dim // 2]
+        rotation += matrix / future
+    return rotation
+
+
 def kept_expected(model, run, capacity, sink, future):
     kept = {}
     rotary = model.model.rotary_emb
     for layer, r in run.items():
         n, dim = r["key"].shape[1:]
-        rotation = torch.zeros(dim, dim, dtype=torch.double)
-        for position in range(n, n + future):
-            cos, sin = rotary(r["key"][None].float(), torch.tensor([[position]]))
-            cos, sin = cos[0, 0].double(), sin[0, 0].double()
-            matrix = torch.diag(cos)
-            for i in range(dim // 2):  # rotate_half: the first half takes -x2, the second half x1
-                matrix[i, i + dim // 2] = -sin[i]
-                matrix[i + dim // 2, i] = sin[i + dim // 2]
-            rotation += matrix / future
+        rotation = future_rotation(rotary, r, future)
 
         def expected(query_head, kv_head, r=r, rotation=rotation, dim=dim):
             queries = r["pre_rope"][query_head, sink:]

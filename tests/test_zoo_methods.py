@@ -48,6 +48,9 @@ CASES = {
                       lambda m, r, s: ref.kept_criticaladakv(r, m, 40, 8, 5, s)),
     "blockwise keydiff": (lambda: ec.BlockWise.from_config(30, block_size=16),
                           lambda m, r, s: ref.kept_blockwise_keydiff(r, 30, 16)),
+    "capkv": (lambda: ec.CapKV(capacity=30), lambda m, r, s: ref.kept_capkv(m, r, 30)),
+    "capkv tau 1 sink 2": (lambda: ec.CapKV(capacity=30, tau=1.0, sink=2, n_future_positions=16),
+                           lambda m, r, s: ref.kept_capkv(m, r, 30, sink=2, tau=1.0, future=16)),
     "chunkwise snapkv": (lambda: ec.ChunkWise.from_config(40, chunk_length=32, window=4),
                          lambda m, r, s: ref.kept_chunkwise_snapkv(r, 40, 32, 4, 5, s)),
 }

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
-from baseline_reference import causal_probabilities, top
+from baseline_reference import causal_probabilities, future_rotation, top
 from masked_reference import plain_snapkv_scores
 
 TOP = torch.finfo(torch.float32).max
@@ -223,5 +223,31 @@ def kept_chunkwise_snapkv(run, capacity, length, window, kernel, scaling):
                                          "mean", scaling).tolist()
             for head, s in zip(heads, scores):
                 head |= top(s, keep - window, start) | set(range(end - window, end))
+        kept[layer] = heads
+    return kept
+
+
+def kept_capkv(model, run, capacity, sink=4, tau=5.0, future=512, epsilon=1e-6):
+    """kvpress CapPress per query head: w_i = exp(tau cos(k_i, R mean(q)) - max), A = I + sum (w_i + eps) v_i v_i^T,
+    score w_i v_i^T A^-1 v_i, mean over the group; the first ``sink`` tokens kept."""
+    kept = {}
+    for layer, r in run.items():
+        kv_heads, n, dim = r["key"].shape
+        group = r["query"].shape[0] // kv_heads
+        rotation = future_rotation(model.model.rotary_emb, r, future)
+        heads = []
+        for kv in range(kv_heads):
+            keys, values = r["key"][kv, sink:], r["value"][kv, sink:]
+            total = torch.zeros(n - sink, dtype=torch.double)
+            for qh in range(kv * group, (kv + 1) * group):
+                anchor = rotation @ r["pre_rope"][qh, sink:].mean(dim=0)
+                cosines = [float(k @ anchor / (k.norm() * anchor.norm())) for k in keys]
+                weights = [math.exp(tau * c - tau * max(cosines)) for c in cosines]
+                capacity_matrix = torch.eye(dim, dtype=torch.double)
+                for w, v in zip(weights, values):
+                    capacity_matrix += (w + epsilon) * torch.outer(v, v)
+                inverse = torch.linalg.inv(capacity_matrix)
+                total += torch.tensor([w * float(v @ inverse @ v) for w, v in zip(weights, values)]) / group
+            heads.append(set(range(sink)) | top(total.tolist(), capacity - sink, sink))
         kept[layer] = heads
     return kept

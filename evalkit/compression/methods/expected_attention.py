@@ -52,7 +52,7 @@ class ExpectedAttention(PromptScoring):
         mean = (pre_rope * used).sum(dim=2, keepdim=True) / count  # [B, Hq, 1, D]
         centered = (pre_rope - mean) * used
         covariance = centered.transpose(-1, -2) @ centered / count  # [B, Hq, D, D]
-        rotation = self._average_rotation(view, dim)  # [B, D, D]
+        rotation = average_future_rotation(view, self.n_future_positions)  # [B, D, D]
         mean = torch.einsum("bhd,bed->bhe", mean.squeeze(2), rotation)  # mu R^T, [B, Hq, D]
         covariance = torch.einsum("bij,bhjk,blk->bhil", rotation, covariance, rotation)  # R S R^T
         groups = q_heads // kv_heads
@@ -68,13 +68,16 @@ class ExpectedAttention(PromptScoring):
             scores = (scores + self.epsilon) * view.values.float().norm(dim=-1)
         return scores
 
-    def _average_rotation(self, view: PrefillView, dim: int) -> torch.Tensor:
-        """RoPE as a matrix ``cos I + sin P`` averaged over each row's next ``n_future_positions`` positions."""
-        start = view.positions.max(dim=1).values + 1  # [B]
-        future = start[:, None] + torch.arange(self.n_future_positions, device=start.device)
-        cos, sin = (t.float() for t in view.rotary(view.query, future))  # [B, F, D]
-        half = dim // 2
-        identity = torch.eye(dim, device=cos.device)
-        swap = torch.zeros(dim, dim, device=cos.device)
-        swap[half:, :half], swap[:half, half:] = torch.eye(half), -torch.eye(half)
-        return (cos[:, :, None, :] * identity + sin[:, :, None, :] * swap).mean(dim=1)
+
+def average_future_rotation(view: PrefillView, future: int) -> torch.Tensor:
+    """RoPE as a matrix ``cos I + sin P`` averaged over each row's next ``future`` positions, ``[B, D, D]``
+    (kvpress' averaged RoPE matrix; ``x @ R.T`` rotates a pre-RoPE state into that average future)."""
+    dim = view.query.shape[-1]
+    start = view.positions.max(dim=1).values + 1  # [B]
+    positions = start[:, None] + torch.arange(future, device=start.device)
+    cos, sin = (t.float() for t in view.rotary(view.query, positions))  # [B, F, D]
+    half = dim // 2
+    identity = torch.eye(dim, device=cos.device)
+    swap = torch.zeros(dim, dim, device=cos.device)
+    swap[half:, :half], swap[:half, half:] = torch.eye(half), -torch.eye(half)
+    return (cos[:, :, None, :] * identity + sin[:, :, None, :] * swap).mean(dim=1)

@@ -2,10 +2,12 @@
 
     python benchmarks/parity_scores.py [--length 600] [--venv .kvpress-venv]
 
-Random GQA keys and values (2 KV heads, seeded) are scored by kvpress 0.5.5's own presses in their own environment
-(made on demand as in bench_vs_kvpress.py; where it cannot be made, one line and exit 0) and by evalkit's methods
-through ``Policy.select``; each keeps ``int(n * (1 - compression_ratio))`` tokens per head at compression ratios 0.5
-and 0.75. A table prints, per method and ratio, the heads whose kept sets agree, the positions that differ and
+Random GQA keys, values and hidden states (2 KV heads, seeded) are scored by kvpress 0.5.5's own presses in their
+own environment (made on demand as in bench_vs_kvpress.py; where it cannot be made, one line and exit 0) and by
+evalkit's methods through ``Policy.select``; each keeps ``int(n * (1 - compression_ratio))`` tokens per head at
+compression ratios 0.5 and 0.75. Learned weights are kvpress' own: its ``KVzapModel``, random, written by its
+``save_pretrained`` and read by evalkit from that folder; Q-Filters as ``PyTorchModelHubMixin`` saves them. Presses
+that select rather than score (``BlockPress`` over KeyDiff, ``DMSPress`` over KVzap at two thresholds) run whole. A table prints, per method and ratio, the heads whose kept sets agree, the positions that differ and
 whether the two kept sets carry the same multiset of kvpress' own scores (then only ties were broken apart: kvpress'
 ``topk`` breaks them its own way, evalkit towards the earlier token).
 """
@@ -32,20 +34,92 @@ CASES = {
     "cur kv_avg whole": (("CURPress", {"leverage_type": "kv_avg", "use_local_approximation": False}),
                          ("cur", {"leverage_type": "kv_avg", "local_window_size": 0})),
     "knorm": (("KnormPress", {}), ("knorm", {})),
+    "qfilter": (("QFilterPress", {}), ("qfilter", {})),
+    "kvzap mlp": (("KVzapPress", {}), ("kvzap", {})),
 }
+# Presses that select themselves: name -> (kvpress press, evalkit method, settings of each).
+SELECTING = {
+    "blockwise keydiff 128": ("BlockPress", "blockwise", {"block_size": 128}),
+    "blockwise keydiff 50": ("BlockPress", "blockwise", {"block_size": 50}),
+    "threshold kvzap 0.0": ("DMSPress", "threshold", {"threshold": 0.0, "sliding_window_size": 64}),
+    "threshold kvzap 0.5": ("DMSPress", "threshold", {"threshold": 0.5, "sliding_window_size": 64}),
+}
+HIDDEN = 64  # the hidden states' width KVzap reads
+
+
+def kvpress_press(press: str, ratio: float, settings: dict, tensors: dict):
+    """A kvpress press, its learned weights loaded from the case's folders."""
+    import kvpress
+
+    made = getattr(kvpress, press)(compression_ratio=ratio, **settings)
+    if press == "QFilterPress":
+        made.q_filters = tensors["filters"]
+    if press == "KVzapPress":
+        from kvpress.presses.kvzap_press import KVzapModel
+
+        made.kvzap_model = KVzapModel.from_pretrained(tensors["kvzap"])
+    return made
+
+
+def save_kvzap(folder: str) -> None:
+    """kvpress' own KVzap surrogate (a 2-layer MLP, random), saved as its publishers save theirs."""
+    import torch
+    from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
+
+    torch.manual_seed(0)
+    model = KVzapModel(KVzapConfig(input_dim=HIDDEN, output_dim=2, n_modules=1, hidden_dim=32))
+    for parameter in model.parameters():  # scores on the scale of a trained surrogate's
+        torch.nn.init.normal_(parameter, std=0.3)
+    model.save_pretrained(folder)
+
+
+def selected_by_kvpress(case: str, tensors: dict) -> list[list[int]]:
+    """The positions a selecting press keeps, per head."""
+    import types
+
+    import torch
+    from kvpress import DMSPress, KeyDiffPress
+    from transformers import DynamicCache
+
+    press, _, settings = SELECTING[case]
+    keys, values, hidden = tensors["keys"], tensors["values"], tensors["hidden"]
+    n = keys.shape[2]
+    if press == "BlockPress":
+        from kvpress import BlockPress
+
+        kept_keys, _ = BlockPress(KeyDiffPress(compression_ratio=0.5), **settings).compress(
+            None, torch.zeros(1, n, 2 * 8), keys, values, None, {})
+        return [sorted(int((keys[0, h] == row).all(dim=-1).nonzero()) for row in kept_keys[0, h]) for h in range(2)]
+    scorer = kvpress_press("KVzapPress", 0.0, {}, tensors)
+    dms = DMSPress(press=scorer, **settings)
+    module = types.SimpleNamespace(layer_idx=0, masked_key_indices=None)
+    cache = DynamicCache()
+    cache.update(keys, values, 0)
+    dms.forward_hook(module, [], {"hidden_states": hidden, "past_key_values": cache,
+                                  "cache_position": torch.arange(n)}, None)
+    masked = [set() for _ in range(2)]
+    if module.masked_key_indices is not None:
+        for _, head, position in zip(*(index.tolist() for index in module.masked_key_indices)):
+            masked[head].add(position)
+    return [sorted(set(range(n)) - heads) for heads in masked]
 
 
 def kept_by_kvpress(tensors: dict) -> dict:
-    import kvpress
+    import types
+
     from kvpress.utils import compute_n_kept
 
-    keys, values = tensors["keys"], tensors["values"]
+    save_kvzap(tensors["kvzap"])
+    keys, values, hidden = tensors["keys"], tensors["values"], tensors["hidden"]
+    module = types.SimpleNamespace(layer_idx=0)
     out = {}
     for case, ((press, settings), _) in CASES.items():
         for ratio in RATIOS:
-            scores = getattr(kvpress, press)(compression_ratio=ratio, **settings).score(None, None, keys, values, None, {})
+            scores = kvpress_press(press, ratio, settings, tensors).score(module, hidden, keys, values, None, {})
             top = scores.topk(compute_n_kept(keys.shape[2], ratio), dim=-1).indices[0]
             out[f"{case}@{ratio}"] = {"kept": [sorted(head.tolist()) for head in top], "scores": scores[0].tolist()}
+    for case in SELECTING:
+        out[f"{case}@-"] = {"kept": selected_by_kvpress(case, tensors), "scores": None}
     return out
 
 
@@ -58,13 +132,24 @@ def kept_by_evalkit(tensors: dict) -> dict:
     batch, kv_heads, n, dim = keys.shape
     view = ec.PrefillView(query=torch.zeros(batch, 2 * kv_heads, 1, dim), keys=keys, values=values,
                           key_valid=torch.ones(batch, n, dtype=torch.bool), scaling=dim ** -0.5, layer_idx=0,
-                          num_layers=1, module=None, positions=torch.arange(n)[None])
+                          num_layers=1, module=None, positions=torch.arange(n)[None], hidden=tensors["hidden"])
+    learned = {"qfilter": {"filters": tensors["filters_dir"]}, "kvzap": {"weights": tensors["kvzap"]}}
+
+    def kept(policy) -> list[list[int]]:
+        indices, counts, _ = policy.select(view, kv_heads)
+        return [sorted(head[:count].tolist()) for head, count in zip(indices[0], counts[0])]
+
     out = {}
     for case, (_, (method, settings)) in CASES.items():
         for ratio in RATIOS:
             keep = max(1, int(n * (1 - ratio)))
-            indices, counts, _ = ec.POLICIES[method](capacity=keep, **settings).select(view, kv_heads)
-            out[f"{case}@{ratio}"] = [sorted(head[:count].tolist()) for head, count in zip(indices[0], counts[0])]
+            out[f"{case}@{ratio}"] = kept(ec.POLICIES[method](capacity=keep, **settings, **learned.get(method, {})))
+    for case, (_, method, settings) in SELECTING.items():
+        if method == "blockwise":
+            policy = ec.BlockWise(capacity=max(1, int(n * 0.5)), **settings)
+        else:
+            policy = ec.Threshold(**settings, scorer={"name": "kvzap", "weights": tensors["kvzap"]})
+        out[f"{case}@-"] = kept(policy)
     return out
 
 
@@ -88,23 +173,32 @@ def main() -> None:
     python = kvpress_python(Path(args.venv))
     if python is None:
         return
+    from safetensors.torch import save_file
+
     generator = torch.Generator().manual_seed(0)
     tensors = {"keys": torch.randn(1, 2, args.length, 16, generator=generator),
-               "values": torch.randn(1, 2, args.length, 16, generator=generator)}
+               "values": torch.randn(1, 2, args.length, 16, generator=generator),
+               "hidden": torch.randn(1, args.length, HIDDEN, generator=generator),
+               "filters": torch.randn(1, 2, 16, generator=generator)}
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "tensors.pt"
+        tensors["kvzap"], tensors["filters_dir"] = str(Path(folder) / "kvzap"), str(Path(folder) / "qfilt")
+        Path(tensors["filters_dir"]).mkdir()
+        save_file({"q_filters": tensors["filters"]}, str(Path(tensors["filters_dir"]) / "model.safetensors"))
         torch.save(tensors, path)
         sides = {side: run_side(python if side == "kvpress" else Path(sys.executable), side, path)
                  for side in ("kvpress", "evalkit")}
-    print(f"{'method':<18} {'ratio':>5}  heads agreeing  positions differing  kvpress' scores of the kept equal")
+    print(f"{'method':<22} {'ratio':>5}  {'kept':>9}  heads agreeing  positions differing  kvpress' scores of the kept equal")
     for key, reference in sides["kvpress"].items():
         theirs, ours, scores = reference["kept"], sides["evalkit"][key], reference["scores"]
         case, ratio = key.rsplit("@", 1)
         same = sum(a == b for a, b in zip(theirs, ours))
         differ = sum(len(set(a) ^ set(b)) for a, b in zip(theirs, ours)) // 2
         # Where the sets differ, whether only ties were broken apart: the same multiset of kvpress' own scores.
-        ties = all(sorted(head[i] for i in a) == sorted(head[i] for i in b) for a, b, head in zip(theirs, ours, scores))
-        print(f"{case:<18} {ratio:>5}  {same}/{len(theirs)}             {differ:<19}  {'yes' if ties else 'NO'}")
+        ties = "-" if scores is None else "yes" if all(
+            sorted(head[i] for i in a) == sorted(head[i] for i in b) for a, b, head in zip(theirs, ours, scores)) else "NO"
+        kept = "/".join(str(len(head)) for head in ours)
+        print(f"{case:<22} {ratio:>5}  {kept:>9}  {same}/{len(theirs)}             {differ:<19}  {ties}")
 
 
 def run_side(python: Path, side: str, tensors: Path) -> dict:

@@ -66,7 +66,8 @@ def check(instance) -> None:
     """Raise a ValueError naming the first declared setting of ``instance`` out of its bounds."""
     owner = type(instance).__name__
     for field in dataclasses.fields(instance):
-        if "low" in field.metadata or "choices" in field.metadata or annotation(field) in ("int", "bool", "float"):
+        kinds = {part.strip() for part in annotation(field).split("|")}
+        if "low" in field.metadata or "choices" in field.metadata or kinds & {"int", "bool", "float"}:
             error = problem(owner, field.name, getattr(instance, field.name), annotation(field), dict(field.metadata))
             if error:
                 raise ValueError(error)

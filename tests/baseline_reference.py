@@ -27,8 +27,8 @@ def top(scores: list[float], count: int, offset: int = 0) -> set[int]:
 @torch.no_grad()
 def full_run(model, prompt: torch.Tensor) -> dict:
     """Per layer: post-RoPE queries [Hq, n, D], keys and values [Hkv, n, D], pre-RoPE queries [Hq, n, D] and keys
-    [Hkv, n, D]."""
-    pre_rope, pre_rope_keys = {}, {}
+    [Hkv, n, D], and the attention's input hidden states [n, d_model]."""
+    pre_rope, pre_rope_keys, hidden = {}, {}, {}
     hooks = []
     config = model.config
     heads, dim = config.num_attention_heads, config.hidden_size // config.num_attention_heads
@@ -44,6 +44,10 @@ def full_run(model, prompt: torch.Tensor) -> dict:
             pre_rope_keys[index] = output[0].reshape(output.shape[1], -1, dim).transpose(0, 1).double()
         source = getattr(layer.self_attn, "k_norm", None) or layer.self_attn.k_proj
         hooks.append(source.register_forward_hook(keep_key))
+
+        def keep_hidden(module, args, kwargs, index=index):
+            hidden[index] = kwargs.get("hidden_states", args[0] if args else None)[0].double()
+        hooks.append(layer.self_attn.register_forward_pre_hook(keep_hidden, with_kwargs=True))
     original = model.config._attn_implementation
     model.config._attn_implementation = "reference_masked"
     _RECORD.clear()
@@ -52,7 +56,7 @@ def full_run(model, prompt: torch.Tensor) -> dict:
         return {
             layer: {"query": _RECORD["queries"][layer][0].double(), "key": _RECORD["keys"][layer][0].double(),
                     "value": _RECORD["values"][layer][0].double(), "pre_rope": pre_rope[layer],
-                    "pre_rope_key": pre_rope_keys[layer]}
+                    "pre_rope_key": pre_rope_keys[layer], "hidden": hidden[layer]}
             for layer in _RECORD["queries"]
         }
     finally:

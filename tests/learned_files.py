@@ -1,6 +1,8 @@
 """Tiny learned-weight files in their publishers' formats, written by script for the tests: Q-Filters as
 ``huggingface_hub.PyTorchModelHubMixin`` saves them (``model.safetensors`` with ``q_filters``, ``config.json``) and a
-DuoAttention pattern as duo-attention publishes it (``config.json``, ``full_attention_heads.tsv``)."""
+DuoAttention pattern as duo-attention publishes it (``config.json``, ``full_attention_heads.tsv``) and KVzap's
+surrogates as transformers' ``save_pretrained`` writes kvpress' ``KVzapModel`` (``config.json``,
+``model.safetensors``)."""
 
 from __future__ import annotations
 
@@ -33,4 +35,27 @@ def duo_pattern(scores: list[list[float]], sink: int = 4, recent: int = 16) -> P
         (folder / "config.json").write_text(json.dumps({"sink_size": sink, "recent_size": recent}))
         (folder / "full_attention_heads.tsv").write_text("\n".join("\t".join(str(s) for s in row) for row in scores)
                                                         + "\n")
+    return folder
+
+
+def kvzap(layers: int = 2, input_dim: int = 64, kv_heads: int = 2, hidden_dim: int | None = None, seed: int = 0) -> Path:
+    """KVzap's surrogates: per layer ``nn.Linear(input_dim, kv_heads)``, or ``Sequential(Linear(input_dim,
+    hidden_dim), GELU(), Linear(hidden_dim, kv_heads))`` when ``hidden_dim`` is given."""
+    from safetensors.torch import save_file
+
+    folder = ROOT / f"kvzap-{layers}-{input_dim}-{kv_heads}-{hidden_dim}-{seed}"
+    if not folder.exists():
+        folder.mkdir(parents=True)
+        generator = torch.Generator().manual_seed(seed)
+        shapes = {"": (kv_heads, input_dim)} if hidden_dim is None else {"0.": (hidden_dim, input_dim),
+                                                                        "2.": (kv_heads, hidden_dim)}
+        tensors = {}
+        for layer in range(layers):
+            for name, (rows, columns) in shapes.items():
+                tensors[f"layers.{layer}.{name}weight"] = torch.randn(rows, columns, generator=generator) / columns ** 0.5
+                tensors[f"layers.{layer}.{name}bias"] = torch.randn(rows, generator=generator)
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        (folder / "config.json").write_text(json.dumps({
+            "architectures": ["KVzapModel"], "model_type": "kvzap", "input_dim": input_dim, "output_dim": kv_heads,
+            "n_modules": layers, "hidden_dim": hidden_dim}))
     return folder

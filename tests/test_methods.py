@@ -10,7 +10,7 @@ import pytest
 import torch
 from baseline_reference import kept_prompt, kept_snapkv_budgets, simulate_decoding
 from conftest import SMALL_POLICIES, random_prompt, registered, tiny_model
-from learned_files import duo_pattern, qfilters
+from learned_files import duo_pattern, kvzap, qfilters
 from masked_reference import module_scaling
 
 import evalkit.compression as ec
@@ -39,7 +39,10 @@ SIZED = {**PREFILL, **DECODING, "pyramidkv": lambda: ec.PyramidKV.from_config(20
          "chunkwise": lambda: ec.ChunkWise.from_config(20, chunk_length=16, window=2, kernel_size=3),
          "simlayerkv": lambda: ec.SimLayerKV(lazy_threshold=0.05, n_recent=12),
          "qfilter": lambda: ec.QFilter(capacity=20, filters=str(qfilters())),
-         "duo_attention": lambda: ec.DuoAttention(patterns=str(duo_pattern([[0.9, 0.1], [0.3, 0.7]], recent=8)))}
+         "duo_attention": lambda: ec.DuoAttention(patterns=str(duo_pattern([[0.9, 0.1], [0.3, 0.7]], recent=8))),
+         "kvzap": lambda: ec.KVzap(capacity=20, weights=str(kvzap())),
+         "threshold": lambda: ec.Threshold(threshold=0.0, sliding_window_size=4,
+                                           scorer={"name": "kvzap", "weights": str(kvzap(hidden_dim=24))})}
 # Every registered method but those test_compression.py holds to its own references; a new one at its defaults.
 EVERY = {name: SIZED.get(name) or registered(name, 20) for name in sorted(ec.POLICIES)
          if name not in ("full", "snapkv", "snapstream", "streaming_llm")}
@@ -180,6 +183,7 @@ def test_capacity_beyond_the_sequence_equals_full(llama, name):
         "decoding_snapkv": ec.DecodingSnapKV(capacity=200, window=4, interval=8),
         "simlayerkv": ec.SimLayerKV(lazy_threshold=1.0),
         "duo_attention": ec.DuoAttention(patterns=str(duo_pattern([[0.9, 0.1], [0.3, 0.7]])), head_ratio=0),
+        "threshold": ec.Threshold(threshold=-1e30, scorer={"name": "kvzap", "weights": str(kvzap())}),
     }
     policy = roomy.get(name) or dataclasses.replace(EVERY[name](), capacity=200)
     prompt = random_prompt(40, seed=2)

@@ -182,14 +182,19 @@ def test_the_score_parity_says_so_and_exits_when_kvpress_cannot_be_installed(tmp
 
 def test_the_score_paritys_evalkit_side_keeps_each_methods_share(tmp_path):
     """The evalkit worker of `parity_scores.py`: per case and ratio, each head keeps int(n * (1 - ratio)) positions,
-    the four sink tokens among them for the methods that force them."""
+    the four sink tokens among them for the methods that force them; block-wise keeps half, the threshold its last 64
+    and, at one of its thresholds, not much more."""
     import json
 
     import torch
+    from learned_files import kvzap, qfilters
 
     generator = torch.Generator().manual_seed(0)
     torch.save({"keys": torch.randn(1, 2, 300, 16, generator=generator),
-                "values": torch.randn(1, 2, 300, 16, generator=generator)}, tmp_path / "tensors.pt")
+                "values": torch.randn(1, 2, 300, 16, generator=generator),
+                "hidden": torch.randn(1, 300, 64, generator=generator),
+                "kvzap": str(kvzap(layers=1, hidden_dim=32)), "filters_dir": str(qfilters(layers=1))},
+               tmp_path / "tensors.pt")
     result = subprocess.run([sys.executable, str(README.parent / "benchmarks" / "parity_scores.py"), "--worker",
                              "evalkit", "--tensors", str(tmp_path / "tensors.pt")], capture_output=True, text=True,
                             timeout=300, cwd=README.parent)
@@ -197,11 +202,18 @@ def test_the_score_paritys_evalkit_side_keeps_each_methods_share(tmp_path):
     kept = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert {key.rsplit("@", 1)[0] for key in kept} >= {"keydiff", "lagkv", "cur", "knorm"}
     for key, heads in kept.items():
+        if key.startswith("blockwise"):
+            assert [len(head) for head in heads] == [150, 150], key
+        if key.startswith("threshold"):
+            assert all(set(range(236, 300)) <= set(head) for head in heads), key
+        if key.endswith("@-"):
+            continue
         share = int(300 * (1 - float(key.rsplit("@", 1)[1])))
         assert [len(head) for head in heads] == [share, share], key
         if key.startswith(("lagkv", "cur")):
             assert all({0, 1, 2, 3} <= set(head) for head in heads), key
     assert kept["keydiff@0.5"] != kept["knorm@0.5"]  # different methods keep different tokens
+    assert min(len(head) for key in ("threshold kvzap 0.0@-", "threshold kvzap 0.5@-") for head in kept[key]) < 236
 
 
 def test_ci_runs_the_readmes_test_command():

@@ -9,6 +9,7 @@ import pytest
 import torch
 from baseline_reference import full_run, kept_budgets_over, kept_prompt, scorer_head_scores, simulate_decoding
 from conftest import random_prompt, tiny_model
+from learned_files import qfilters
 from masked_reference import module_scaling
 from test_methods import held_positions, reference_keys
 
@@ -180,17 +181,23 @@ def test_decoding_reapplication_refuses_what_it_cannot_score_with():
         ec.DecodingSnapKV(capacity=1024, interval=128, window=8, scorer={"name": "snapkv", "window": 16})
     with pytest.raises(ValueError, match="kernel_size is a setting of the SnapKV score, unused with scorer=knorm"):
         ec.DecodingSnapKV.from_config(1024, interval=128, kernel_size=3, scorer="knorm")
+    with pytest.raises(ValueError, match="cannot be compactor: it reads every query of the sequence"):
+        ec.DecodingSnapKV(capacity=1024, interval=128, scorer="compactor")
+    with pytest.raises(ValueError, match="cannot be kvzap: it scores from hidden states, which decoding does not keep"):
+        ec.DecodingSnapKV(capacity=1024, interval=128, scorer="kvzap")
     with pytest.raises(ValueError, match="cannot be decoding_snapkv: it takes a scorer itself"):
         ec.AdaKV(capacity=64, scorer="decoding_snapkv")
 
 
 @pytest.mark.parametrize("name", [n for n in __import__("evalkit.compression.methods.wrapper", fromlist=["scorers"]).scorers()
-                                  if not ec.POLICIES[n].sums_attention])
+                                  if not (ec.POLICIES[n].sums_attention or ec.POLICIES[n].reads_hidden_states
+                                          or ec.POLICIES[n].reads_every_query)])
 def test_every_scorer_can_be_reapplied_while_decoding(llama, name):
     """Each scorer a wrapper can take (but the attention-sum ones) re-applied every 10 steps: the cache falls back to
     capacity - interval per head at each re-application, never exceeds the capacity, and the engine gives the tokens
     of running alone."""
-    settings = {"name": name, **({"window": 4, "kernel_size": 3} if name in ("snapkv", "snapstream") else {})}
+    settings = {"name": name, **({"window": 4, "kernel_size": 3} if name in ("snapkv", "snapstream") else {}),
+                **({"filters": str(qfilters())} if name == "qfilter" else {})}
     policy = ec.DecodingSnapKV(capacity=42, window=8, interval=10, scorer=settings)
     prompt = random_prompt(50, seed=2)
     session = ec.CompressionSession(llama, policy)

@@ -8,13 +8,19 @@ import torch
 import zoo_reference as ref
 from baseline_reference import full_run
 from conftest import VOCAB, tiny_model
-from learned_files import duo_pattern, qfilters
+from learned_files import duo_pattern, kvzap, qfilters
 from masked_reference import module_scaling
 from test_methods import held_positions, reference_keys
 
 import evalkit.compression as ec
 
 N = 90
+
+
+def surrogates(**shape) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(kvzap(**shape) / "model.safetensors"))
 
 
 def distinct_prompt(seed: int = 0, n: int = N) -> torch.Tensor:
@@ -51,6 +57,13 @@ CASES = {
     "capkv": (lambda: ec.CapKV(capacity=30), lambda m, r, s: ref.kept_capkv(m, r, 30)),
     "capkv tau 1 sink 2": (lambda: ec.CapKV(capacity=30, tau=1.0, sink=2, n_future_positions=16),
                            lambda m, r, s: ref.kept_capkv(m, r, 30, sink=2, tau=1.0, future=16)),
+    "kvzap linear": (lambda: ec.KVzap(capacity=30, weights=str(kvzap())),
+                     lambda m, r, s: ref.kept_kvzap(r, 30, surrogates(), mlp=False)),
+    "kvzap mlp": (lambda: ec.KVzap(capacity=30, weights=str(kvzap(hidden_dim=24))),
+                  lambda m, r, s: ref.kept_kvzap(r, 30, surrogates(hidden_dim=24), mlp=True)),
+    "threshold kvzap": (lambda: ec.Threshold(threshold=0.0, sliding_window_size=8, scorer={
+                            "name": "kvzap", "weights": str(kvzap(hidden_dim=24))}),
+                        lambda m, r, s: ref.kept_threshold_kvzap(r, 0.0, 8, surrogates(hidden_dim=24), mlp=True)),
     "chunkwise snapkv": (lambda: ec.ChunkWise.from_config(40, chunk_length=32, window=4),
                          lambda m, r, s: ref.kept_chunkwise_snapkv(r, 40, 32, 4, 5, s)),
 }

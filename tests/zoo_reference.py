@@ -251,3 +251,30 @@ def kept_capkv(model, run, capacity, sink=4, tau=5.0, future=512, epsilon=1e-6):
             heads.append(set(range(sink)) | top(total.tolist(), capacity - sink, sink))
         kept[layer] = heads
     return kept
+
+
+def kvzap_scores(hidden: torch.Tensor, tensors: dict, layer: int, mlp: bool) -> list[list[float]]:
+    """Per KV head: the layer's surrogate applied to each token's hidden state (GELU with erf)."""
+    def linear(name, x):
+        return tensors[f"layers.{layer}.{name}weight"].double() @ x + tensors[f"layers.{layer}.{name}bias"].double()
+
+    def gelu(x):
+        return torch.tensor([v * 0.5 * (1 + math.erf(v / math.sqrt(2))) for v in x.tolist()], dtype=torch.double)
+
+    out = [linear("2.", gelu(linear("0.", h))) if mlp else linear("", h) for h in hidden]
+    return [[float(o[head]) for o in out] for head in range(len(out[0]))]
+
+
+def kept_kvzap(run, capacity, tensors, mlp):
+    return {layer: [top(head, capacity) for head in kvzap_scores(r["hidden"], tensors, layer, mlp)]
+            for layer, r in run.items()}
+
+
+def kept_threshold_kvzap(run, threshold, window, tensors, mlp):
+    """kvpress DMSPress in prefill: per head, tokens before the last ``window`` scoring below ``threshold`` go."""
+    kept = {}
+    for layer, r in run.items():
+        n = r["key"].shape[1]
+        kept[layer] = [{j for j, s in enumerate(head) if s >= threshold or j >= n - window}
+                       for head in kvzap_scores(r["hidden"], tensors, layer, mlp)]
+    return kept

@@ -17,7 +17,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from .kernels import attention_with_sums
-from .model_spec import attention_sinks, family_eager
+from .model_spec import attention_modules, attention_sinks, family_eager
 
 CACHE_ARGUMENT = "evalkit_cache"  # the model call's keyword argument that hands the attention its cache
 MASK_CELLS = 1 << 22  # a later prefill chunk's attention: query rows per call so that its mask stays this small
@@ -122,3 +122,24 @@ def hooked(model):
     """Route the model's attention through the hook for the duration (each model call then hands it the cache as
     ``evalkit_cache``)."""
     return attention_implementation(model, f"evalkit_{model.config._attn_implementation}")
+
+
+@contextlib.contextmanager
+def recording_inputs(model, inputs: dict[int, list[torch.Tensor]], active: bool = True):
+    """While active, append each attention layer's input hidden states to ``inputs[layer_idx]`` (a policy that
+    scores tokens from them, as KVzap does, reads them in its view)."""
+    if not active:
+        yield
+        return
+
+    def record(module, args, kwargs):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        inputs.setdefault(module.layer_idx, []).append(hidden)
+
+    handles = [module.register_forward_pre_hook(record, with_kwargs=True) for module in attention_modules(model)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        inputs.clear()

@@ -191,6 +191,8 @@ class CompressedCache(Cache):
         self.decode_steps = 0
         self.compressed_layers: set[int] = set()
         self.chunk_memory: dict[int, dict] = {}  # chunked prefill: what each layer keeps of earlier chunks' queries
+        # Each layer's attention inputs of this prefill, chunk by chunk (``reads_hidden_states`` policies only).
+        self.layer_inputs: dict[int, list[torch.Tensor]] = {}
         self.prefill_slots: list[int] = []  # each layer's slots right after prefill (row layout)
         # Engine admission: each layer's slot of the engine's cache, ``(keys, values)`` ``[1, kv_heads, slot_tokens,
         # D]``; a row-layout layer's compressed prompt is written straight into it (see :meth:`write_through`).
@@ -239,9 +241,11 @@ class CompressedCache(Cache):
 
     def _view(self, layer_idx: int, module, query, keys, values, scaling: float, prior_sums=None) -> PrefillView:
         plan, n = self.plan, keys.shape[2]
+        inputs = self.layer_inputs.get(layer_idx)
+        hidden = None if not inputs else inputs[0] if len(inputs) == 1 else torch.cat(inputs, dim=1)
         return PrefillView(query, keys, values, on_device(plan.key_valid[:, :n], keys), scaling, layer_idx,
                            len(self.layers), module, on_device(plan.positions[:, :n], keys), self.rotary,
-                           prior_sums)
+                           prior_sums, hidden=hidden)
 
     def compress_layer(self, layer_idx: int, module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                        scaling: float, prior_sums: torch.Tensor | None = None) -> None:
@@ -253,6 +257,7 @@ class CompressedCache(Cache):
             return
         view = self._view(layer_idx, module, query, keys, values, scaling, prior_sums)
         indices, counts, raw = self.select(view)
+        self.layer_inputs.pop(layer_idx, None)
         self.layers[layer_idx].compress(indices)
         layout.after_compress(self, layer_idx, view, query, indices, counts, raw)
 

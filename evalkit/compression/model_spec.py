@@ -36,18 +36,25 @@ def family_eager(module, default):
     return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", default)
 
 
+def attention_modules(model) -> list[torch.nn.Module]:
+    """The model's attention modules, one per decoder layer (those with a ``layer_idx``), in layer order."""
+    found = {}
+    for module in model.modules():
+        index = getattr(module, "layer_idx", None)
+        if index is not None and index not in found and type(module).__name__.endswith("Attention"):
+            found[index] = module
+    return [found[i] for i in sorted(found)]
+
+
 def layer_devices(model) -> list[torch.device]:
     """The device of each decoder layer's attention: one device, or several for a model loaded with a device map.
     Layers offloaded to ``meta``/disk are refused (their weights move in at every step; their cache would have no
     device)."""
     devices: dict[int, torch.device] = {}
-    for module in model.modules():
-        index = getattr(module, "layer_idx", None)
-        if index is None or index in devices or not type(module).__name__.endswith("Attention"):
-            continue
+    for module in attention_modules(model):
         parameter = next(module.parameters(), None)
         if parameter is not None:
-            devices[index] = parameter.device
+            devices[module.layer_idx] = parameter.device
     offloaded = sorted(i for i, device in devices.items() if device.type == "meta")
     if offloaded:
         raise ValueError(f"layers {offloaded} are offloaded (their weights are on 'meta'); evalkit needs every layer "

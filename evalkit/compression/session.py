@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import hooked
+from .attention import hooked, recording_inputs
 from .cache import CompressedCache, PrefillPlan, RowState
 from .layout import DecodeStep, additive_mask, layout_of
 from .methods.base import Policy
@@ -18,6 +18,9 @@ def chunk_mode_refusal(policy: Policy, chunk_mode: str) -> str | None:
     """Why ``policy`` cannot be prefilled in chunks under ``chunk_mode`` (None: it can)."""
     if chunk_mode not in CHUNK_MODES:
         return f"prefill_chunk_mode must be one of {list(CHUNK_MODES)}, got {chunk_mode!r}"
+    if chunk_mode == "compress" and policy.reads_hidden_states:
+        return (f"prefill_chunk_mode=compress cannot score the tokens it held with {policy.name}: their hidden states "
+                "are gone (use prefill_chunk_mode=exact)")
     if chunk_mode == "compress" and (policy.per_head or type(policy).layer_budget is not Policy.layer_budget):
         return (f"prefill_chunk_mode=compress needs one budget for every layer and head; {policy.name} allocates "
                 "per layer or head (use prefill_chunk_mode=exact)")
@@ -109,7 +112,8 @@ class CompressionSession:
         last token's logits."""
         device, n = input_ids.device, input_ids.shape[1]
         self.cache.plan = plan
-        with hooked(self.model):
+        reads_hidden = any(p.reads_hidden_states for p in self.cache.layer_policies)
+        with hooked(self.model), recording_inputs(self.model, self.cache.layer_inputs, reads_hidden):
             for begin, end in bounds:
                 plan.final = end == n
                 if plan.chunk_mode == "compress":  # the cache's kept tokens, then the chunk: a prompt of its own

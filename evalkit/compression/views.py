@@ -30,6 +30,8 @@ class PrefillView:
     # A cache ranked as a prompt (a method re-applied while decoding) whose heads hold different tokens: each head's
     # own validity ``[B, Hkv, n]`` (``key_valid`` is then any head's). None: every head holds ``key_valid``.
     head_valid: torch.Tensor | None = None
+    # ``[B, n, d_model]``: the attention's input for every prompt token (a ``reads_hidden_states`` policy's; else None)
+    hidden: torch.Tensor | None = None
 
     @property
     def groups(self) -> int:
@@ -99,7 +101,8 @@ def row_of(view: PrefillView, row: int) -> tuple[PrefillView, int]:
     return PrefillView(query=queries, keys=view.keys[row : row + 1, :, first:],
                        values=view.values[row : row + 1, :, first:], key_valid=view.key_valid[row : row + 1, first:],
                        scaling=view.scaling, layer_idx=view.layer_idx, num_layers=view.num_layers, module=view.module,
-                       positions=view.positions[row : row + 1, first:], rotary=view.rotary), first
+                       positions=view.positions[row : row + 1, first:], rotary=view.rotary,
+                       hidden=None if view.hidden is None else view.hidden[row : row + 1, first:]), first
 
 
 def scores_by_row(view: PrefillView, score) -> torch.Tensor:
@@ -123,4 +126,5 @@ def span(view: PrefillView, start: int, end: int, heads: slice = slice(None)) ->
         query = query[:, :, start:end]
     return dataclasses.replace(view, query=query, keys=view.keys[:, heads, start:end],
                                values=view.values[:, heads, start:end], key_valid=view.key_valid[:, start:end],
-                               positions=view.positions[:, start:end], prior_sums=None)
+                               positions=view.positions[:, start:end], prior_sums=None,
+                               hidden=None if view.hidden is None else view.hidden[:, start:end])

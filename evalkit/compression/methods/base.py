@@ -56,6 +56,10 @@ class Policy:
     latent_refusal: ClassVar[str] = "it has not been tested on a latent (MLA) cache"
     # Decides how many tokens each layer or head keeps from another method's ranking (AdaKV, PyramidKV).
     allocates: ClassVar[bool] = False
+    # Its score reads every prompt query itself (not statistics of those at hand): never re-applied while decoding.
+    reads_every_query: ClassVar[bool] = False
+    # Scores from the attention's input (``PrefillView.hidden``: KVzap's surrogate), recorded while the prompt runs.
+    reads_hidden_states: ClassVar[bool] = False
     # Sized by a budget (``4x``, ``tokens_N``); the fields the budget decides, which a config may not set.
     takes_budget: ClassVar[bool] = True
     budget_fields: ClassVar[tuple[str, ...]] = ("capacity",)
@@ -76,8 +80,9 @@ class Policy:
 
     @classmethod
     def from_config(cls, capacity: int, **params) -> Policy:
-        """The method as a config gives it: its settings ``params``, sized by a budget's ``capacity``."""
-        return cls(capacity=capacity, **params)
+        """The method as a config gives it: its settings ``params``, sized by a budget's ``capacity`` (None: a method
+        that ``takes_budget`` False)."""
+        return cls(**params) if capacity is None else cls(capacity=capacity, **params)
 
     @classmethod
     def config_settings(cls) -> tuple[str, ...]:

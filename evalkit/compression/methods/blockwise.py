@@ -30,6 +30,8 @@ class BlockWise(Wrapper):
         cls = scorer if isinstance(scorer, type) else type(scorer)
         if cls.allocates or issubclass(cls, Wrapper):
             return "it ranks blocks with a scorer of its own"
+        if cls.reads_hidden_states:
+            return "it ranks one head at a time, and a hidden state scores them all"
         reason = super().refusal(scorer)
         if reason is None and not isinstance(scorer, type) and scorer.prefill_queries() != 0:
             reason = "it reads the prompt's queries, which a block of held tokens has not"

@@ -45,7 +45,7 @@ def policy_from_budget(method: str, budget: str | None, max_context: int, **para
     if not cls.takes_budget:
         if budget is not None:
             raise ValueError(f"method {method!r} takes no budget")
-        return cls(**params)
+        return cls.from_config(None, **params)
     if budget is None:
         raise ValueError(f"method {method!r} needs a budget (e.g. '4x' or 'tokens_4096')")
     return cls.from_config(budget_capacity(budget, max_context), **params)

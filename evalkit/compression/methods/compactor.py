@@ -29,6 +29,7 @@ class Compactor(PromptScoring):
     """
 
     name: ClassVar[str] = "compactor"
+    reads_every_query: ClassVar[bool] = True
     latent_refusal: ClassVar[str] = "it reads pre-RoPE keys; MLA rotates only part of them"
     sink: int = setting(8, low=0)
     window: int = setting(4, low=0)

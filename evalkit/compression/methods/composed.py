@@ -52,7 +52,11 @@ class Composed(Policy):
             raise ValueError(f"Composed: {self.then.name} reads the prompt's last {needed or 'all'} queries, and "
                              f"{self.first.name} keeps only its last {self.first.kept_window()} tokens for sure "
                              f"(give first a window >= {needed}, e.g. {{name: {self.first.name}, window: {needed}}})")
+        if self.then.reads_hidden_states:
+            raise ValueError(f"Composed.then cannot be {self.then.name}: it scores from hidden states, and the tokens "
+                             f"{self.first.name} kept are ranked without them")
         self.supports_latent = self.first.supports_latent and self.then.supports_latent
+        self.reads_hidden_states = self.first.reads_hidden_states
 
     @classmethod
     def config_settings(cls) -> tuple[str, ...]:

@@ -67,6 +67,12 @@ class DecodingSnapKV(Wrapper):
         if scorer.sums_attention:
             raise ValueError(f"{owner}.scorer cannot be {scorer.name}: its score sums the attention of every query "
                              "of the sequence, and decoding keeps only the recent ones (snapkv scores with those)")
+        if scorer.reads_hidden_states:
+            raise ValueError(f"{owner}.scorer cannot be {scorer.name}: it scores from hidden states, which decoding "
+                             "does not keep")
+        if scorer.reads_every_query:
+            raise ValueError(f"{owner}.scorer cannot be {scorer.name}: it reads every query of the sequence, and "
+                             "decoding keeps only the recent ones")
         needed = scorer.prefill_queries()
         if needed is not None and needed > self.window:
             raise ValueError(f"{owner}.window ({self.window}: the recent queries kept for the scorer) must be >= "

@@ -58,6 +58,7 @@ class NonCausalAttention(PromptScoring):
     keeps them all. Each row scored alone."""
 
     name: ClassVar[str] = "non_causal_attention"
+    reads_every_query: ClassVar[bool] = True
     latent_refusal: ClassVar[str] = "it reads the queries against the cache's keys; a latent cache holds no keys"
     chunk_size: int = setting(256, low=1)
 

@@ -44,7 +44,7 @@ def build_scorer(spec: str | Mapping | Policy, capacity: int, owner: str, inline
     if unknown:
         raise ValueError(f"{owner}.{field}.{unknown[0]} is not a setting of {name} (its settings: {list(allowed)})")
     try:
-        return cls.from_config(capacity, **settings) if cls.takes_budget else cls(**settings)
+        return cls.from_config(capacity if cls.takes_budget else None, **settings)
     except (TypeError, ValueError) as error:
         if inline:  # its settings are the wrapper's own in a config: named as the wrapper's
             raise ValueError(str(error).replace(f"{cls.__name__}.", f"{owner}.", 1)) from None
@@ -84,6 +84,7 @@ class Wrapper(Policy):
         self._refuse(self.scorer)
         # What the scorer decides, as plain values on this instance.
         self.sums_attention = self.scorer.sums_attention
+        self.reads_hidden_states = self.scorer.reads_hidden_states
         self.supports_latent = self.scorer.supports_latent
         self.latent_refusal = f"its scorer {self.scorer.name}: {self.scorer.latent_refusal}"
 

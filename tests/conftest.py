@@ -99,6 +99,9 @@ SMALL_SETTINGS = {
     "qfilter": lambda: ec.QFilter(capacity=40, filters=str(learned_files.qfilters())),
     "duo_attention": lambda: ec.DuoAttention(patterns=str(learned_files.duo_pattern([[0.9, 0.1], [0.3, 0.7]])),
                                              head_ratio=1.0),  # every head streams: the layers shrink
+    "key_rerotation": lambda: ec.KeyRerotation.from_config(40, window=8),
+    "merging": lambda: ec.Merging.from_config(40, window=8),
+    "think": lambda: ec.ThinK.from_config(40, window=8, window_size=8),
     "kvzap": lambda: ec.KVzap(capacity=40, weights=str(learned_files.kvzap(hidden_dim=24))),
     "threshold": lambda: ec.Threshold(threshold=0.0, sliding_window_size=8,
                                       scorer={"name": "kvzap", "weights": str(learned_files.kvzap())}),

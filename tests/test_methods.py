@@ -41,6 +41,9 @@ SIZED = {**PREFILL, **DECODING, "pyramidkv": lambda: ec.PyramidKV.from_config(20
          "qfilter": lambda: ec.QFilter(capacity=20, filters=str(qfilters())),
          "duo_attention": lambda: ec.DuoAttention(patterns=str(duo_pattern([[0.9, 0.1], [0.3, 0.7]], recent=8))),
          "kvzap": lambda: ec.KVzap(capacity=20, weights=str(kvzap())),
+         "key_rerotation": lambda: ec.KeyRerotation.from_config(20, window=4, kernel_size=5),
+         "merging": lambda: ec.Merging.from_config(20, window=4, kernel_size=5),
+         "think": lambda: ec.ThinK.from_config(20, window=4, kernel_size=5, window_size=4),
          "threshold": lambda: ec.Threshold(threshold=0.0, sliding_window_size=4,
                                            scorer={"name": "kvzap", "weights": str(kvzap(hidden_dim=24))})}
 # Every registered method but those test_compression.py holds to its own references; a new one at its defaults.
@@ -184,6 +187,7 @@ def test_capacity_beyond_the_sequence_equals_full(llama, name):
         "simlayerkv": ec.SimLayerKV(lazy_threshold=1.0),
         "duo_attention": ec.DuoAttention(patterns=str(duo_pattern([[0.9, 0.1], [0.3, 0.7]])), head_ratio=0),
         "threshold": ec.Threshold(threshold=-1e30, scorer={"name": "kvzap", "weights": str(kvzap())}),
+        "think": ec.ThinK.from_config(200, window=4, kernel_size=5, key_channel_compression_ratio=0.0),
     }
     policy = roomy.get(name) or dataclasses.replace(EVERY[name](), capacity=200)
     prompt = random_prompt(40, seed=2)

@@ -57,6 +57,9 @@ SMALL = {
     "chunkwise": lambda: ec.ChunkWise.from_config(20, chunk_length=16, window=2, kernel_size=3),
     "criticalkv": lambda: ec.CriticalKV.from_config(20, window=4),
     "criticaladakv": lambda: ec.CriticalAdaKV.from_config(20, window=4),
+    "key_rerotation": lambda: ec.KeyRerotation.from_config(20, window=4),  # refuse a latent cache
+    "merging": lambda: ec.Merging.from_config(20, window=4),
+    "think": lambda: ec.ThinK.from_config(20, window=4),
 }
 POLICIES = {name: SMALL.get(name) or registered(name, 20) for name in sorted(ec.POLICIES)
             if name != "full" and (SMALL.get(name) or registered(name, 20))().supports_latent}

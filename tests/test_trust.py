@@ -250,4 +250,5 @@ def test_baselines_grid_is_the_paper_grid_with_every_method():
         assert spec.model_name == "llama31_8b_instruct"
     methods = {job[1].split("=")[1] for job in jobs}
     assert methods == set(ec.POLICIES)  # every method the harness knows
-    assert valid == 3 + (len(methods) - 1) * 3 * 3  # full once per task; every other method x 3 budgets x 3 tasks
+    budgetless = sum(not ec.POLICIES[m].takes_budget for m in methods)  # full, simlayerkv, ...: once per task
+    assert valid == budgetless * 3 + (len(methods) - budgetless) * 3 * 3  # every other method x 3 budgets x 3 tasks

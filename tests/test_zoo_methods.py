@@ -142,3 +142,52 @@ def test_a_wrong_definition_is_caught(llama):
 def test_bad_settings_are_named(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+REWRITING = {
+    "key_rerotation": (lambda: ec.KeyRerotation.from_config(40, window=8),
+                       lambda m, r, kept: (ref.rerotated_keys(m, r, kept), None)),
+    "merging": (lambda: ec.Merging.from_config(40, window=8), lambda m, r, kept: (None, ref.merged_values(r, kept))),
+    "merging threshold 0.3 fraction 0.5": (
+        lambda: ec.Merging.from_config(40, window=8, similarity_threshold=0.3, merge_fraction=0.5),
+        lambda m, r, kept: (None, ref.merged_values(r, kept, 0.3, 0.5))),
+    "think": (lambda: ec.ThinK.from_config(40, window=8), lambda m, r, kept: (ref.think_keys(r, kept, 0.5, 32), None)),
+    "think 0.25 window 8": (lambda: ec.ThinK.from_config(40, window=8, key_channel_compression_ratio=0.25,
+                                                         window_size=8),
+                            lambda m, r, kept: (ref.think_keys(r, kept, 0.25, 8), None)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REWRITING))
+def test_rewriting_wrappers_hold_the_keys_and_values_the_definition_gives(llama, case):
+    """SnapKV's tokens kept (the inline scorer), then the keys or values rewritten: the cache holds exactly the
+    reference's tensors, and they differ from the tokens' own (the rewrite did something)."""
+    build, reference = REWRITING[case]
+    prompt = distinct_prompt()
+    session = ec.CompressionSession(llama, build())
+    session.prefill(prompt)
+    run = full_run(llama, prompt)
+    kept = ref.kept_snapkv_avg(run, 40, 8, 5, module_scaling(llama))
+    keys, values = reference(llama, run, kept)
+    for index, layer in enumerate(session.cache.layers):
+        assert layer.keys.shape[-2] == 40
+        for head in range(layer.keys.shape[1]):
+            own_keys, own_values = run[index]["key"][head, kept[index][head]], run[index]["value"][head, kept[index][head]]
+            expected_keys = own_keys if keys is None else keys[index][head]
+            expected_values = own_values if values is None else values[index][head]
+            torch.testing.assert_close(layer.keys[0, head].double(), expected_keys, atol=2e-5, rtol=1e-5)
+            torch.testing.assert_close(layer.values[0, head].double(), expected_values, atol=2e-5, rtol=1e-5)
+        changed = keys[index] if keys is not None else values[index]
+        own = run[index]["key" if keys is not None else "value"]
+        assert any((changed[h] - own[h, kept[index][h]]).abs().max() > 1e-3 for h in range(len(changed)))
+
+
+def test_rewriting_wrappers_refuse_what_they_cannot_rewrite():
+    with pytest.raises(ValueError, match="Merging.scorer cannot be adakv: it takes a scorer's ranking"):
+        ec.Merging(capacity=64, scorer="adakv")
+    with pytest.raises(ValueError, match="AdaKV.scorer cannot be think: it rewrites the cache it keeps"):
+        ec.AdaKV(capacity=64, scorer="think")
+    with pytest.raises(ValueError, match="Composed.then cannot be merging: it rewrites the cache it keeps"):
+        ec.Composed(capacity=128, then="merging")
+    assert "rewrite the tokens key_rerotation already rewrote" in ec.chunk_mode_refusal(
+        ec.KeyRerotation.from_config(128), "compress")

@@ -278,3 +278,73 @@ def kept_threshold_kvzap(run, threshold, window, tensors, mlp):
         kept[layer] = [{j for j, s in enumerate(head) if s >= threshold or j >= n - window}
                        for head in kvzap_scores(r["hidden"], tensors, layer, mlp)]
     return kept
+
+
+def kept_snapkv_avg(run, capacity, window, kernel, scaling):
+    """kvpress' SnapKVPress kept positions per layer and head (the inline scorer of the wrappers), in text order."""
+    return {layer: [sorted(top(head, capacity)) for head in snapkv_with_window(r, window, kernel, scaling)]
+            for layer, r in run.items()}
+
+
+def rope(model, vector: torch.Tensor, position: int) -> torch.Tensor:
+    """RoPE of one pre-RoPE vector at ``position``: v cos + rotate_half(v) sin, in float64."""
+    cos, sin = model.model.rotary_emb(vector[None, None].float(), torch.tensor([[position]]))
+    cos, sin = cos[0, 0].double(), sin[0, 0].double()
+    half = vector.shape[0] // 2
+    return vector * cos + torch.cat([-vector[half:], vector[:half]]) * sin
+
+
+def rerotated_keys(model, run, kept):
+    """Per layer and head: the kept pre-RoPE keys re-rotated to positions 0, 1, ... in text order."""
+    return {layer: [torch.stack([rope(model, r["pre_rope_key"][h, p], i) for i, p in enumerate(kept[layer][h])])
+                    for h in range(len(kept[layer]))] for layer, r in run.items()}
+
+
+def merged_values(run, kept, threshold=0.0, fraction=1.0, eps=1e-6):
+    """kvpress MergingPress.merge per head: each evicted value folded into its most key-cosine-similar kept one."""
+    out = {}
+    for layer, r in run.items():
+        heads = []
+        for h, chosen in enumerate(kept[layer]):
+            keys, values = r["key"][h], r["value"][h]
+            evicted = [p for p in range(keys.shape[0]) if p not in set(chosen)]
+            unit = [keys[p] / max(float(keys[p].norm()), eps) for p in range(keys.shape[0])]
+            best = []
+            for e in evicted:
+                sims = [float(unit[e] @ unit[k]) for k in chosen]
+                target = max(range(len(chosen)), key=lambda i, sims=sims: (sims[i], -i))
+                best.append((sims[target], target))
+            merge = [s >= threshold for s, _ in best]
+            if fraction < 1 and any(merge):
+                floor = torch.tensor([s if m else -math.inf for (s, _), m in zip(best, merge)]).quantile(1 - fraction)
+                merge = [m and s >= float(floor) for (s, _), m in zip(best, merge)]
+            added = [torch.zeros(values.shape[1], dtype=torch.double) for _ in chosen]
+            total = [0.0] * len(chosen)
+            for e, (s, t), m in zip(evicted, best, merge):
+                norm = float(values[e].norm())
+                w = max(s, 0.0) * m * norm / (norm + float(values[chosen[t]].norm()) + eps)
+                added[t] += w * values[e]
+                total[t] += w
+            heads.append(torch.stack([(values[k] + a) / (1 + w) if w > 0 else values[k]
+                                      for k, a, w in zip(chosen, added, total)]))
+        out[layer] = heads
+    return out
+
+
+def think_keys(run, kept, ratio, window):
+    """kvpress ThinKPress on the kept keys: per head, the int(D * ratio) channels of least mean(q^2) * mean(k^2)
+    (queries: the last ``window``, averaged over the group) zeroed."""
+    out = {}
+    for layer, r in run.items():
+        kv_heads, _, dim = r["key"].shape
+        group = r["query"].shape[0] // kv_heads
+        heads = []
+        for h, chosen in enumerate(kept[layer]):
+            keys = r["key"][h, chosen].clone()
+            queries = r["query"][h * group : (h + 1) * group, -window:]
+            score = [float(queries[:, :, c].pow(2).mean()) * float(keys[:, c].pow(2).mean()) for c in range(dim)]
+            for c in sorted(range(dim), key=lambda c, score=score: score[c])[: int(dim * ratio)]:
+                keys[:, c] = 0
+            heads.append(keys)
+        out[layer] = heads
+    return out

@@ -258,7 +258,10 @@ class CompressedCache(Cache):
         view = self._view(layer_idx, module, query, keys, values, scaling, prior_sums)
         indices, counts, raw = self.select(view)
         self.layer_inputs.pop(layer_idx, None)
-        self.layers[layer_idx].compress(indices)
+        layer, policy = self.layers[layer_idx], self.layer_policies[layer_idx]
+        layer.compress(indices)
+        if policy.rewrites:
+            layer.keys, layer.values = policy.rewrite(view, indices, counts, layer.keys, layer.values)
         layout.after_compress(self, layer_idx, view, query, indices, counts, raw)
 
     def write_through(self, layer_idx: int) -> None:

@@ -18,6 +18,9 @@ def chunk_mode_refusal(policy: Policy, chunk_mode: str) -> str | None:
     """Why ``policy`` cannot be prefilled in chunks under ``chunk_mode`` (None: it can)."""
     if chunk_mode not in CHUNK_MODES:
         return f"prefill_chunk_mode must be one of {list(CHUNK_MODES)}, got {chunk_mode!r}"
+    if chunk_mode == "compress" and policy.rewrites:
+        return (f"prefill_chunk_mode=compress would rewrite the tokens {policy.name} already rewrote at every chunk "
+                "(use prefill_chunk_mode=exact)")
     if chunk_mode == "compress" and policy.reads_hidden_states:
         return (f"prefill_chunk_mode=compress cannot score the tokens it held with {policy.name}: their hidden states "
                 "are gone (use prefill_chunk_mode=exact)")
@@ -99,7 +102,9 @@ class CompressionSession:
         bounds = [(0, n)] if chunk is None or chunk >= n else [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
         chunked = len(bounds) > 1
         # Row layouts compress only rows over their budget or padded; per-head ones always.
-        plan = PrefillPlan(key_valid, positions, compress=bool((real_len > keep).any()) or not bool(key_valid.all()),
+        rewrites = any(p.rewrites for p in self.cache.layer_policies)  # a short prompt is rewritten all the same
+        plan = PrefillPlan(key_valid, positions,
+                           compress=bool((real_len > keep).any()) or not bool(key_valid.all()) or rewrites,
                            chunk_mode=chunk_mode if chunked else None, reserve=n if chunked and chunk_mode == "exact" else None)
         logits = self._run_prompt(input_ids, None if chunked else attention_mask, positions, bounds, plan, keep)
         seq_len = real_len.cpu() if position_ids is None else (position_ids.max(dim=1).values + 1).cpu()

@@ -58,6 +58,8 @@ class Policy:
     allocates: ClassVar[bool] = False
     # Its score reads every prompt query itself (not statistics of those at hand): never re-applied while decoding.
     reads_every_query: ClassVar[bool] = False
+    # Rewrites the kept keys or values after selection (key re-rotation, merging, key-channel pruning): :meth:`rewrite`.
+    rewrites: ClassVar[bool] = False
     # Scores from the attention's input (``PrefillView.hidden``: KVzap's surrogate), recorded while the prompt runs.
     reads_hidden_states: ClassVar[bool] = False
     # Sized by a budget (``4x``, ``tokens_N``); the fields the budget decides, which a config may not set.
@@ -146,6 +148,12 @@ class Policy:
         """Most prompt tokens one KV head of one layer may keep of an ``n``-token prompt (to size static caches)."""
         capacity = self.prompt_capacity()
         return n if capacity is None else min(n, capacity)
+
+    def rewrite(self, view: PrefillView, indices: torch.Tensor, counts: torch.Tensor, keys: torch.Tensor,
+                values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kept ``keys`` and ``values`` ``[B, Hkv, kept, D]`` (the prompt tokens ``indices`` names, the first
+        ``counts`` of each head real) as the cache will hold them. Runs after :meth:`select` where ``rewrites``."""
+        return keys, values
 
     def decode_evict(self, view: DecodeView) -> torch.Tensor | None:
         """Slots to free after this decode step, ``[B, Hkv, S]`` bool, or None."""

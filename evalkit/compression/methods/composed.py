@@ -110,6 +110,8 @@ def _mask(indices: torch.Tensor, counts: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _refusal(method: Policy) -> str | None:
+    if method.rewrites:
+        return "it rewrites the cache it keeps, which only the outermost method may do"
     if method.evicts_while_decoding or method.accumulates or method.cache_capacity() is not None:
         return "it acts while decoding, and Composed applies prompt methods at the end of prefill"
     if method.sums_attention:

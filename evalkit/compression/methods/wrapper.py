@@ -105,6 +105,8 @@ class Wrapper(Policy):
             return "it allocates budgets itself"
         if cls.evicts_while_decoding and issubclass(cls, Wrapper):
             return "it takes a scorer itself"
+        if cls.rewrites:
+            return "it rewrites the cache it keeps, which only the outermost method may do"
         if not cls.needs_scores or cls.score is Policy.score:
             return "it does not score tokens"
         return None

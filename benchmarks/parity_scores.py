@@ -7,9 +7,11 @@ own environment (made on demand as in bench_vs_kvpress.py; where it cannot be ma
 evalkit's methods through ``Policy.select``; each keeps ``int(n * (1 - compression_ratio))`` tokens per head at
 compression ratios 0.5 and 0.75. Learned weights are kvpress' own: its ``KVzapModel``, random, written by its
 ``save_pretrained`` and read by evalkit from that folder; Q-Filters as ``PyTorchModelHubMixin`` saves them. Presses
-that select rather than score (``BlockPress`` over KeyDiff, ``DMSPress`` over KVzap at two thresholds) run whole. A table prints, per method and ratio, the heads whose kept sets agree, the positions that differ and
-whether the two kept sets carry the same multiset of kvpress' own scores (then only ties were broken apart: kvpress'
-``topk`` breaks them its own way, evalkit towards the earlier token).
+that select rather than score (``BlockPress``, ``ChunkKVPress`` and ``EntropyGatedChunkKVPress`` over KeyDiff,
+``DMSPress`` over KVzap at two thresholds) run whole. A table prints, per method and ratio, the tokens each head
+keeps, the heads whose kept sets agree, the positions that differ and whether the two kept sets carry the same
+multiset of kvpress' own scores (then only ties were broken apart: kvpress' ``topk`` breaks them its own way,
+evalkit towards the earlier token).
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ CASES = {
 SELECTING = {
     "blockwise keydiff 128": ("BlockPress", "blockwise", {"block_size": 128}),
     "blockwise keydiff 50": ("BlockPress", "blockwise", {"block_size": 50}),
+    "chunkkv keydiff 0.5": ("ChunkKVPress", "chunkkv", {"chunk_length": 20}),
+    "chunkkv keydiff 0.75": ("ChunkKVPress", "chunkkv", {"chunk_length": 20}),
+    "entropy chunkkv keydiff 0.5": ("EntropyGatedChunkKVPress", "entropy_gated_chunkkv", {}),
+    "entropy chunkkv keydiff 0.75": ("EntropyGatedChunkKVPress", "entropy_gated_chunkkv", {}),
     "threshold kvzap 0.0": ("DMSPress", "threshold", {"threshold": 0.0, "sliding_window_size": 64}),
     "threshold kvzap 0.5": ("DMSPress", "threshold", {"threshold": 0.5, "sliding_window_size": 64}),
 }
@@ -84,11 +90,13 @@ def selected_by_kvpress(case: str, tensors: dict) -> list[list[int]]:
     press, _, settings = SELECTING[case]
     keys, values, hidden = tensors["keys"], tensors["values"], tensors["hidden"]
     n = keys.shape[2]
-    if press == "BlockPress":
-        from kvpress import BlockPress
+    if press != "DMSPress":  # a press over KeyDiff at the case's ratio (BlockPress: 0.5)
+        import kvpress
 
-        kept_keys, _ = BlockPress(KeyDiffPress(compression_ratio=0.5), **settings).compress(
-            None, torch.zeros(1, n, 2 * 8), keys, values, None, {})
+        ratio = float(case.rsplit(" ", 1)[1]) if press != "BlockPress" else 0.5
+        made = getattr(kvpress, press)(press=KeyDiffPress(compression_ratio=ratio), **settings)
+        kept_keys, _ = made.compress(types.SimpleNamespace(head_dim=16), torch.zeros(1, n, 2 * 8), keys, values, None,
+                                     {})
         return [sorted(int((keys[0, h] == row).all(dim=-1).nonzero()) for row in kept_keys[0, h]) for h in range(2)]
     scorer = kvpress_press("KVzapPress", 0.0, {}, tensors)
     dms = DMSPress(press=scorer, **settings)
@@ -147,6 +155,9 @@ def kept_by_evalkit(tensors: dict) -> dict:
     for case, (_, method, settings) in SELECTING.items():
         if method == "blockwise":
             policy = ec.BlockWise(capacity=max(1, int(n * 0.5)), **settings)
+        elif method != "threshold":
+            ratio = float(case.rsplit(" ", 1)[1])
+            policy = ec.POLICIES[method](capacity=max(1, int(n * (1 - ratio))), scorer="keydiff", **settings)
         else:
             policy = ec.Threshold(**settings, scorer={"name": "kvzap", "weights": tensors["kvzap"]})
         out[f"{case}@-"] = kept(policy)
@@ -188,7 +199,7 @@ def main() -> None:
         torch.save(tensors, path)
         sides = {side: run_side(python if side == "kvpress" else Path(sys.executable), side, path)
                  for side in ("kvpress", "evalkit")}
-    print(f"{'method':<22} {'ratio':>5}  {'kept':>9}  heads agreeing  positions differing  kvpress' scores of the kept equal")
+    print(f"{'method':<28} {'ratio':>5}  {'kept':>9}  heads agreeing  positions differing  kvpress' scores of the kept equal")
     for key, reference in sides["kvpress"].items():
         theirs, ours, scores = reference["kept"], sides["evalkit"][key], reference["scores"]
         case, ratio = key.rsplit("@", 1)
@@ -198,7 +209,7 @@ def main() -> None:
         ties = "-" if scores is None else "yes" if all(
             sorted(head[i] for i in a) == sorted(head[i] for i in b) for a, b, head in zip(theirs, ours, scores)) else "NO"
         kept = "/".join(str(len(head)) for head in ours)
-        print(f"{case:<22} {ratio:>5}  {kept:>9}  {same}/{len(theirs)}             {differ:<19}  {ties}")
+        print(f"{case:<28} {ratio:>5}  {kept:>9}  {same}/{len(theirs)}             {differ:<19}  {ties}")
 
 
 def run_side(python: Path, side: str, tensors: Path) -> dict:

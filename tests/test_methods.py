@@ -41,6 +41,7 @@ SIZED = {**PREFILL, **DECODING, "pyramidkv": lambda: ec.PyramidKV.from_config(20
          "qfilter": lambda: ec.QFilter(capacity=20, filters=str(qfilters())),
          "duo_attention": lambda: ec.DuoAttention(patterns=str(duo_pattern([[0.9, 0.1], [0.3, 0.7]], recent=8))),
          "kvzap": lambda: ec.KVzap(capacity=20, weights=str(kvzap())),
+         "entropy_gated_chunkkv": lambda: ec.EntropyGatedChunkKV.from_config(20, window=4, kernel_size=5),
          "key_rerotation": lambda: ec.KeyRerotation.from_config(20, window=4, kernel_size=5),
          "merging": lambda: ec.Merging.from_config(20, window=4, kernel_size=5),
          "think": lambda: ec.ThinK.from_config(20, window=4, kernel_size=5, window_size=4),

@@ -57,6 +57,7 @@ SMALL = {
     "chunkwise": lambda: ec.ChunkWise.from_config(20, chunk_length=16, window=2, kernel_size=3),
     "criticalkv": lambda: ec.CriticalKV.from_config(20, window=4),
     "criticaladakv": lambda: ec.CriticalAdaKV.from_config(20, window=4),
+    "entropy_gated_chunkkv": lambda: ec.EntropyGatedChunkKV.from_config(20, window=4),
     "key_rerotation": lambda: ec.KeyRerotation.from_config(20, window=4),  # refuse a latent cache
     "merging": lambda: ec.Merging.from_config(20, window=4),
     "think": lambda: ec.ThinK.from_config(20, window=4),

@@ -348,3 +348,42 @@ def think_keys(run, kept, ratio, window):
             heads.append(keys)
         out[layer] = heads
     return out
+
+
+def kept_entropy_gated_chunkkv(run, capacity, length, low, eps=1e-8):
+    """kvpress EntropyGatedChunkKVPress over KeyDiffPress: chunks by mean score (summed over the heads), a
+    high-scoring low-entropy chunk reduced to its best ``low`` tokens, the rest of the budget to the best remaining
+    tokens. (KeyDiff's signed scores: SnapKV's on a random model are so even that every chunk's entropy is 1 up to
+    rounding.)"""
+    def entropy(chunk):
+        if len(chunk) == 1:
+            return 0.0
+        shift = min(min(chunk), 0.0)
+        p = [(s - shift) / (sum(c - shift for c in chunk) + eps) for s in chunk]
+        return min(max(-sum(q * math.log(q + eps) for q in p) / math.log(len(chunk)), 0.0), 1.0)
+
+    def median(values):  # torch.median: the lower of the two middle values
+        return sorted(values)[(len(values) - 1) // 2]
+
+    kept = {}
+    for layer, r in run.items():
+        scores = [keydiff(keys) for keys in r["key"]]
+        n = len(scores[0])
+        total = [sum(head[j] for head in scores) for j in range(n)]
+        bounds = [(a, min(a + length, n)) for a in range(0, n, length)]
+        means = [sum(total[a:b]) / (b - a) for a, b in bounds]
+        entropies = [entropy(total[a:b]) for a, b in bounds]
+        high, flat = median(means), median(entropies)
+        chosen, budget = set(), capacity
+        for c in sorted(range(len(bounds)), key=lambda c: (-means[c], c)):
+            if budget <= 0:
+                break
+            a, b = bounds[c]
+            count = min(b - a, budget, low if means[c] >= high and entropies[c] < flat else b - a)
+            chosen |= top(total[a:b], count, a)
+            budget -= count
+        if budget > 0:
+            rest = [j for j in range(n) if j not in chosen]
+            chosen |= {rest[i] for i in top([total[j] for j in rest], budget)}
+        kept[layer] = [chosen for _ in scores]
+    return kept

@@ -64,12 +64,17 @@ class ChunkKV(Wrapper):
         forced = (position >= m - window) | (position < sink)
         ranked = raw.masked_fill(forced, float("-inf")).amax() + 1 if bool((~forced).any()) else raw.amax()
         total = raw.masked_fill(forced, float(ranked)).sum(dim=1)[0]  # [m]: summed over the heads
+        return self.chosen(total), raw
+
+    def chosen(self, total: torch.Tensor) -> torch.Tensor:
+        """The kept token indices (text order) of a prompt whose tokens score ``total`` ``[m]``: whole chunks."""
+        position = torch.arange(len(total), device=total.device)
         chunk_of = position // self.chunk_length
         chunks = int(chunk_of[-1]) + 1
-        chunk_scores = torch.zeros(chunks, device=raw.device).index_add_(0, chunk_of, total)
+        chunk_scores = torch.zeros(chunks, device=total.device).index_add_(0, chunk_of, total)
         chunk_scores /= torch.bincount(chunk_of, minlength=chunks).float()
         best = chunk_scores.sort(descending=True, stable=True).indices[: max(1, self.capacity // self.chunk_length)]
-        return position[torch.isin(chunk_of, best)], raw
+        return position[torch.isin(chunk_of, best)]
 
 
 def stacked(kept: list[torch.Tensor], kv_heads: int, device) -> torch.Tensor:

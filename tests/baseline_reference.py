@@ -124,7 +124,13 @@ def future_rotation(rotary, r, future: int) -> torch.Tensor:
 
 
 def kept_expected(model, run, capacity, sink, future):
-    kept = {}
+    return {layer: [set(range(sink)) | top(s.tolist(), capacity - sink, offset=sink) for s in scores]
+            for layer, scores in expected_scores(model, run, sink, future).items()}
+
+
+def expected_scores(model, run, sink, future, epsilon=0.0):
+    """ExpectedAttention's scores per layer and KV head, of the tokens after the first ``sink``."""
+    out = {}
     rotary = model.model.rotary_emb
     for layer, r in run.items():
         n, dim = r["key"].shape[1:]
@@ -139,9 +145,8 @@ def kept_expected(model, run, capacity, sink, future):
             logits = torch.stack([k @ mean / math.sqrt(dim) + k @ covariance @ k / dim / 2 for k in r["key"][kv_head, sink:]])
             return logits.softmax(dim=0)
 
-        scores = [s * r["value"][h, sink:].norm(dim=-1) for h, s in enumerate(group_mean(r, expected))]
-        kept[layer] = [set(range(sink)) | top(s.tolist(), capacity - sink, offset=sink) for s in scores]
-    return kept
+        out[layer] = [(s + epsilon) * r["value"][h, sink:].norm(dim=-1) for h, s in enumerate(group_mean(r, expected))]
+    return out
 
 
 def kept_tova(run, capacity, scaling):

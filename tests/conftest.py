@@ -100,6 +100,7 @@ SMALL_SETTINGS = {
     "duo_attention": lambda: ec.DuoAttention(patterns=str(learned_files.duo_pattern([[0.9, 0.1], [0.3, 0.7]])),
                                              head_ratio=1.0),  # every head streams: the layers shrink
     "entropy_gated_chunkkv": lambda: ec.EntropyGatedChunkKV.from_config(40, window=8),
+    "lukv": lambda: ec.LUKV.from_config(40, curve=str(learned_files.lukv_curve()), n_future_positions=16),
     "key_rerotation": lambda: ec.KeyRerotation.from_config(40, window=8),
     "merging": lambda: ec.Merging.from_config(40, window=8),
     "think": lambda: ec.ThinK.from_config(40, window=8, window_size=8),

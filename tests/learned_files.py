@@ -59,3 +59,17 @@ def kvzap(layers: int = 2, input_dim: int = 64, kv_heads: int = 2, hidden_dim: i
             "architectures": ["KVzapModel"], "model_type": "kvzap", "input_dim": input_dim, "output_dim": kv_heads,
             "n_modules": layers, "hidden_dim": hidden_dim}))
     return folder
+
+
+def lukv_curve(layers: int = 2, kv_heads: int = 2, seed: int = 0) -> Path:
+    """An LU-KV budget curve (``.npy``, ``[99, layers, kv_heads]``): per compression ratio, each head's prune ratio
+    scattered around it."""
+    import numpy as np
+
+    path = ROOT / f"lukv-{layers}-{kv_heads}-{seed}.npy"
+    if not path.exists():
+        generator = torch.Generator().manual_seed(seed)
+        ratios = torch.arange(1, 100).double()[:, None, None] / 100
+        spread = (torch.rand(99, layers, kv_heads, generator=generator, dtype=torch.double) - 0.5) * 0.6
+        np.save(path, (ratios + spread).clamp(0, 0.99).numpy().astype(np.float32))
+    return path

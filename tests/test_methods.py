@@ -10,7 +10,7 @@ import pytest
 import torch
 from baseline_reference import kept_prompt, kept_snapkv_budgets, simulate_decoding
 from conftest import SMALL_POLICIES, random_prompt, registered, tiny_model
-from learned_files import duo_pattern, kvzap, qfilters
+from learned_files import duo_pattern, kvzap, lukv_curve, qfilters
 from masked_reference import module_scaling
 
 import evalkit.compression as ec
@@ -42,6 +42,7 @@ SIZED = {**PREFILL, **DECODING, "pyramidkv": lambda: ec.PyramidKV.from_config(20
          "duo_attention": lambda: ec.DuoAttention(patterns=str(duo_pattern([[0.9, 0.1], [0.3, 0.7]], recent=8))),
          "kvzap": lambda: ec.KVzap(capacity=20, weights=str(kvzap())),
          "entropy_gated_chunkkv": lambda: ec.EntropyGatedChunkKV.from_config(20, window=4, kernel_size=5),
+         "lukv": lambda: ec.LUKV.from_config(20, curve=str(lukv_curve()), n_future_positions=16),
          "key_rerotation": lambda: ec.KeyRerotation.from_config(20, window=4, kernel_size=5),
          "merging": lambda: ec.Merging.from_config(20, window=4, kernel_size=5),
          "think": lambda: ec.ThinK.from_config(20, window=4, kernel_size=5, window_size=4),

@@ -8,7 +8,7 @@ import torch
 import zoo_reference as ref
 from baseline_reference import full_run
 from conftest import VOCAB, tiny_model
-from learned_files import duo_pattern, kvzap, qfilters
+from learned_files import duo_pattern, kvzap, lukv_curve, qfilters
 from masked_reference import module_scaling
 from test_methods import held_positions, reference_keys
 
@@ -53,6 +53,12 @@ CASES = {
     "entropy_gated_chunkkv keydiff 7/2": (lambda: ec.EntropyGatedChunkKV(capacity=41, scorer="keydiff", chunk_length=7,
                                                                          low_entropy_chunk_length=2),
                                           lambda m, r, s: ref.kept_entropy_gated_chunkkv(r, 41, 7, 2)),
+    "lukv": (lambda: ec.LUKV.from_config(40, curve=str(lukv_curve()), n_future_positions=16),
+             lambda m, r, s: ref.kept_lukv(m, r, 40, __import__("numpy").load(lukv_curve()), future=16)),
+    "lukv 30 sink 2 window 3": (lambda: ec.LUKV.from_config(30, curve=str(lukv_curve(seed=1)), sink=2, window=3,
+                                                            n_future_positions=16),
+                                lambda m, r, s: ref.kept_lukv(m, r, 30, __import__("numpy").load(lukv_curve(seed=1)),
+                                                              sink=2, window=3, future=16)),
     "criticalkv": (lambda: ec.CriticalKV.from_config(40, window=8),
                    lambda m, r, s: ref.kept_criticalkv(r, m, 40, 8, 5, s)),
     "criticaladakv": (lambda: ec.CriticalAdaKV.from_config(40, window=8),

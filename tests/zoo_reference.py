@@ -387,3 +387,29 @@ def kept_entropy_gated_chunkkv(run, capacity, length, low, eps=1e-8):
             chosen |= {rest[i] for i in top([total[j] for j in rest], budget)}
         kept[layer] = [chosen for _ in scores]
     return kept
+
+
+def kept_lukv(model, run, capacity, curve, sink=4, window=1, epsilon=0.02, future=512):
+    """kvpress LUKVPress over ExpectedAttentionPress(epsilon): per head, the curve's keep count at the prompt's ratio,
+    filled by the scores with the first ``sink`` and last ``window`` tokens first."""
+    from baseline_reference import expected_scores
+
+    kept = {}
+    for layer, scores in expected_scores(model, run, 4, future, epsilon).items():
+        n = run[layer]["key"].shape[1]
+        index = min(98, max(0, round((1 - capacity / n) * 100) - 1))
+        keep = [(1 - min(max(float(p), 0.0), 1.0)) * n for p in torch.as_tensor(curve[index, layer]).float()]
+        keep = [float(torch.tensor(k, dtype=torch.float32)) for k in keep]
+        total = max(len(keep), min(len(keep) * n, round(sum(keep))))
+        counts = [math.floor(k) for k in keep]
+        fractions = sorted(range(len(keep)), key=lambda h: -(keep[h] - counts[h]))
+        for h in fractions[: max(0, total - sum(counts))]:
+            counts[h] += 1
+        heads = []
+        for head, count in zip(scores, counts):
+            full = [math.inf] * 4 + head.tolist()  # ExpectedAttention's own sink first, then LU-KV's
+            for j in list(range(sink)) + list(range(n - window, n)):
+                full[j] = math.inf
+            heads.append(top(full, min(max(count, 1), n)))
+        kept[layer] = heads
+    return kept

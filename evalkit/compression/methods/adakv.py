@@ -39,7 +39,7 @@ class AdaKV(Wrapper):
         # One head may take the layer's whole budget but what the others' safeguards keep.
         return min(n, kv_heads * self.capacity - (kv_heads - 1) * int(self.capacity * self.alpha_safeguard))
 
-    def allocate(self, scores: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+    def allocate(self, scores: torch.Tensor, budget: torch.Tensor, layer_idx: int = 0) -> torch.Tensor:
         batch, kv_heads, n = scores.shape
         budget = budget.to(scores.device)
         safe = (budget.double() * self.alpha_safeguard).long()  # int() of a non-negative number

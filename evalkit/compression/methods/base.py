@@ -135,9 +135,10 @@ class Policy:
         capacity = self.prompt_capacity()
         return real_len.clone() if capacity is None else real_len.clamp(max=capacity)
 
-    def allocate(self, scores: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+    def allocate(self, scores: torch.Tensor, budget: torch.Tensor, layer_idx: int = 0) -> torch.Tensor:
         """Tokens each KV head keeps, ``[batch, kv_heads]``, given the layer's ranked scores (``+inf`` forced,
-        ``-inf`` padding) and the per-row budget per head: by default every head keeps the budget."""
+        ``-inf`` padding) and the per-row budget per head (layer ``layer_idx``): by default every head keeps the
+        budget."""
         return budget[:, None].expand(-1, scores.shape[1]).clone()
 
     def query_window(self) -> int:
@@ -180,7 +181,7 @@ class Policy:
         forced = (position >= n - window) | ((position >= first) & (position < first + sink))
         forced |= (real_len <= budget)[:, None, None]
         scores = raw.masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf"))
-        counts = torch.minimum(self.allocate(scores, budget), valid.sum(dim=-1))
+        counts = torch.minimum(self.allocate(scores, budget, view.layer_idx), valid.sum(dim=-1))
         keep = int(counts.max())
         # Max pooling copies one score to its neighbours, so ties are common: a stable sort breaks them towards the
         # earlier token, deterministically.

@@ -63,7 +63,7 @@ class PerLayer(Wrapper):
     def layer_budget(self, layer_idx: int, num_layers: int, real_len: torch.Tensor) -> torch.Tensor:
         return real_len.clamp(max=self._layer_capacity(layer_idx, num_layers))
 
-    def allocate(self, scores: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+    def allocate(self, scores: torch.Tensor, budget: torch.Tensor, layer_idx: int = 0) -> torch.Tensor:
         return budget[:, None].expand(-1, scores.shape[1]).clone()  # every head of the layer keeps its budget
 
     def prompt_slots(self, n: int, kv_heads: int) -> int:

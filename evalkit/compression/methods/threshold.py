@@ -50,5 +50,5 @@ class Threshold(Wrapper):
     def layer_budget(self, layer_idx: int, num_layers: int, real_len: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(real_len)  # no row is kept whole for its length: ``allocate`` counts
 
-    def allocate(self, scores: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+    def allocate(self, scores: torch.Tensor, budget: torch.Tensor, layer_idx: int = 0) -> torch.Tensor:
         return (scores >= self.threshold).sum(dim=-1)  # forced tokens score +inf, padding -inf

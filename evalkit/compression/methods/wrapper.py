@@ -162,8 +162,10 @@ class Wrapper(Policy):
             return self.scorer.layer_budget(layer_idx, num_layers, real_len)
         return super().layer_budget(layer_idx, num_layers, real_len)
 
-    def allocate(self, scores: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
-        return self.scorer.allocate(scores, budget) if self.scorer.allocates else super().allocate(scores, budget)
+    def allocate(self, scores: torch.Tensor, budget: torch.Tensor, layer_idx: int = 0) -> torch.Tensor:
+        if self.scorer.allocates:
+            return self.scorer.allocate(scores, budget, layer_idx)
+        return super().allocate(scores, budget, layer_idx)
 
     def prompt_slots(self, n: int, kv_heads: int) -> int:
         return self.scorer.prompt_slots(n, kv_heads) if self.scorer.allocates else super().prompt_slots(n, kv_heads)

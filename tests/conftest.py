@@ -100,6 +100,8 @@ SMALL_SETTINGS = {
     "duo_attention": lambda: ec.DuoAttention(patterns=str(learned_files.duo_pattern([[0.9, 0.1], [0.3, 0.7]])),
                                              head_ratio=1.0),  # every head streams: the layers shrink
     "entropy_gated_chunkkv": lambda: ec.EntropyGatedChunkKV.from_config(40, window=8),
+    "prefill_decoding": lambda: ec.PrefillDecoding.from_config(64, window=4, kernel_size=3, interval=8,
+                                                                prefill="knorm"),
     "lukv": lambda: ec.LUKV.from_config(40, curve=str(learned_files.lukv_curve()), n_future_positions=16),
     "key_rerotation": lambda: ec.KeyRerotation.from_config(40, window=8),
     "merging": lambda: ec.Merging.from_config(40, window=8),

@@ -42,6 +42,8 @@ SIZED = {**PREFILL, **DECODING, "pyramidkv": lambda: ec.PyramidKV.from_config(20
          "duo_attention": lambda: ec.DuoAttention(patterns=str(duo_pattern([[0.9, 0.1], [0.3, 0.7]], recent=8))),
          "kvzap": lambda: ec.KVzap(capacity=20, weights=str(kvzap())),
          "entropy_gated_chunkkv": lambda: ec.EntropyGatedChunkKV.from_config(20, window=4, kernel_size=5),
+         "prefill_decoding": lambda: ec.PrefillDecoding.from_config(40, window=4, kernel_size=3, interval=8,
+                                                                    prefill="knorm"),
          "lukv": lambda: ec.LUKV.from_config(20, curve=str(lukv_curve()), n_future_positions=16),
          "key_rerotation": lambda: ec.KeyRerotation.from_config(20, window=4, kernel_size=5),
          "merging": lambda: ec.Merging.from_config(20, window=4, kernel_size=5),

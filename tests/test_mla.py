@@ -58,6 +58,8 @@ SMALL = {
     "criticalkv": lambda: ec.CriticalKV.from_config(20, window=4),
     "criticaladakv": lambda: ec.CriticalAdaKV.from_config(20, window=4),
     "entropy_gated_chunkkv": lambda: ec.EntropyGatedChunkKV.from_config(20, window=4),
+    "prefill_decoding": lambda: ec.PrefillDecoding.from_config(40, window=4, kernel_size=3, interval=8,
+                                                                prefill="knorm"),
     "key_rerotation": lambda: ec.KeyRerotation.from_config(20, window=4),  # refuse a latent cache
     "merging": lambda: ec.Merging.from_config(20, window=4),
     "think": lambda: ec.ThinK.from_config(20, window=4),

@@ -202,3 +202,39 @@ def test_rewriting_wrappers_refuse_what_they_cannot_rewrite():
         ec.Composed(capacity=128, then="merging")
     assert "rewrite the tokens key_rerotation already rewrote" in ec.chunk_mode_refusal(
         ec.KeyRerotation.from_config(128), "compress")
+
+
+def test_prefill_decoding_prefills_with_one_method_and_reapplies_another(llama):
+    """KNorm keeps the prompt's capacity - interval tokens; SnapKV is re-applied every 10 steps (the cache falls back
+    to 32 per head each time, never above 42); the engine gives the tokens of running alone; with the decoding
+    scorer at prefill too it is DecodingSnapKV, token for token."""
+    from baseline_reference import kept_knorm
+    from conftest import random_prompt
+
+    policy = ec.PrefillDecoding.from_config(42, window=8, kernel_size=3, interval=10, prefill="knorm")
+    prompt = random_prompt(50, seed=2)
+    session = ec.CompressionSession(llama, policy)
+    session.prefill(prompt)
+    assert held_positions(session, reference_keys(llama, prompt)) == kept_knorm(full_run(llama, prompt), 32)
+    tokens = torch.randperm(llama.config.vocab_size, generator=torch.Generator().manual_seed(1))[:24].tolist()
+    for step, token in enumerate(tokens, start=1):
+        session.step(torch.tensor([[token]]))
+        held = {int(n) for layer in session.cache.layers for n in layer.heads.valid[0].sum(dim=-1)}
+        assert held == {32 + step % 10}, (step, held)
+    engine = ec.Engine(llama, policy, slots=2).run([ec.Request(prompt[0], max_new_tokens=20),
+                                                    ec.Request(prompt[0, :20], max_new_tokens=30)])
+    alone = ec.generate(llama, prompt, policy, max_new_tokens=20, return_logits=False)
+    assert engine[0].tokens == alone.sequences[0, 50:].tolist()
+    same = ec.PrefillDecoding.from_config(42, window=8, kernel_size=3, interval=10)
+    reference = ec.DecodingSnapKV.from_config(42, window=8, kernel_size=3, interval=10)
+    ours, theirs = (ec.generate(llama, prompt, p, max_new_tokens=30) for p in (same, reference))
+    assert ours.sequences.tolist() == theirs.sequences.tolist()
+    torch.testing.assert_close(ours.logits, theirs.logits)
+    assert alone.sequences.tolist() != theirs.sequences[:, :70].tolist()  # KNorm's prefill changed the generation
+
+
+def test_prefill_decoding_refuses_what_it_cannot_prefill_with():
+    with pytest.raises(ValueError, match="PrefillDecoding.prefill cannot be h2o: it acts while decoding"):
+        ec.PrefillDecoding.from_config(600, interval=100, prefill="h2o")
+    with pytest.raises(ValueError, match="cannot be observed_attention: its fused attention-sum pass"):
+        ec.PrefillDecoding.from_config(600, interval=100, prefill="observed_attention")

@@ -128,6 +128,10 @@ class DecodingSnapKV(Wrapper):
         scores = scores.masked_fill(in_order(valid & in_window), float("inf")).masked_fill(~in_order(valid), float("-inf"))
         return _dropped(scores, order, valid, target) & due[:, None, None]
 
+    def reselect(self, prompt, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What a re-application keeps of the cache seen as a prompt: the wrapped method's selection."""
+        return self.select(prompt, kv_heads)
+
     def _snapkv_own_pass(self) -> bool:
         """SnapKV scoring with this method's window: re-applied by one pass over the slots (compile-friendly, no
         reordering of keys) that ranks as :meth:`_reapply` would."""
@@ -143,7 +147,7 @@ class DecodingSnapKV(Wrapper):
                                        num_layers=getattr(config, "num_hidden_layers", 1), module=view.module,
                                        rotary=view.rotary)
         held = valid.gather(-1, order)
-        indices, counts, _ = self.select(prompt, valid.shape[1])
+        indices, counts, _ = self.reselect(prompt, valid.shape[1])
         picked = torch.arange(indices.shape[-1], device=valid.device) < counts[..., None]
         kept = torch.zeros_like(held).scatter_(-1, indices, picked)
         return torch.zeros_like(valid).scatter_(-1, order, held & ~kept)

@@ -8,7 +8,8 @@ evalkit's methods through ``Policy.select``; each keeps ``int(n * (1 - compressi
 compression ratios 0.5 and 0.75. Learned weights are kvpress' own: its ``KVzapModel``, random, written by its
 ``save_pretrained`` and read by evalkit from that folder; Q-Filters as ``PyTorchModelHubMixin`` saves them. Presses
 that select rather than score (``BlockPress``, ``ChunkKVPress`` and ``EntropyGatedChunkKVPress`` over KeyDiff,
-``DMSPress`` over KVzap at two thresholds) run whole. A table prints, per method and ratio, the tokens each head
+``DMSPress`` over KVzap at two thresholds, ``FastKVzipPress`` layer-wise with kvpress' own gate saved as released)
+run whole. A table prints, per method and ratio, the tokens each head
 keeps, the heads whose kept sets agree, the positions that differ and whether the two kept sets carry the same
 multiset of kvpress' own scores (then only ties were broken apart: kvpress' ``topk`` breaks them its own way,
 evalkit towards the earlier token).
@@ -47,6 +48,8 @@ SELECTING = {
     "chunkkv keydiff 0.75": ("ChunkKVPress", "chunkkv", {"chunk_length": 20}),
     "entropy chunkkv keydiff 0.5": ("EntropyGatedChunkKVPress", "entropy_gated_chunkkv", {}),
     "entropy chunkkv keydiff 0.75": ("EntropyGatedChunkKVPress", "entropy_gated_chunkkv", {}),
+    "fastkvzip 0.5": ("FastKVzipPress", "fastkvzip", {}),
+    "fastkvzip 0.75": ("FastKVzipPress", "fastkvzip", {}),
     "threshold kvzap 0.0": ("DMSPress", "threshold", {"threshold": 0.0, "sliding_window_size": 64}),
     "threshold kvzap 0.5": ("DMSPress", "threshold", {"threshold": 0.5, "sliding_window_size": 64}),
 }
@@ -79,6 +82,39 @@ def save_kvzap(folder: str) -> None:
     model.save_pretrained(folder)
 
 
+def save_gates(path: str) -> list:
+    """kvpress' own Fast-KVzip gate (one layer, random), saved as its publishers release theirs."""
+    import torch
+    from kvpress.presses.fastkvzip_press import FastKVzipGate
+
+    torch.manual_seed(1)
+    gate = FastKVzipGate(0, HIDDEN, nhead=2, ngroup=2, dtype=torch.float32, output_dim=16, sink=16)
+    for parameter in gate.parameters():
+        torch.nn.init.normal_(parameter, std=0.3)
+    torch.save({"module": [gate.state_dict()]}, path)
+    return [gate]
+
+
+def fastkvzip_kept(case: str, tensors: dict) -> list[list[int]]:
+    """kvpress' FastKVzipPress (layer-wise) on the hidden states: its own scoring and pruning code, one layer."""
+    import types
+
+    from kvpress import FastKVzipPress
+
+    press = FastKVzipPress(compression_ratio=float(case.rsplit(" ", 1)[1]), layerwise=True)
+    press.gates = save_gates(tensors["gates"])
+    module = types.SimpleNamespace(layer_idx=0, config=types.SimpleNamespace(_attn_implementation="sdpa"))
+    press.score_val = [None]
+    press._score_fast(module, tensors["hidden"])
+    press.compress_post(types.SimpleNamespace(model=types.SimpleNamespace(layers=[types.SimpleNamespace(
+        self_attn=module)])))
+    n = tensors["hidden"].shape[1]
+    masked = [set() for _ in range(2)]
+    for _, head, position in zip(*(index.tolist() for index in module.masked_key_indices)):
+        masked[head].add(position)
+    return [sorted(set(range(n)) - heads) for heads in masked]
+
+
 def selected_by_kvpress(case: str, tensors: dict) -> list[list[int]]:
     """The positions a selecting press keeps, per head."""
     import types
@@ -90,6 +126,8 @@ def selected_by_kvpress(case: str, tensors: dict) -> list[list[int]]:
     press, _, settings = SELECTING[case]
     keys, values, hidden = tensors["keys"], tensors["values"], tensors["hidden"]
     n = keys.shape[2]
+    if press == "FastKVzipPress":
+        return fastkvzip_kept(case, tensors)
     if press != "DMSPress":  # a press over KeyDiff at the case's ratio (BlockPress: 0.5)
         import kvpress
 
@@ -155,6 +193,9 @@ def kept_by_evalkit(tensors: dict) -> dict:
     for case, (_, method, settings) in SELECTING.items():
         if method == "blockwise":
             policy = ec.BlockWise(capacity=max(1, int(n * 0.5)), **settings)
+        elif method == "fastkvzip":
+            ratio = float(case.rsplit(" ", 1)[1])
+            policy = ec.FastKVzip(capacity=max(1, int(n * (1 - ratio))), gates=tensors["gates"])
         elif method != "threshold":
             ratio = float(case.rsplit(" ", 1)[1])
             policy = ec.POLICIES[method](capacity=max(1, int(n * (1 - ratio))), scorer="keydiff", **settings)
@@ -194,6 +235,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "tensors.pt"
         tensors["kvzap"], tensors["filters_dir"] = str(Path(folder) / "kvzap"), str(Path(folder) / "qfilt")
+        tensors["gates"] = str(Path(folder) / "q2_dim16_sink16.pt")
         Path(tensors["filters_dir"]).mkdir()
         save_file({"q_filters": tensors["filters"]}, str(Path(tensors["filters_dir"]) / "model.safetensors"))
         torch.save(tensors, path)

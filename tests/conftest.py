@@ -102,6 +102,7 @@ SMALL_SETTINGS = {
     "entropy_gated_chunkkv": lambda: ec.EntropyGatedChunkKV.from_config(40, window=8),
     "prefill_decoding": lambda: ec.PrefillDecoding.from_config(64, window=4, kernel_size=3, interval=8,
                                                                 prefill="knorm"),
+    "fastkvzip": lambda: ec.FastKVzip(capacity=40, gates=str(learned_files.fastkvzip_gates())),
     "lukv": lambda: ec.LUKV.from_config(40, curve=str(learned_files.lukv_curve()), n_future_positions=16),
     "key_rerotation": lambda: ec.KeyRerotation.from_config(40, window=8),
     "merging": lambda: ec.Merging.from_config(40, window=8),

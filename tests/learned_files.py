@@ -73,3 +73,26 @@ def lukv_curve(layers: int = 2, kv_heads: int = 2, seed: int = 0) -> Path:
         spread = (torch.rand(99, layers, kv_heads, generator=generator, dtype=torch.double) - 0.5) * 0.6
         np.save(path, (ratios + spread).clamp(0, 0.99).numpy().astype(np.float32))
     return path
+
+
+def fastkvzip_gates(layers: int = 2, input_dim: int = 64, kv_heads: int = 2, group: int = 2, width: int = 16,
+                    sink: int = 16, seed: int = 0) -> Path:
+    """Fast-KVzip gates as its publishers release them: ``torch.save({"module": [state dict per layer]})`` of
+    ``FastKVzipGate`` (q_proj with bias, k_proj, q_norm, k_norm, k_base ``[H, 1, sink, w]``, b ``[H, 1, G]``), in a
+    file named as theirs (``q<group>_dim<w>_sink<sink>.pt``)."""
+    path = ROOT / f"fastkvzip-{layers}-{input_dim}-{seed}" / f"q{group}_dim{width}_sink{sink}.pt"
+    if not path.exists():
+        path.parent.mkdir(parents=True)
+        generator = torch.Generator().manual_seed(seed)
+
+        def normal(*shape, scale=1.0):
+            return torch.randn(*shape, generator=generator) * scale
+
+        module = [{"q_proj.weight": normal(kv_heads * group * width, input_dim, scale=input_dim ** -0.5),
+                   "q_proj.bias": normal(kv_heads * group * width, scale=0.1),
+                   "k_proj.weight": normal(kv_heads * width, input_dim, scale=input_dim ** -0.5),
+                   "q_norm.weight": 1 + normal(width, scale=0.1), "k_norm.weight": 1 + normal(width, scale=0.1),
+                   "k_base": normal(kv_heads, 1, sink, width), "b": normal(kv_heads, 1, group)}
+                  for _ in range(layers)]
+        torch.save({"module": module}, path)
+    return path

@@ -10,7 +10,7 @@ import pytest
 import torch
 from baseline_reference import kept_prompt, kept_snapkv_budgets, simulate_decoding
 from conftest import SMALL_POLICIES, random_prompt, registered, tiny_model
-from learned_files import duo_pattern, kvzap, lukv_curve, qfilters
+from learned_files import duo_pattern, fastkvzip_gates, kvzap, lukv_curve, qfilters
 from masked_reference import module_scaling
 
 import evalkit.compression as ec
@@ -44,6 +44,7 @@ SIZED = {**PREFILL, **DECODING, "pyramidkv": lambda: ec.PyramidKV.from_config(20
          "entropy_gated_chunkkv": lambda: ec.EntropyGatedChunkKV.from_config(20, window=4, kernel_size=5),
          "prefill_decoding": lambda: ec.PrefillDecoding.from_config(40, window=4, kernel_size=3, interval=8,
                                                                     prefill="knorm"),
+         "fastkvzip": lambda: ec.FastKVzip(capacity=20, gates=str(fastkvzip_gates())),
          "lukv": lambda: ec.LUKV.from_config(20, curve=str(lukv_curve()), n_future_positions=16),
          "key_rerotation": lambda: ec.KeyRerotation.from_config(20, window=4, kernel_size=5),
          "merging": lambda: ec.Merging.from_config(20, window=4, kernel_size=5),

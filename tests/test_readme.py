@@ -187,13 +187,14 @@ def test_the_score_paritys_evalkit_side_keeps_each_methods_share(tmp_path):
     import json
 
     import torch
-    from learned_files import kvzap, qfilters
+    from learned_files import fastkvzip_gates, kvzap, qfilters
 
     generator = torch.Generator().manual_seed(0)
     torch.save({"keys": torch.randn(1, 2, 300, 16, generator=generator),
                 "values": torch.randn(1, 2, 300, 16, generator=generator),
                 "hidden": torch.randn(1, 300, 64, generator=generator),
-                "kvzap": str(kvzap(layers=1, hidden_dim=32)), "filters_dir": str(qfilters(layers=1))},
+                "kvzap": str(kvzap(layers=1, hidden_dim=32)), "filters_dir": str(qfilters(layers=1)),
+                "gates": str(fastkvzip_gates(layers=1))},
                tmp_path / "tensors.pt")
     result = subprocess.run([sys.executable, str(README.parent / "benchmarks" / "parity_scores.py"), "--worker",
                              "evalkit", "--tensors", str(tmp_path / "tensors.pt")], capture_output=True, text=True,
@@ -202,6 +203,9 @@ def test_the_score_paritys_evalkit_side_keeps_each_methods_share(tmp_path):
     kept = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert {key.rsplit("@", 1)[0] for key in kept} >= {"keydiff", "lagkv", "cur", "knorm"}
     for key, heads in kept.items():
+        if key.startswith("fastkvzip"):
+            share = 300 - int(300 * float(key.rsplit(" ", 1)[1].split("@")[0]))
+            assert sum(len(head) for head in heads) == 2 * share, key
         if key.startswith("blockwise"):
             assert [len(head) for head in heads] == [150, 150], key
         if key.startswith("threshold"):

@@ -8,7 +8,7 @@ import torch
 import zoo_reference as ref
 from baseline_reference import full_run
 from conftest import VOCAB, tiny_model
-from learned_files import duo_pattern, kvzap, lukv_curve, qfilters
+from learned_files import duo_pattern, fastkvzip_gates, kvzap, lukv_curve, qfilters
 from masked_reference import module_scaling
 from test_methods import held_positions, reference_keys
 
@@ -59,6 +59,12 @@ CASES = {
                                                             n_future_positions=16),
                                 lambda m, r, s: ref.kept_lukv(m, r, 30, __import__("numpy").load(lukv_curve(seed=1)),
                                                               sink=2, window=3, future=16)),
+    "fastkvzip": (lambda: ec.FastKVzip(capacity=30, gates=str(fastkvzip_gates())),
+                  lambda m, r, s: ref.kept_fastkvzip(r, 30, torch.load(fastkvzip_gates())["module"])),
+    "fastkvzip sink 2 window 0.1": (lambda: ec.FastKVzip(capacity=30, gates=str(fastkvzip_gates(seed=1)), sink=2,
+                                                         window_ratio=0.1),
+                                    lambda m, r, s: ref.kept_fastkvzip(r, 30, torch.load(fastkvzip_gates(seed=1))["module"],
+                                                                       2, 0.1)),
     "criticalkv": (lambda: ec.CriticalKV.from_config(40, window=8),
                    lambda m, r, s: ref.kept_criticalkv(r, m, 40, 8, 5, s)),
     "criticaladakv": (lambda: ec.CriticalAdaKV.from_config(40, window=8),

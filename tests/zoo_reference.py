@@ -413,3 +413,48 @@ def kept_lukv(model, run, capacity, curve, sink=4, window=1, epsilon=0.02, futur
             heads.append(top(full, min(max(count, 1), n)))
         kept[layer] = heads
     return kept
+
+
+def fastkvzip_scores(hidden: torch.Tensor, gate: dict) -> list[list[float]]:
+    """kvpress FastKVzipGate per token and KV head, in float64: RMS-normed gate queries (one per group member) and
+    key, 1 / (1 + sum over the sink keys of exp(k_base q - k q - b)), averaged over the group."""
+    def rms(x, weight):
+        return weight * x / math.sqrt(float(x.pow(2).mean()) + 1e-6)
+
+    g = {name: tensor.double() for name, tensor in gate.items()}
+    width = g["q_norm.weight"].shape[0]
+    heads = g["k_proj.weight"].shape[0] // width
+    group = g["q_proj.weight"].shape[0] // (heads * width)
+    out = []
+    for h in range(heads):
+        row = []
+        for x in hidden:
+            q_all, k_all = g["q_proj.weight"] @ x + g["q_proj.bias"], g["k_proj.weight"] @ x
+            k = rms(k_all[h * width : (h + 1) * width], g["k_norm.weight"])
+            total = 0.0
+            for m in range(group):
+                start = (h * group + m) * width
+                q = rms(q_all[start : start + width], g["q_norm.weight"])
+                logit = float(k @ q) / math.sqrt(width) + float(g["b"][h, 0, m])
+                base = [float(kb @ q) / math.sqrt(width) for kb in g["k_base"][h, 0]]
+                total += 1 / (1 + sum(math.exp(b - logit) for b in base)) / group
+            row.append(total)
+        out.append(row)
+    return out
+
+
+def kept_fastkvzip(run, capacity, gates, sink=4, window_ratio=0.02):
+    """kvpress FastKVzipPress, layer-wise: the first ``sink`` and last max(1, int(n * ratio)) tokens first, then each
+    layer keeps its kv_heads * capacity best (head, token) pairs."""
+    kept = {}
+    for layer, r in run.items():
+        scores = fastkvzip_scores(r["hidden"], gates[layer])
+        n = len(scores[0])
+        window = max(1, int(n * window_ratio))
+        ranked = sorted(((-(math.inf if j < sink or j >= n - window else s), h, j)
+                         for h, head in enumerate(scores) for j, s in enumerate(head)))
+        heads = [set() for _ in scores]
+        for _, h, j in ranked[: len(scores) * capacity]:
+            heads[h].add(j)
+        kept[layer] = heads
+    return kept

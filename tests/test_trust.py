@@ -238,6 +238,26 @@ def test_quick_grid_runs_every_job(tmp_path, random_model_dir):
     assert json.loads(runs["task_options"].iloc[0]) == {}
 
 
+@pytest.mark.slow
+def test_the_kvpress_leaderboard_grid_runs_offline_one_row_per_method_and_ratio(tmp_path):
+    """SmolLM2 on the needle task (the preset's defaults), every method x kvpress' four ratios and the full cache once:
+    one metrics table per run, each method's 4x and 8x rows really compressed (about 14 minutes on 2 cores)."""
+    results = tmp_path / "results"
+    result = evalkit("-m", "+experiment=kvpress_leaderboard", "limit=1", f"results_dir={results}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    jobs = sweep_jobs("kvpress_leaderboard")
+    methods = {job[0].split("=")[1] for job in jobs} - {"full"}
+    ratios = {job[1].split("=")[1] for job in jobs} - {"none"}
+    metrics = read_table(results, "metrics")
+    runs = metrics.drop_duplicates("run_id")
+    assert len(runs) == 1 + len(methods) * len(ratios)
+    assert set(zip(runs["method"], runs["budget"].fillna("none"))) == {("full", "none")} | {
+        (method, ratio) for method in methods for ratio in ratios}
+    saving = metrics[metrics["metric"] == "memory_ratio_mean"].set_index(["method", "budget"])["value"]
+    for method in methods:
+        assert saving[(method, "4x")] > 1.5 and saving[(method, "8x")] > 3, method
+
+
 def test_baselines_grid_is_the_paper_grid_with_every_method():
     jobs = sweep_jobs("baselines_grid")
     valid = 0

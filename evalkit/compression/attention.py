@@ -18,6 +18,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 
 from .kernels import attention_with_sums
 from .model_spec import attention_modules, attention_sinks, family_eager
+from .prefill_store import LayerCall, RecordedPrefill
 
 CACHE_ARGUMENT = "evalkit_cache"  # the model call's keyword argument that hands the attention its cache
 MASK_CELLS = 1 << 22  # a later prefill chunk's attention: query rows per call so that its mask stays this small
@@ -73,6 +74,7 @@ def _hooked_attention(delegate, eager: bool):
             cache.prefill_attention(module.layer_idx, module, query, key, value, scaling)
             return output, None
         if _fused_prefill(cache, module, query, key, value, eager):
+            _record(cache, module, query, key, value, scaling)
             output, sums = attention_with_sums(query, key, value, scaling)
             # The view then holds no queries: its sums are all of them (``prior_sums``), and nothing is recomputed.
             cache.compress_layer(module.layer_idx, module, query[:, :, :0], key, value, scaling, sums)
@@ -85,12 +87,35 @@ def _hooked_attention(delegate, eager: bool):
         forward = family_eager(module, delegate) if eager else delegate
         output = forward(module, query, key, value, attention_mask, **kwargs)
         if cache is not None and cache.plan is not None:
+            _record(cache, module, query, key, value, scaling)
             cache.prefill_attention(module.layer_idx, module, query, key, value, scaling)
         elif decoding:
             layer.layout.after_attention(layer, step, query, key, value, scaling, attention_sinks(module), module)
         return output
 
     return attention
+
+
+def _record(cache, module, query, key, value, scaling: float) -> None:
+    """Keep what this layer's prefill attention hands the cache, where the session records its prefill."""
+    if cache.recording is not None:
+        hidden = cache.layer_inputs.get(module.layer_idx)
+        cache.recording.append(LayerCall(module.layer_idx, module, query, key, value, scaling,
+                                         None if hidden is None else list(hidden)))
+
+
+def replay(cache, recorded: RecordedPrefill, eager: bool) -> None:
+    """A recorded prefill's layer calls into ``cache``, as the hook makes them (the fused attention-sum pass where
+    this cache's policy takes it), without running the model."""
+    for call in recorded.calls:
+        key, value = cache.layers[call.layer_idx].update(call.key, call.value, call.layer_idx)
+        if call.hidden is not None:
+            cache.layer_inputs[call.layer_idx] = list(call.hidden)
+        if _fused_prefill(cache, call.module, call.query, key, value, eager):
+            _, sums = attention_with_sums(call.query, key, value, call.scaling)
+            cache.compress_layer(call.layer_idx, call.module, call.query[:, :, :0], key, value, call.scaling, sums)
+        else:
+            cache.prefill_attention(call.layer_idx, call.module, call.query, key, value, call.scaling)
 
 
 def _register_hooks() -> None:

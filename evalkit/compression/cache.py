@@ -193,6 +193,7 @@ class CompressedCache(Cache):
         self.chunk_memory: dict[int, dict] = {}  # chunked prefill: what each layer keeps of earlier chunks' queries
         # Each layer's attention inputs of this prefill, chunk by chunk (``reads_hidden_states`` policies only).
         self.layer_inputs: dict[int, list[torch.Tensor]] = {}
+        self.recording: list | None = None  # a prefill being recorded for reuse: each layer's call (.prefill_store)
         self.prefill_slots: list[int] = []  # each layer's slots right after prefill (row layout)
         # Engine admission: each layer's slot of the engine's cache, ``(keys, values)`` ``[1, kv_heads, slot_tokens,
         # D]``; a row-layout layer's compressed prompt is written straight into it (see :meth:`write_through`).

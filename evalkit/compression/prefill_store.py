@@ -1,0 +1,95 @@
+"""Prefills kept for reuse: a prompt's prefill pass does not depend on the method (every layer attends to the whole
+prompt; the method only decides what the cache keeps of it), so a sweep of methods over the same prompts can run the
+model over each prompt once. While a :class:`PrefillStore` is active (:func:`sharing_prefills`), a session's
+one-pass prefill records what each layer's attention hands the cache (queries, keys, values, the attention's input)
+and the last token's logits; a later session of the same model and prompt replays those calls into its own cache
+instead of running the model, with the same arithmetic after them (kept tokens and outputs identical). Bounded in
+bytes, least recently used first out."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import hashlib
+import weakref
+
+import torch
+
+
+@dataclasses.dataclass
+class LayerCall:
+    """One layer's prefill attention as the hook saw it."""
+
+    layer_idx: int
+    module: torch.nn.Module
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    scaling: float
+    hidden: list[torch.Tensor] | None  # the attention's input, where it was recorded
+
+
+@dataclasses.dataclass
+class RecordedPrefill:
+    model: weakref.ref
+    calls: list[LayerCall]
+    logits: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.logits, *(t for c in self.calls for t in (c.query, c.key, c.value, *(c.hidden or [])))]
+        return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+
+
+class PrefillStore:
+    """Recorded prefills by model and prompt, at most ``max_bytes`` of them (the least recently used go first)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = int(max_bytes)
+        self.entries: collections.OrderedDict[tuple, RecordedPrefill] = collections.OrderedDict()
+        self.hits = self.misses = 0
+
+    @staticmethod
+    def key(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, positions: torch.Tensor) -> tuple:
+        digest = hashlib.sha256()
+        for tensor in (input_ids, attention_mask, positions):
+            if tensor is not None:
+                digest.update(str(tuple(tensor.shape)).encode())
+                digest.update(tensor.detach().to("cpu", torch.long).numpy().tobytes())
+        return id(model), model.config._attn_implementation, str(input_ids.device), digest.hexdigest()
+
+    def get(self, key: tuple, model) -> RecordedPrefill | None:
+        entry = self.entries.get(key)
+        if entry is None or entry.model() is not model:
+            self.misses += 1
+            return None
+        self.entries.move_to_end(key)
+        self.hits += 1
+        return entry
+
+    def put(self, key: tuple, entry: RecordedPrefill) -> None:
+        size = entry.nbytes
+        if size > self.max_bytes:
+            return
+        self.entries[key] = entry
+        while sum(e.nbytes for e in self.entries.values()) > self.max_bytes:
+            self.entries.popitem(last=False)
+
+
+_ACTIVE: list[PrefillStore] = []
+
+
+def active() -> PrefillStore | None:
+    """The store sessions record into and replay from now, or None."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+@contextlib.contextmanager
+def sharing_prefills(store: PrefillStore):
+    """Sessions record and replay their prefills through ``store`` for the duration."""
+    _ACTIVE.append(store)
+    try:
+        yield store
+    finally:
+        _ACTIVE.pop()

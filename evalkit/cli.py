@@ -71,7 +71,9 @@ def evaluate(cfg: DictConfig, overrides: list[str], sweeping: bool = False) -> N
         checked = precheck(plain, explicit)  # a mistake in the config is answered before torch and transformers load
         runner = _runner()
         spec = runner.validate(plain, method_explicit=explicit, checked=checked)
-        result = runner.run(spec)
+        shared = _sweep_share() if sweeping else None
+        before = (shared.store.hits, shared.store.misses, shared.loads) if shared else None
+        result = runner.run(spec, shared=shared)
     except (ConfigError, RunError) as error:
         kind = "config error" if isinstance(error, ConfigError) else "error"
         if sweeping:
@@ -90,6 +92,24 @@ def evaluate(cfg: DictConfig, overrides: list[str], sweeping: bool = False) -> N
         print(f"skipped: this config already has results ({done[-1]}); resume=false runs it again")
         return
     print(runner.summary(result, spec))
+    if shared is not None:
+        hits, misses, loads = (now - then for now, then in zip((shared.store.hits, shared.store.misses, shared.loads),
+                                                                before))
+        reused = "loaded it" if loads else "reused the sweep's model"
+        print(f"this job {reused} and replayed {hits} of {hits + misses} prompt prefills recorded by earlier jobs",
+              flush=True)
+
+
+_SWEEP: list = []  # this process's SweepShare, made by its first sweep job
+
+
+def _sweep_share():
+    """What the jobs of this sweep that run in this process share (the model, its prompts' prefills)."""
+    if not _SWEEP:
+        from evalkit.run.sweep_share import SweepShare
+
+        _SWEEP.append(SweepShare())
+    return _SWEEP[0]
 
 
 def _runner():

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from evalkit.compression.prefill_store import sharing_prefills
 from evalkit.errors import Interrupted, RunError, model_unavailable, one_line
 from evalkit.progress import Progress
 from evalkit.results import metrics_table, samples_table, write_table
@@ -58,8 +59,9 @@ def budget_check(spec: RunSpec, samples: list[dict]) -> list[dict]:
     return [{"subset": "all", "metric": "over_budget", "value": float(over), "stderr": None, "n": len(flags)}]
 
 
-def run(spec: RunSpec, model=None, tokenizer=None) -> RunResult | None:
-    """Evaluate ``spec`` (a loaded model/tokenizer may be passed in) and write its tables.
+def run(spec: RunSpec, model=None, tokenizer=None, shared=None) -> RunResult | None:
+    """Evaluate ``spec`` (a loaded model/tokenizer may be passed in; ``shared``: what the jobs of a sweep share,
+    :class:`~evalkit.run.sweep_share.SweepShare`) and write its tables.
 
     With ``spec.resume`` (the default) a config whose tables exist is skipped (None is returned) and an interrupted
     one continues from its progress file. Everything that can be checked before the model loads is checked first:
@@ -91,7 +93,7 @@ def run(spec: RunSpec, model=None, tokenizer=None) -> RunResult | None:
             if spec.resume and completed_runs(spec.results_dir, spec):  # finished while this one waited to start
                 return None
             remove_unfinished_tables(spec.results_dir, digest)
-            return _run(spec, digest, model, tokenizer)
+            return _run(spec, digest, model, tokenizer, shared)
         except KeyboardInterrupt:  # at any point: loading, generating, scoring or writing the tables
             raise Interrupted(len(Progress(progress_dir / f"{digest}.jsonl").done)) from None
         except OSError as error:
@@ -122,7 +124,7 @@ def remove_unfinished_tables(results_dir: Path, digest: str) -> None:
                 path.unlink(missing_ok=True)
 
 
-def _run(spec: RunSpec, digest: str, model=None, tokenizer=None) -> RunResult:
+def _run(spec: RunSpec, digest: str, model=None, tokenizer=None, shared=None) -> RunResult:
     progress_path = spec.results_dir / ".progress" / f"{digest}.jsonl"
     if not spec.resume:
         progress_path.unlink(missing_ok=True)
@@ -140,12 +142,13 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None) -> RunResult:
         import torch
 
         torch.set_num_threads(spec.threads)
-    lm = _load_lm(spec, progress, model, tokenizer)
+    lm = _load_lm(spec, progress, model, tokenizer, shared)
     flow = task.generation_flow()  # the task's own passes (LongBench-v2's chain of thought), if it has them
     evaluate = _evaluator(spec, lm)
     try:
-        outcome = flow(evaluate, configs[0], lm.request_stats, progress_path.with_suffix("")) if flow else None
-        results, stats, reasoning = outcome or (evaluate(built), lm.request_stats, None)
+        with sharing_prefills(shared.store) if shared else contextlib.nullcontext():
+            outcome = flow(evaluate, configs[0], lm.request_stats, progress_path.with_suffix("")) if flow else None
+            results, stats, reasoning = outcome or (evaluate(built), lm.request_stats, None)
     except KeyboardInterrupt:
         raise Interrupted(len(Progress(progress_path).done)) from None
     metrics, samples = _rows(spec, task, results, stats, reasoning, lm, skipped_rows)
@@ -161,11 +164,14 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None) -> RunResult:
     return RunResult(run_id, pd.DataFrame(metrics), pd.DataFrame(samples), paths)
 
 
-def _load_lm(spec: RunSpec, progress: Progress, model=None, tokenizer=None):
-    """The run's lm-eval model (its model loaded unless given), or a one-line RunError saying why not."""
+def _load_lm(spec: RunSpec, progress: Progress, model=None, tokenizer=None, shared=None):
+    """The run's lm-eval model (its model loaded unless given, or the sweep's), or a one-line RunError saying why
+    not."""
     from evalkit.lm import EvalkitLM
 
     try:
+        if model is None and shared is not None:
+            model, tokenizer = shared.model_for(spec)
         return EvalkitLM(
             pretrained=spec.pretrained, model=model, tokenizer=tokenizer, policy=spec.policy,
             max_context=spec.max_context, batch_size=spec.batch_size, device=spec.device, dtype=spec.dtype,

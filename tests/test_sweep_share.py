@@ -1,0 +1,33 @@
+"""The jobs of a sweep in one process share the loaded model and replay each prompt's prefill; their rows are the
+rows of the same jobs run one by one."""
+
+from __future__ import annotations
+
+from helpers import evalkit
+
+from evalkit.results import read_table
+
+COLUMNS = ["method", "budget", "doc_id", "prediction", "score", "kept_prompt_tokens", "generated_tokens",
+           "kv_bytes_peak", "kv_bytes_reserved"]
+
+
+def samples(results):
+    return read_table(results, "samples")[COLUMNS].sort_values(["method", "budget", "doc_id"]).reset_index(drop=True)
+
+
+def test_a_sweep_loads_the_model_once_replays_the_prefills_and_writes_the_rows_of_separate_runs(tmp_path,
+                                                                                                random_model_dir):
+    common = ("model=kv_retrieval_tiny", f"model.pretrained={random_model_dir}", "task=kv_retrieval", "limit=4")
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    for method in ("knorm", "snapkv", "h2o"):
+        result = evalkit(*common, f"method={method}", "+budget=2x", cwd=alone)
+        assert result.returncode == 0, result.stderr[-2000:]
+    result = evalkit("-m", *common, "method=knorm,snapkv,h2o", "budget=2x", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    shared = [line for line in result.stdout.splitlines() if line.startswith("this job ")]
+    assert shared == ["this job loaded it and replayed 0 of 4 prompt prefills recorded by earlier jobs",
+                      *["this job reused the sweep's model and replayed 4 of 4 prompt prefills recorded by earlier "
+                        "jobs"] * 2]
+    ours, theirs = samples(tmp_path / "results"), samples(alone / "results")
+    assert len(ours) == 12 and ours.equals(theirs)

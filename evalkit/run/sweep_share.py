@@ -9,7 +9,7 @@ import gc
 
 from evalkit.compression.prefill_store import PrefillStore
 
-DEFAULT_BYTES = 4 << 30  # at most this many bytes of recorded prefills, and at most a quarter of the free memory
+DEFAULT_BYTES = 4 << 30  # at most this many bytes of recorded prefills, and a quarter of the free (GPU) memory
 
 
 class SweepShare:
@@ -34,4 +34,8 @@ class SweepShare:
             model, tokenizer = load_model(str(spec.pretrained), dtype=spec.dtype, device=spec.device,
                                           revision=spec.revision, device_map=spec.device_map)
             self.loaded, self.loads = (key, model, tokenizer), self.loads + 1
+            if model.device.type == "cuda":  # the recorded prefills stay where the model made them
+                import torch
+
+                self.store.max_bytes = min(self.store.max_bytes, torch.cuda.mem_get_info(model.device)[0] // 4)
         return self.loaded[1], self.loaded[2]

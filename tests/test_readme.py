@@ -223,6 +223,30 @@ def test_the_score_paritys_evalkit_side_keeps_each_methods_share(tmp_path):
     assert min(len(head) for key in ("threshold kvzap 0.0@-", "threshold kvzap 0.5@-") for head in kept[key]) < 236
 
 
+def test_the_model_paritys_evalkit_side_keeps_each_methods_share(tmp_path):
+    """The evalkit worker of `parity_model.py` on its saved model and prompt: per case and ratio, every layer keeps
+    int(n * (1 - ratio)) tokens per KV head (AdaKV's family: on average over the layer's heads)."""
+    import json
+
+    sys.path.insert(0, str(README.parent / "benchmarks"))
+    from parity_model import CASES, save_model
+
+    save_model(tmp_path, 400)
+    result = subprocess.run([sys.executable, str(README.parent / "benchmarks" / "parity_model.py"), "--worker",
+                             "evalkit", "--model", str(tmp_path)], capture_output=True, text=True, timeout=600,
+                            cwd=README.parent)
+    assert result.returncode == 0, result.stderr[-2000:]
+    kept = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert {key.rsplit("@", 1)[0] for key in kept} == set(CASES)
+    for key, layers in kept.items():
+        share = int(400 * (1 - float(key.rsplit("@", 1)[1])))
+        for heads in layers:
+            if "adakv" in key:
+                assert sum(len(head) for head in heads) == share * len(heads), key
+            else:
+                assert [len(head) for head in heads] == [share] * len(heads), key
+
+
 def test_ci_runs_the_readmes_test_command():
     """.ci/run installs what the README's test command installs and runs the same tests (the fast tier)."""
     setup = next(line for line in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)

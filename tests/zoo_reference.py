@@ -125,7 +125,7 @@ def kept_criticalkv(run, model, capacity, window, kernel, scaling, epsilon=1e-4,
     kept = {}
     for layer, r in run.items():
         n = r["key"].shape[1]
-        scores = snapkv_with_window(r, window, kernel, scaling)
+        scores = [[s / window for s in head] for head in snapkv_with_window(r, window, kernel, scaling)]  # kvpress' mean
         norms = projected_norms(r, model.model.layers[layer].self_attn.o_proj.weight)
         heads = []
         for head, norm in zip(scores, norms):
@@ -141,7 +141,7 @@ def kept_criticaladakv(run, model, capacity, window, kernel, scaling, alpha=0.2,
     kept = {}
     for layer, r in run.items():
         kv_heads, n = r["key"].shape[:2]
-        scores = snapkv_with_window(r, window, kernel, scaling)
+        scores = [[s / window for s in head] for head in snapkv_with_window(r, window, kernel, scaling)]  # kvpress' mean
         scores = [[math.inf if j >= n - window else s for j, s in enumerate(head)] for head in scores]
         safe = max(1, int(capacity * alpha))
         for head in scores:

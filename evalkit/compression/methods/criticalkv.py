@@ -11,6 +11,7 @@ from evalkit.method_settings import setting
 
 from ..views import PrefillView
 from .adakv import AdaKV
+from .base import SnapKVScoring
 from .wrapper import Wrapper
 
 TOP = torch.finfo(torch.float32).max  # kvpress marks a chosen token with the largest float
@@ -25,6 +26,13 @@ def projected_value_norm(values: torch.Tensor, module, query_heads: int) -> torc
     norms = torch.stack([(values[:, head // groups].float() @ output[head]).abs().sum(dim=-1)
                          for head in range(query_heads)], dim=1)  # [B, Hq, n]
     return norms.reshape(batch, kv_heads, groups, n).mean(dim=2)
+
+
+def kvpress_scale(scorer, raw: torch.Tensor) -> torch.Tensor:
+    """The scorer's scores on the scale kvpress' presses give them, where the second stage's ``epsilon`` sees it:
+    SnapKV's attention averaged over the window queries (kvpress' ``SnapKVPress``), not summed (SnapKV's official
+    code, evalkit's ``snapkv_scores``)."""
+    return raw / scorer.window if isinstance(scorer, SnapKVScoring) else raw
 
 
 def forced_and_padding(policy, view: PrefillView, raw: torch.Tensor) -> torch.Tensor:
@@ -73,7 +81,7 @@ class CriticalKV(Wrapper):
         return max(1, chosen) if self.first_stage_ratio > 0 else 0
 
     def score(self, view: PrefillView) -> torch.Tensor:
-        raw = forced_and_padding(self, view, self.scorer.score(view).float())
+        raw = forced_and_padding(self, view, kvpress_scale(self.scorer, self.scorer.score(view).float()))
         first = mark_top(raw, self.first_stage())
         norms = projected_value_norm(view.values, view.module, view.query.shape[1])
         return torch.where(first == TOP, TOP, (raw + self.epsilon) * norms)
@@ -97,7 +105,7 @@ class CriticalAdaKV(AdaKV):
         self.supports_latent = False
 
     def select(self, view: PrefillView, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        raw = self.scorer.score(view).float()
+        raw = kvpress_scale(self.scorer, self.scorer.score(view).float())
         scores = forced_and_padding(self, view, raw)
         valid = scores > float("-inf")
         n = scores.shape[-1]

@@ -1,0 +1,164 @@
+"""Query-aware methods beside kvpress' own presses at the model level: the same random GQA Llama and prompt through
+kvpress' pipeline (a press around the model's forward) and evalkit's ``CompressionSession``: are the prompt tokens
+each layer and KV head keeps the same?
+
+    python benchmarks/parity_model.py [--length 600] [--venv .kvpress-venv]
+
+The model (4 layers, 8 query and 2 KV heads of 32, fp32, seeded) and prompt are saved once and loaded by both sides,
+kvpress 0.5.5 in its own environment (made on demand as in bench_vs_kvpress.py; where it cannot be made, one line and
+exit 0). Each side maps the keys its compressed cache holds back to the positions of its own uncompressed prefill's
+keys; for presses that mask instead of evicting (AdaKV, CriticalAdaKV) kvpress' kept tokens are those its
+``masked_key_indices`` leave. Each keeps ``int(n * (1 - ratio))`` per head (AdaKV's: per layer on average) at
+ratios 0.5 and 0.75. Per case and ratio a table prints the heads (over all layers) whose kept sets agree and the
+positions that differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RATIOS = (0.5, 0.75)
+SNAPKV = {"window_size": 64, "kernel_size": 5}
+# case: (kvpress' press from kvpress and the ratio, evalkit's method from evalkit.compression and the capacity)
+CASES = {
+    "snapkv": (lambda kp, r: kp.SnapKVPress(compression_ratio=r, **SNAPKV),
+               lambda ec, c: ec.SnapKV(capacity=c, window=64, kernel_size=5, pooling="avg")),
+    "expected_attention": (lambda kp, r: kp.ExpectedAttentionPress(compression_ratio=r),
+                           lambda ec, c: ec.ExpectedAttention(capacity=c)),
+    "adakv": (lambda kp, r: kp.AdaKVPress(kp.SnapKVPress(compression_ratio=r, **SNAPKV)),
+              lambda ec, c: ec.AdaKV.from_config(c)),
+    "criticalkv": (lambda kp, r: kp.CriticalKVPress(kp.SnapKVPress(compression_ratio=r, **SNAPKV)),
+                   lambda ec, c: ec.CriticalKV.from_config(c)),
+    "criticaladakv": (lambda kp, r: kp.CriticalAdaKVPress(kp.SnapKVPress(compression_ratio=r, **SNAPKV)),
+                      lambda ec, c: ec.CriticalAdaKV.from_config(c)),
+    "chunkkv": (lambda kp, r: kp.ChunkKVPress(kp.SnapKVPress(compression_ratio=r, **SNAPKV), chunk_length=20),
+                lambda ec, c: ec.ChunkKV.from_config(c)),
+    "chunkwise": (lambda kp, r: kp.ChunkPress(kp.SnapKVPress(compression_ratio=r, **SNAPKV), chunk_length=200),
+                  lambda ec, c: ec.ChunkWise.from_config(c, chunk_length=200)),
+    "capkv": (lambda kp, r: kp.CapPress(compression_ratio=r), lambda ec, c: ec.CapKV(capacity=c)),
+    "compactor": (lambda kp, r: kp.CompactorPress(compression_ratio=r), lambda ec, c: ec.Compactor(capacity=c)),
+    "non_causal_attention": (lambda kp, r: kp.NonCausalAttnPress(compression_ratio=r),
+                             lambda ec, c: ec.NonCausalAttention(capacity=c)),
+    "leverage": (lambda kp, r: kp.LeverageScorePress(compression_ratio=r), lambda ec, c: ec.LeverageScore(capacity=c)),
+}
+
+
+def _held(full, keys, valid) -> list[list[int]]:
+    """Per KV head, the positions of ``full`` ``[1, H, n, D]`` whose keys the valid slots of ``keys`` hold."""
+    out = []
+    for head in range(full.shape[1]):
+        held = keys[0, head][valid[head]]
+        matches = (held[:, None, :] == full[0, head][None, :, :]).all(dim=-1)
+        out.append(sorted(int(i) for i in matches.float().argmax(dim=-1)[matches.any(dim=-1)]))
+    return out
+
+
+def full_keys(model, prompt):
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=prompt, past_key_values=cache, use_cache=True)
+    return [layer.keys for layer in cache.layers]
+
+
+def kept_by_kvpress(model, prompt) -> dict:
+    import kvpress
+    import torch
+    from transformers import DynamicCache
+
+    full, out = full_keys(model, prompt), {}
+    for case, (make_press, _) in CASES.items():
+        for r in RATIOS:
+            press = make_press(kvpress, r)
+            cache = DynamicCache()
+            torch.manual_seed(0)  # leverage's sketch: kvpress draws from the global generator
+            with torch.no_grad(), press(model):
+                model(input_ids=prompt, past_key_values=cache, use_cache=True)
+            kept = []
+            for index, layer in enumerate(cache.layers):
+                masked = getattr(model.model.layers[index].self_attn, "masked_key_indices", None)
+                valid = torch.ones(layer.keys.shape[1], layer.keys.shape[2], dtype=torch.bool)
+                if masked is not None:
+                    valid[masked[1], masked[2]] = False
+                kept.append(_held(full[index], layer.keys, valid))
+            out[f"{case}@{r}"] = kept
+    return out
+
+
+def kept_by_evalkit(model, prompt) -> dict:
+    import torch
+
+    import evalkit.compression as ec
+
+    full, n, out = full_keys(model, prompt), prompt.shape[1], {}
+    for case, (_, make_method) in CASES.items():
+        for r in RATIOS:
+            session = ec.CompressionSession(model, make_method(ec, int(n * (1 - r))))
+            session.prefill(prompt)
+            kept = []
+            for index, layer in enumerate(session.cache.layers):
+                valid = (layer.heads.valid[0] if layer.heads is not None else
+                         session.state.valid[0, : layer.keys.shape[-2]][None].expand(layer.keys.shape[1], -1))
+                kept.append(_held(full[index], layer.keys, valid))
+            out[f"{case}@{r}"] = kept
+    del torch
+    return out
+
+
+def save_model(folder: Path, length: int) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    torch.save(torch.randint(3, 1000, (1, length), generator=torch.Generator().manual_seed(1)), folder / "prompt.pt")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--length", type=int, default=600)
+    parser.add_argument("--venv", default=str(HERE.parent / ".kvpress-venv"))
+    parser.add_argument("--worker", choices=["kvpress", "evalkit"])
+    parser.add_argument("--model")
+    args = parser.parse_args()
+    if args.worker:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa").eval()
+        prompt = torch.load(Path(args.model) / "prompt.pt")
+        kept = kept_by_kvpress(model, prompt) if args.worker == "kvpress" else kept_by_evalkit(model, prompt)
+        print("RESULT " + json.dumps(kept))
+        return
+    sys.path.insert(0, str(HERE))
+    from bench_vs_kvpress import kvpress_python
+    from parity_scores import run_side
+
+    python = kvpress_python(Path(args.venv))
+    if python is None:
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        save_model(Path(folder), args.length)
+        sides = {side: run_side(python if side == "kvpress" else Path(sys.executable), side, folder, model=True)
+                 for side in ("kvpress", "evalkit")}
+    print(f"{'method':<22} {'ratio':>5}  heads agreeing  positions differing")
+    for key, theirs in sides["kvpress"].items():
+        ours = sides["evalkit"][key]
+        case, ratio = key.rsplit("@", 1)
+        pairs = [(set(a), set(b)) for la, lb in zip(theirs, ours) for a, b in zip(la, lb)]
+        same = sum(a == b for a, b in pairs)
+        differ = sum(len(a ^ b) for a, b in pairs) // 2
+        print(f"{case:<22} {ratio:>5}  {same}/{len(pairs):<13} {differ}")
+
+
+if __name__ == "__main__":
+    main()

@@ -7,17 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import SMALL_POLICIES, random_prompt, tiny_model
+from test_chunked_prefill import chunk_lengths
 
 import evalkit.compression as ec
 from evalkit.compression.prefill_store import PrefillStore, sharing_prefills
-
-
-def prompt_passes(model) -> list[int]:
-    """The prompt lengths of the model's forward calls (decode steps are 1 token)."""
-    seen: list[int] = []
-    model.model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape[1]),
-                                          with_kwargs=True)
-    return seen
 
 
 @pytest.mark.parametrize("name", sorted(SMALL_POLICIES))
@@ -28,7 +21,7 @@ def test_a_replayed_prefill_is_the_prefill(name):
     mask[1, :17] = 0  # a left-padded row
     plain = ec.generate(model, prompt, SMALL_POLICIES[name](), attention_mask=mask, max_new_tokens=12)
     store = PrefillStore(max_bytes=1 << 30)
-    passes = prompt_passes(model)
+    passes = chunk_lengths(model)  # the token count of each forward call
     with sharing_prefills(store):
         ec.generate(model, prompt, ec.KNorm(capacity=40), attention_mask=mask, max_new_tokens=2)  # records it
         replayed = ec.generate(model, prompt, SMALL_POLICIES[name](), attention_mask=mask, max_new_tokens=12)

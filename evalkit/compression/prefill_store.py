@@ -48,6 +48,7 @@ class PrefillStore:
     def __init__(self, max_bytes: int):
         self.max_bytes = int(max_bytes)
         self.entries: collections.OrderedDict[tuple, RecordedPrefill] = collections.OrderedDict()
+        self.sizes: dict[tuple, int] = {}  # each entry's bytes
         self.hits = self.misses = 0
 
     @staticmethod
@@ -68,13 +69,19 @@ class PrefillStore:
         self.hits += 1
         return entry
 
+    def clear(self) -> None:
+        self.entries.clear()
+        self.sizes.clear()
+
     def put(self, key: tuple, entry: RecordedPrefill) -> None:
         size = entry.nbytes
         if size > self.max_bytes:
             return
         self.entries[key] = entry
-        while sum(e.nbytes for e in self.entries.values()) > self.max_bytes:
-            self.entries.popitem(last=False)
+        self.sizes[key] = size
+        while sum(self.sizes.values()) > self.max_bytes:
+            oldest, _ = self.entries.popitem(last=False)
+            del self.sizes[oldest]
 
 
 _ACTIVE: list[PrefillStore] = []

@@ -29,7 +29,7 @@ class SweepShare:
         key = (spec.pretrained, spec.dtype, spec.device, spec.revision, repr(spec.device_map))
         if self.loaded is None or self.loaded[0] != key:
             self.loaded = None
-            self.store.entries.clear()  # recorded for the model that goes
+            self.store.clear()  # recorded for the model that goes
             gc.collect()
             model, tokenizer = load_model(str(spec.pretrained), dtype=spec.dtype, device=spec.device,
                                           revision=spec.revision, device_map=spec.device_map)

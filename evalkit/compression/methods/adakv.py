@@ -46,7 +46,14 @@ class AdaKV(Wrapper):
         own_rank = scores.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
         protected = scores.masked_fill(own_rank < safe[:, None, None], float("inf"))
         protected = protected.masked_fill(scores == float("-inf"), float("-inf"))  # padding stays out
-        flat = protected.reshape(batch, kv_heads * n)
-        rank = flat.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
-        chosen = (rank < (budget * kv_heads)[:, None]) & (flat > float("-inf"))
-        return chosen.reshape(batch, kv_heads, n).sum(dim=-1)
+        return pooled_counts(protected, budget)
+
+
+def pooled_counts(scores: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+    """Tokens each KV head keeps when a layer keeps its ``kv_heads * budget`` best ``scores`` ``[B, Hkv, n]`` across
+    all its heads (``-inf``: padding, never kept; ties to the earlier head and token)."""
+    batch, kv_heads, n = scores.shape
+    flat = scores.reshape(batch, kv_heads * n)
+    rank = flat.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+    chosen = (rank < (budget.to(scores.device) * kv_heads)[:, None]) & (flat > float("-inf"))
+    return chosen.reshape(batch, kv_heads, n).sum(dim=-1)

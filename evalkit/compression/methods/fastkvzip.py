@@ -13,6 +13,7 @@ from evalkit.method_settings import setting
 
 from ..learned_weights import weights_file
 from ..views import PrefillView
+from .adakv import pooled_counts
 from .base import PromptScoring
 
 
@@ -67,10 +68,7 @@ class FastKVzip(PromptScoring):
         return scores.masked_fill(window[:, None], float("inf"))
 
     def allocate(self, scores: torch.Tensor, budget: torch.Tensor, layer_idx: int = 0) -> torch.Tensor:
-        batch, kv_heads, n = scores.shape
-        rank = scores.reshape(batch, -1).argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
-        chosen = (rank < (budget.to(scores.device) * kv_heads)[:, None]) & (scores.reshape(batch, -1) > float("-inf"))
-        return chosen.reshape(batch, kv_heads, n).sum(dim=-1)
+        return pooled_counts(scores, budget)
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -137,6 +137,16 @@ def test_duo_attention_streams_the_lowest_scored_heads():
     (lambda: ec.QFilter(capacity=20, filters=str(qfilters(layers=3))), "filters for 3 layers, the model has 2"),
     (lambda: ec.DuoAttention(), "duo_attention needs its learned head patterns"),
     (lambda: ec.DuoAttention(patterns=str(duo_pattern([[0.1, 0.2]]))), "scores 1 layers, the model has 2"),
+    (lambda: ec.KVzap(capacity=20), "kvzap needs its learned surrogates: set method.weights"),
+    (lambda: ec.KVzap(capacity=20, weights=str(kvzap(layers=3))), "surrogates for 3 layers, the model has 2"),
+    (lambda: ec.Threshold(threshold=None, scorer={"name": "kvzap", "weights": str(kvzap())}),
+     "threshold needs method.threshold"),
+    (lambda: ec.FastKVzip(capacity=20), "fastkvzip needs its learned gates: set method.gates"),
+    (lambda: ec.FastKVzip(capacity=20, gates="/nonexistent/gates.pt"), "fastkvzip: no gate file /nonexistent"),
+    (lambda: ec.FastKVzip(capacity=20, gates=str(fastkvzip_gates(layers=3))), "gates for 3 layers, the model has 2"),
+    (lambda: ec.LUKV.from_config(40), "lukv needs its budget curve: set method.curve"),
+    (lambda: ec.LUKV.from_config(40, curve="/nonexistent/curve.npy"), "lukv: no curve file /nonexistent"),
+    (lambda: ec.LUKV.from_config(40, curve=str(lukv_curve(layers=3))), r"shape \[99, 3, 2\]; the model needs"),
 ])
 def test_missing_or_mismatched_learned_weights_are_one_line(llama, build, message):
     with pytest.raises((ValueError, FileNotFoundError), match=message):

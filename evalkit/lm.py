@@ -62,6 +62,7 @@ class EvalkitLM(LM):
         self._stop_token_texts = set(tokenizer.convert_ids_to_tokens(self.stop_token_ids))
         # lm_eval --model evalkit --model_args method=...,budget=...: checked as the evalkit CLI checks a config
         self.policy = policy or policy_from_config({"name": method, **policy_params}, budget, self.max_context)
+        self.policy.bind_tokenizer(tokenizer)
         ec.model_spec.check_hookable(model)
         self.policy.check_layers(model.config.num_hidden_layers)
         self.cost = RequestCost(model, self.policy)

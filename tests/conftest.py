@@ -19,8 +19,11 @@ from transformers import (
 )
 
 import evalkit.compression as ec
+from evalkit.compression.methods.kvzip import ReconstructionPrompts
 
 VOCAB = 97
+# KVzip's reconstruction prompt in the tiny vocabulary (a real tokenizer's comes from bind_tokenizer)
+TINY_RECONSTRUCTION = ReconstructionPrompts(prefix=(), suffix=(1, 2), first=(5, 6, 7), next=(5, 6, 8))
 _SHAPE = dict(
     vocab_size=VOCAB,
     hidden_size=64,
@@ -110,6 +113,8 @@ SMALL_SETTINGS = {
     "kvzap": lambda: ec.KVzap(capacity=40, weights=str(learned_files.kvzap(hidden_dim=24))),
     "threshold": lambda: ec.Threshold(threshold=0.0, sliding_window_size=8,
                                       scorer={"name": "kvzap", "weights": str(learned_files.kvzap())}),
+    "kvzip": lambda: ec.KVzip(capacity=40, chunk_size=64).with_prompts(TINY_RECONSTRUCTION),
+    "kvzip_plus": lambda: ec.KVzipPlus(capacity=40, chunk_size=64).with_prompts(TINY_RECONSTRUCTION),
 }
 
 

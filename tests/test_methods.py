@@ -9,7 +9,7 @@ from typing import ClassVar  # module level: dataclasses reads a method's ClassV
 import pytest
 import torch
 from baseline_reference import kept_prompt, kept_snapkv_budgets, simulate_decoding
-from conftest import SMALL_POLICIES, random_prompt, registered, tiny_model
+from conftest import SMALL_POLICIES, TINY_RECONSTRUCTION, random_prompt, registered, tiny_model
 from learned_files import duo_pattern, fastkvzip_gates, kvzap, lukv_curve, qfilters
 from masked_reference import module_scaling
 
@@ -50,7 +50,9 @@ SIZED = {**PREFILL, **DECODING, "pyramidkv": lambda: ec.PyramidKV.from_config(20
          "merging": lambda: ec.Merging.from_config(20, window=4, kernel_size=5),
          "think": lambda: ec.ThinK.from_config(20, window=4, kernel_size=5, window_size=4),
          "threshold": lambda: ec.Threshold(threshold=0.0, sliding_window_size=4,
-                                           scorer={"name": "kvzap", "weights": str(kvzap(hidden_dim=24))})}
+                                           scorer={"name": "kvzap", "weights": str(kvzap(hidden_dim=24))}),
+         "kvzip": lambda: ec.KVzip(capacity=20, chunk_size=16).with_prompts(TINY_RECONSTRUCTION),
+         "kvzip_plus": lambda: ec.KVzipPlus(capacity=20, chunk_size=16).with_prompts(TINY_RECONSTRUCTION)}
 # Every registered method but those test_compression.py holds to its own references; a new one at its defaults.
 EVERY = {name: SIZED.get(name) or registered(name, 20) for name in sorted(ec.POLICIES)
          if name not in ("full", "snapkv", "snapstream", "streaming_llm")}

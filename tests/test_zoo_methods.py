@@ -3,11 +3,13 @@ the model's own keys, and the cache really shrunk to them."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import zoo_reference as ref
 from baseline_reference import full_run
-from conftest import VOCAB, tiny_model
+from conftest import TINY_RECONSTRUCTION, VOCAB, tiny_model
 from learned_files import duo_pattern, fastkvzip_gates, kvzap, lukv_curve, qfilters
 from masked_reference import module_scaling
 from test_methods import held_positions, reference_keys
@@ -25,6 +27,15 @@ def surrogates(**shape) -> dict:
 
 def distinct_prompt(seed: int = 0, n: int = N) -> torch.Tensor:
     return (3 + torch.randperm(VOCAB - 3, generator=torch.Generator().manual_seed(seed))[:n])[None]
+
+
+def kvzip_prompts(prefix: int = 0):
+    """KVzip's reconstruction prompt as ids of the tiny vocabulary; ``prefix``: the prompt's first tokens as a chat
+    template's leading text."""
+    return dataclasses.replace(TINY_RECONSTRUCTION, prefix=tuple(distinct_prompt()[0, :prefix].tolist()))
+
+
+KVZIP_PROMPTS = kvzip_prompts()
 
 
 def kept_by_evalkit(model, policy, prompt):
@@ -81,6 +92,16 @@ CASES = {
     "threshold kvzap": (lambda: ec.Threshold(threshold=0.0, sliding_window_size=8, scorer={
                             "name": "kvzap", "weights": str(kvzap(hidden_dim=24))}),
                         lambda m, r, s: ref.kept_threshold_kvzap(r, 0.0, 8, surrogates(hidden_dim=24), mlp=True)),
+    "kvzip": (lambda: ec.KVzip(capacity=30, chunk_size=32).with_prompts(KVZIP_PROMPTS),
+              lambda m, r, s: ref.kept_kvzip(m, distinct_prompt(), 30, KVZIP_PROMPTS, 32, s)),
+    "kvzip layerwise sink 2": (lambda: ec.KVzip(capacity=30, chunk_size=50, sink=2,
+                                                layerwise=True).with_prompts(KVZIP_PROMPTS),
+                               lambda m, r, s: ref.kept_kvzip(m, distinct_prompt(), 30, KVZIP_PROMPTS, 50, s, sink=2,
+                                                              layerwise=True)),
+    "kvzip chat prefix": (lambda: ec.KVzip(capacity=30, chunk_size=40).with_prompts(kvzip_prompts(prefix=3)),
+                          lambda m, r, s: ref.kept_kvzip(m, distinct_prompt(), 30, kvzip_prompts(prefix=3), 40, s)),
+    "kvzip_plus": (lambda: ec.KVzipPlus(capacity=30, chunk_size=32).with_prompts(KVZIP_PROMPTS),
+                   lambda m, r, s: ref.kept_kvzip(m, distinct_prompt(), 30, KVZIP_PROMPTS, 32, s, plus=True)),
     "chunkwise snapkv": (lambda: ec.ChunkWise.from_config(40, chunk_length=32, window=4),
                          lambda m, r, s: ref.kept_chunkwise_snapkv(r, 40, 32, 4, 5, s)),
 }

@@ -458,3 +458,62 @@ def kept_fastkvzip(run, capacity, gates, sink=4, window_ratio=0.02):
             heads[h].add(j)
         kept[layer] = heads
     return kept
+
+
+def kept_kvzip(model, prompt: torch.Tensor, capacity: int, prompts, chunk: int, scaling: float, sink: int = 4,
+               layerwise: bool = False, plus: bool = False) -> dict:
+    """KVzip (kvpress ``KVzipPress``): after the prompt, passes "first + suffix + chunk" (later chunks "next + the
+    previous chunk's last 8 tokens + suffix + chunk"; the chat prefix, where the prompt starts with it, skipped); a
+    token's score is the most softmax weight any pass query of its group gives it among the sinks, the chunk and the
+    pass's own keys up to the query (KVzip+: each query's weights over ||hidden||, each key's times ||W_O v|| for
+    that query head). Sinks kept; the best ``layers * kv_heads * capacity`` scores of the whole model kept
+    (``layerwise``: ``kv_heads * capacity`` per layer)."""
+    from baseline_reference import full_run
+
+    tokens, n = prompt[0].tolist(), prompt.shape[1]
+    prefix = list(prompts.prefix)
+    first = len(prefix) if tokens[: len(prefix)] == prefix else 0
+    scores: dict[int, list[list[float]]] = {}
+    begin = first
+    while begin < n:
+        chunk_tokens = tokens[begin : begin + chunk]
+        end = begin + len(chunk_tokens)
+        ask = list(prompts.first) if begin == first else [*prompts.next, *tokens[max(first, begin - 8) : begin]]
+        passed = [*ask, *prompts.suffix, *chunk_tokens]
+        run = full_run(model, torch.tensor([tokens + passed]))
+        for layer, r in run.items():
+            kv_heads, q_heads = r["key"].shape[0], r["query"].shape[0]
+            group = q_heads // kv_heads
+            out = model.model.layers[layer].self_attn.o_proj.weight.detach().double()
+            dim = r["key"].shape[-1]
+            scores.setdefault(layer, [[0.0] * n for _ in range(kv_heads)])
+            for q_head in range(q_heads):
+                kv = q_head // group
+                for t in range(len(passed)):
+                    row = n + t
+                    columns = [*range(min(sink, begin)), *range(begin, end), *range(n, row + 1)]
+                    logits = torch.tensor([float(r["query"][q_head][row] @ r["key"][kv][c]) * scaling for c in columns],
+                                          dtype=torch.double)
+                    weights = logits.softmax(dim=0).tolist()
+                    for offset, c in enumerate(columns):
+                        if not begin <= c < end:
+                            continue
+                        w = weights[offset]
+                        if plus:
+                            w /= float(r["hidden"][row].norm())
+                            w *= float((out[:, q_head * dim : (q_head + 1) * dim] @ r["value"][kv][c]).norm())
+                        scores[layer][kv][c] = max(scores[layer][kv][c], w)
+        begin = end
+    for heads in scores.values():
+        for head in heads:
+            head[: min(sink, n)] = [TOP] * min(sink, n)
+    kept = {layer: [set() for _ in heads] for layer, heads in scores.items()}
+    layers = sorted(scores)
+    pools = [layers] if not layerwise else [[layer] for layer in layers]
+    for pool in pools:
+        entries = [(-scores[layer][head][pos], layer, head, pos) for layer in pool
+                   for head in range(len(scores[layer])) for pos in range(n)]
+        count = len(pool) * len(scores[pool[0]]) * min(capacity, n)
+        for _, layer, head, pos in sorted(entries)[:count]:
+            kept[layer][head].add(pos)
+    return kept

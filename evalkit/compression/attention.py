@@ -69,6 +69,11 @@ def _hooked_attention(delegate, eager: bool):
     def attention(module, query, key, value, attention_mask, **kwargs):
         cache = kwargs.pop(CACHE_ARGUMENT, None)
         scaling = kwargs.get("scaling", module.scaling)
+        if getattr(cache, "extra_pass", False):  # a policy's own pass after the prefill (.reconstruction)
+            output = (family_eager(module, delegate) if eager else delegate)(module, query, key, value,
+                                                                             attention_mask, **kwargs)
+            cache.observe(module, query, key, value, scaling)
+            return output
         if _later_chunk(cache, module, query, key, value, eager):
             output = chunk_attention(query, key, value, scaling)
             cache.prefill_attention(module.layer_idx, module, query, key, value, scaling)

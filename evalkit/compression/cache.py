@@ -34,6 +34,14 @@ from .methods.base import Policy
 from .views import PrefillView
 
 
+def _held_bytes(layer) -> int:
+    """Bytes a layer's keys and values hold (under exact chunked prefill: the prompt buffers reserved)."""
+    if not layer.is_initialized:
+        return 0
+    tensors = layer.reserved or (layer.keys, layer.values)
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def on_device(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``tensor`` on ``like``'s device: a model spread over devices (``device_map``) keeps each layer's cache on that
     layer's device, and the prefill's row bookkeeping (made on the input's device) goes to it, never the cache."""
@@ -50,6 +58,7 @@ class PrefillPlan:
     chunk_mode: str | None = None  # a chunked prefill's mode ("exact", "compress"); None: the prompt in one pass
     reserve: int | None = None  # exact chunked prefill: the whole prompt's length, reserved in every layer at once
     final: bool = True  # this pass ends the prompt
+    defer: bool = False  # the policy scores with passes of its own after the prompt (KVzip): layers wait for them
 
 
 @dataclasses.dataclass
@@ -195,6 +204,8 @@ class CompressedCache(Cache):
         self.layer_inputs: dict[int, list[torch.Tensor]] = {}
         self.recording: list | None = None  # a prefill being recorded for reuse: each layer's call (.prefill_store)
         self.prefill_slots: list[int] = []  # each layer's slots right after prefill (row layout)
+        self.prefill_peak_bytes = 0  # the most bytes every layer's keys and values held at once during prefill
+        self.deferred: dict[int, tuple] = {}  # layers waiting for the policy's passes: (module, scaling)
         # Engine admission: each layer's slot of the engine's cache, ``(keys, values)`` ``[1, kv_heads, slot_tokens,
         # D]``; a row-layout layer's compressed prompt is written straight into it (see :meth:`write_through`).
         self.targets: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -253,17 +264,31 @@ class CompressedCache(Cache):
         if layer_idx in self.compressed_layers:
             raise RuntimeError(f"layer {layer_idx} was compressed twice in one prefill; its attention is shared")
         self.compressed_layers.add(layer_idx)
+        self.count_held_bytes()
+        if self.plan.defer:
+            self.deferred[layer_idx] = (module, scaling)
+            return
         layout = self.layers[layer_idx].layout
         if not (self.plan.compress or layout.per_head):  # per-head layouts always need their validity and positions
             return
         view = self._view(layer_idx, module, query, keys, values, scaling, prior_sums)
         indices, counts, raw = self.select(view)
+        self.keep(layer_idx, view, query, indices, counts, raw)
+
+    def keep(self, layer_idx: int, view: PrefillView, query: torch.Tensor, indices: torch.Tensor,
+             counts: torch.Tensor, raw: torch.Tensor) -> None:
+        """Keep the prompt tokens ``indices`` ``[B, kv_heads, kept]`` of layer ``layer_idx`` (each head's first
+        ``counts`` real; ``raw``: the policy's scores), as the policy rewrites them."""
         self.layer_inputs.pop(layer_idx, None)
         layer, policy = self.layers[layer_idx], self.layer_policies[layer_idx]
         layer.compress(indices)
         if policy.rewrites:
             layer.keys, layer.values = policy.rewrite(view, indices, counts, layer.keys, layer.values)
-        layout.after_compress(self, layer_idx, view, query, indices, counts, raw)
+        layer.layout.after_compress(self, layer_idx, view, query, indices, counts, raw)
+
+    def count_held_bytes(self, extra: int = 0) -> None:
+        """Raise the prefill's peak to what every layer holds now, plus ``extra`` bytes held beside them."""
+        self.prefill_peak_bytes = max(self.prefill_peak_bytes, extra + sum(_held_bytes(layer) for layer in self.layers))
 
     def write_through(self, layer_idx: int) -> None:
         """Under engine admission (``targets`` set), write this layer's compressed prompt into its slot and keep views
@@ -312,4 +337,6 @@ class CompressedCache(Cache):
             "kept_prompt_tokens_per_head": kept,
             "peak_cache_tokens": int(peak) if peak.is_integer() and not self.head_layers() else round(peak, 3),
             "compressed_layers": [i for i, policy in enumerate(self.layer_policies) if policy is self.policy],
+            # a batch's peak, shared equally by its rows
+            "kv_bytes_prefill_peak": self.prefill_peak_bytes // max(1, self.layers[0].keys.shape[0]),
         }

@@ -143,6 +143,8 @@ def generate(model, input_ids: torch.LongTensor, policy: Policy, attention_mask:
     every chunk: a different method); see :meth:`CompressionSession.prefill`.
     """
     _validate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_p, stop_strings, tokenizer)
+    if tokenizer is not None:
+        policy.bind_tokenizer(tokenizer)
     eos = eos_ids(stop_token_ids(model, tokenizer) if eos_token_id is None else eos_token_id)
     if pad_token_id is None:
         pad_token_id = int(eos[0]) if eos is not None else 0

@@ -13,6 +13,7 @@ from .layout import DecodeStep, additive_mask, layout_of
 from .methods.base import Policy
 from .methods.sliding_window import layer_policies
 from .model_spec import check_hookable, rotary_embedding
+from .reconstruction import compress_by_passes
 
 CHUNK_MODES = ("exact", "compress")
 
@@ -23,6 +24,9 @@ def chunk_mode_refusal(policy: Policy, chunk_mode: str) -> str | None:
         return f"prefill_chunk_mode must be one of {list(CHUNK_MODES)}, got {chunk_mode!r}"
     if chunk_mode == "compress" and policy.rewrites:
         return (f"prefill_chunk_mode=compress would rewrite the tokens {policy.name} already rewrote at every chunk "
+                "(use prefill_chunk_mode=exact)")
+    if chunk_mode == "compress" and policy.extra_passes:
+        return (f"prefill_chunk_mode=compress would drop tokens before {policy.name}'s passes over the whole prompt "
                 "(use prefill_chunk_mode=exact)")
     if chunk_mode == "compress" and policy.reads_hidden_states:
         return (f"prefill_chunk_mode=compress cannot score the tokens it held with {policy.name}: their hidden states "
@@ -60,6 +64,9 @@ class CompressionSession:
                                      layer_policies(model, policy))
         self.layout = layout_of(policy)  # the row's: per-head layouts only count its tokens
         self.evicting = any(p.evicts_while_decoding for p in self.cache.layer_policies)
+        if policy.extra_passes and any(p is not policy for p in self.cache.layer_policies):
+            raise ValueError(f"{policy.name} runs passes over every layer's whole prompt; this model's sliding-window "
+                             "layers keep only their window")
         self.eager = model.config._attn_implementation == "eager"
 
     @property
@@ -108,8 +115,13 @@ class CompressionSession:
         rewrites = any(p.rewrites for p in self.cache.layer_policies)  # a short prompt is rewritten all the same
         plan = PrefillPlan(key_valid, positions,
                            compress=bool((real_len > keep).any()) or not bool(key_valid.all()) or rewrites,
-                           chunk_mode=chunk_mode if chunked else None, reserve=n if chunked and chunk_mode == "exact" else None)
+                           chunk_mode=chunk_mode if chunked else None, reserve=n if chunked and chunk_mode == "exact" else None,
+                           defer=self.policy.extra_passes)
         logits = self._run_prompt(input_ids, None if chunked else attention_mask, positions, bounds, plan, keep)
+        if self.cache.deferred:
+            self.cache.plan = plan
+            compress_by_passes(self, input_ids, key_valid, positions)
+            self.cache.plan = None
         seq_len = real_len.cpu() if position_ids is None else (position_ids.max(dim=1).values + 1).cpu()
         self._finish_prefill(real_len, keep, seq_len)
         return logits

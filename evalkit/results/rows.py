@@ -162,7 +162,8 @@ def summary_rows(samples: list[dict]) -> list[dict]:
     return metrics
 
 
-BYTE_COLUMNS = ("kv_bytes_peak", "kv_bytes_reserved", "kv_bytes_full", "kv_bytes_predicted", "memory_ratio")
+BYTE_COLUMNS = ("kv_bytes_peak", "kv_bytes_reserved", "kv_bytes_full", "kv_bytes_predicted", "memory_ratio",
+                "kv_bytes_prefill_peak")
 
 
 def byte_rows(frame: pd.DataFrame) -> list[dict]:
@@ -177,6 +178,8 @@ def byte_rows(frame: pd.DataFrame) -> list[dict]:
             "kv_bytes_reserved_mean": measured["kv_bytes_reserved"].mean(),
             "memory_ratio_mean": measured["memory_ratio"].mean(),
             "memory_freed": (measured["kv_bytes_reserved"] < measured["kv_bytes_full"]).mean()}
+    if "kv_bytes_prefill_peak" in measured and measured["kv_bytes_prefill_peak"].notna().any():
+        rows["kv_bytes_prefill_peak_max"] = measured["kv_bytes_prefill_peak"].max()
     predicted = measured.dropna(subset=["kv_bytes_predicted"])
     if len(predicted):
         error = (predicted["kv_bytes_predicted"] - predicted["kv_bytes_peak"]).abs() / predicted["kv_bytes_peak"]

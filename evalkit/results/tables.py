@@ -113,6 +113,9 @@ SAMPLE_COLUMNS: dict[str, pa.DataType] = {
     "kv_bytes_full": pa.int64(),
     "kv_bytes_predicted": pa.float64(),
     "memory_ratio": pa.float64(),  # kv_bytes_full / kv_bytes_peak
+    # the most bytes the request's keys and values held at once during its prefill (the prompt's before compression;
+    # KVzip's reconstruction passes on top)
+    "kv_bytes_prefill_peak": pa.int64(),
     "over_budget": pa.bool_(),  # the cache held more than the budget allows (None: no budget)
 }
 

@@ -56,6 +56,8 @@ class Engine:
         if grow and policy.cache_capacity() is not None:
             raise ValueError(f"{policy.name} has a fixed capacity; grow applies to growing policies only")
         check_hookable(model)
+        if tokenizer is not None:
+            policy.bind_tokenizer(tokenizer)
         # Each layer's policy: a hybrid model's sliding-window layers keep their window.
         self.pool = SlotPool(model, policy, slots, layer_policies(model, policy), layer_devices(model), grow=grow,
                              static=compile, out_width=max(OUT_RING, 2 * (sync_every + 1)),

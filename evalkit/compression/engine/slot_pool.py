@@ -177,7 +177,8 @@ class SlotPool:
         realized = session.realized(0)
         stats = {"prompt_tokens": request.input_ids.numel(), "kept_prompt_tokens": realized["kept_prompt_tokens"],
                  "kept_prompt_tokens_per_head": realized["kept_prompt_tokens_per_head"],
-                 "compressed_layers": realized["compressed_layers"], "prefill_seconds": seconds}
+                 "compressed_layers": realized["compressed_layers"], "prefill_seconds": seconds,
+                 "kv_bytes_prefill_peak": realized["kv_bytes_prefill_peak"]}
         held, limit = int(state.valid[0].sum()), int(state.fixed[0]) + int(state.ring[0])
         return Resident(index, request, stats, int(state.written[0]), held, limit, done)
 

@@ -62,6 +62,9 @@ class Policy:
     rewrites: ClassVar[bool] = False
     # Scores from the attention's input (``PrefillView.hidden``: KVzap's surrogate), recorded while the prompt runs.
     reads_hidden_states: ClassVar[bool] = False
+    # Scores the prompt by running the model again over inputs of its own after the prefill (KVzip's context
+    # reconstruction, :mod:`..reconstruction`): every layer is sized and compressed once all the passes have run.
+    extra_passes: ClassVar[bool] = False
     # Sized by a budget (``4x``, ``tokens_N``); the fields the budget decides, which a config may not set.
     takes_budget: ClassVar[bool] = True
     budget_fields: ClassVar[tuple[str, ...]] = ("capacity",)
@@ -94,6 +97,10 @@ class Policy:
     def check_layers(self, num_layers: int) -> None:
         """Raise a ValueError if the method cannot run on a model of ``num_layers`` layers (settings given per
         layer)."""
+
+    def bind_tokenizer(self, tokenizer) -> None:
+        """Read what the method needs of the model's tokenizer (KVzip: its reconstruction prompt). Most need
+        nothing."""
 
     def kept_sink(self) -> int:
         """Leading prompt tokens always kept (attention sinks)."""
@@ -182,13 +189,7 @@ class Policy:
         forced |= (real_len <= budget)[:, None, None]
         scores = raw.masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf"))
         counts = torch.minimum(self.allocate(scores, budget, view.layer_idx), valid.sum(dim=-1))
-        keep = int(counts.max())
-        # Max pooling copies one score to its neighbours, so ties are common: a stable sort breaks them towards the
-        # earlier token, deterministically.
-        indices = scores.sort(dim=-1, descending=True, stable=True).indices[..., :keep]
-        # Kept tokens first in text order, then the picks beyond a head's count (padding, or a head that keeps less).
-        unused = torch.arange(keep, device=keys.device) >= counts[..., None]
-        return (indices + n * unused).sort(dim=-1).values % n, counts, raw
+        return best_in_order(scores, counts), counts, raw
 
     def settings(self) -> dict:
         """The method's settings as the result tables record them (what builds it again from a config). A setting
@@ -204,6 +205,17 @@ class Policy:
     def config(self) -> dict:
         """Flat description of the method, for result tables."""
         return {"method": self.name, "capacity": self.cache_capacity(), **self.settings()}
+
+
+def best_in_order(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Each head's ``counts`` best ``scores`` ``[B, H, n]``, as indices ``[B, H, max count]`` in text order, the picks
+    beyond a head's own count (padding, or a head that keeps less) last."""
+    n, keep = scores.shape[-1], int(counts.max())
+    # Max pooling copies one score to its neighbours, so ties are common: a stable sort breaks them towards the
+    # earlier token, deterministically.
+    indices = scores.sort(dim=-1, descending=True, stable=True).indices[..., :keep]
+    unused = torch.arange(keep, device=scores.device) >= counts[..., None]
+    return (indices + n * unused).sort(dim=-1).values % n
 
 
 def named_settings(policy: Policy) -> dict:

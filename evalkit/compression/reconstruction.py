@@ -1,0 +1,91 @@
+"""A method's passes of its own after the prefill (``extra_passes``: KVzip's context reconstruction).
+
+The prompt's prefill leaves every layer whole (the cache defers their compression). Then, one row at a time, the
+model runs each of the policy's passes (:meth:`passes`: inputs of its own after the row's prompt) over a cache that
+holds the row's prompt as views of the session's tensors: each layer's attention goes to :meth:`pass_scores`, which
+scores a span of the prompt, and the layer's pass tokens are dropped as soon as it is scored, so a pass holds one
+layer's copy at a time beside the whole prompt. With every span scored, :meth:`allocate_layers` sizes every layer
+and KV head of the row at once and each layer keeps its best tokens. The bytes the passes hold count in the prefill's
+peak (``kv_bytes_prefill_peak``).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from .attention import hooked, recording_inputs
+from .methods.base import best_in_order
+
+
+class PassCache(Cache):
+    """One row's prompt, as views of the session's layers; a pass's tokens are appended and dropped again."""
+
+    def __init__(self, prompt: list[tuple[torch.Tensor, torch.Tensor]]):
+        super().__init__(layers=[DynamicLayer() for _ in prompt])
+        self.prompt = prompt
+        self.reset()
+
+    def reset(self, layer_idx: int | None = None) -> None:
+        """Back to the prompt alone: every layer, or ``layer_idx``."""
+        for index in range(len(self.layers)) if layer_idx is None else (layer_idx,):
+            layer = self.layers[index]
+            layer.keys, layer.values = self.prompt[index]
+            layer.device, layer.dtype, layer.is_initialized = layer.keys.device, layer.keys.dtype, True
+
+    def pass_bytes(self) -> int:
+        """Bytes the layers hold beyond the prompt's views (their copies with a pass's tokens)."""
+        return sum(t.numel() * t.element_size() for layer, held in zip(self.layers, self.prompt)
+                   for t, view in zip((layer.keys, layer.values), held) if t is not view)
+
+
+class PassObserver:
+    """Handed to the attention hook as the model call's cache argument during a pass: each layer's attention is
+    scored by the policy, then the layer's pass tokens go."""
+
+    extra_pass = True  # what the hook recognises
+
+    def __init__(self, session, pass_cache: PassCache, scores: torch.Tensor, row: int, first: int, start: int,
+                 end: int, inputs: dict):
+        self.session, self.pass_cache, self.scores, self.row = session, pass_cache, scores, row
+        self.first, self.start, self.end, self.inputs = first, start, end, inputs
+
+    def observe(self, module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> None:
+        layer_idx = module.layer_idx
+        cache = self.session.cache
+        cache.count_held_bytes(self.pass_cache.pass_bytes())
+        hidden = self.inputs.pop(layer_idx, [None])[-1]
+        span = cache.policy.pass_scores(module, query, keys, values, hidden, scaling, self.start, self.end)
+        self.scores[layer_idx, self.row, :, self.first + self.start : self.first + self.end] = span.float()[0]
+        self.pass_cache.reset(layer_idx)
+
+
+@torch.no_grad()
+def compress_by_passes(session, input_ids: torch.Tensor, key_valid: torch.Tensor, positions: torch.Tensor) -> None:
+    """Run the policy's passes over every row's prompt and compress every deferred layer (see the module)."""
+    cache, model, policy = session.cache, session.model, session.policy
+    layers = cache.layers
+    batch, n = input_ids.shape
+    scores = torch.zeros(len(layers), batch, layers[0].keys.shape[1], n, device=layers[0].keys.device)
+    inputs: dict[int, list[torch.Tensor]] = {}
+    for row in range(batch if cache.plan.compress else 0):  # (nothing to compress: every prompt is kept whole)
+        first = n - int(key_valid[row].sum())
+        prompt = [(layer.keys[row : row + 1, :, first:], layer.values[row : row + 1, :, first:]) for layer in layers]
+        pass_cache = PassCache(prompt)
+        after = int(positions[row].max()) + 1  # a pass goes on from the prompt's last position
+        for start, end, ids in policy.passes(input_ids[row, first:]):
+            ids = ids.to(input_ids.device)[None]
+            observer = PassObserver(session, pass_cache, scores, row, first, start, end, inputs)
+            with hooked(model), recording_inputs(model, inputs):
+                model(input_ids=ids, position_ids=after + torch.arange(ids.shape[1], device=ids.device)[None],
+                      past_key_values=pass_cache, use_cache=True, logits_to_keep=1, evalkit_cache=observer)
+            pass_cache.reset()
+    scores = scores.masked_fill(~key_valid.to(scores.device)[None, :, None], float("-inf"))
+    scores, counts = policy.allocate_layers(scores, key_valid.sum(dim=1).to(scores.device))  # counts [L, B, Hkv]
+    deferred, cache.deferred = cache.deferred, {}
+    for layer_idx, (module, scaling) in sorted(deferred.items()):
+        layer = layers[layer_idx]
+        query = layer.keys.new_empty(batch, 0, 0, layer.keys.shape[-1])
+        view = cache._view(layer_idx, module, query, layer.keys, layer.values, scaling)
+        indices = best_in_order(scores[layer_idx], counts[layer_idx])
+        cache.keep(layer_idx, view, query, indices, counts[layer_idx], scores[layer_idx])

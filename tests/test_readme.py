@@ -247,6 +247,33 @@ def test_the_model_paritys_evalkit_side_keeps_each_methods_share(tmp_path):
                 assert [len(head) for head in heads] == [share] * len(heads), key
 
 
+def test_the_kvzip_paritys_evalkit_side_keeps_the_models_share_and_prices_its_passes(tmp_path):
+    """The evalkit worker of `parity_kvzip.py` on its random Llama (SmolLM2's tokenizer, a chat-prefixed prompt): the
+    whole model keeps int(n * (1 - ratio)) tokens per head on average (per layer with layerwise), and KVzip's
+    prefill holds more KV bytes at its peak than SnapKV's, which holds less than a full cache."""
+    import json
+
+    sys.path.insert(0, str(README.parent / "benchmarks"))
+    from parity_kvzip import CASES, save_models
+
+    models = save_models(tmp_path, 300)
+    assert models, "SmolLM2's tokenizer is at hand in the test environment"
+    result = subprocess.run([sys.executable, str(README.parent / "benchmarks" / "parity_kvzip.py"), "--worker",
+                             "evalkit", "--model", str(models[0]), "--prompt", str(tmp_path / "random_llama.prompt.pt")],
+                            capture_output=True, text=True, timeout=600, cwd=README.parent)
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert {key.rsplit("@", 1)[0] for key in out["kept"]} == set(CASES)
+    for key, layers in out["kept"].items():
+        share = int(300 * (1 - float(key.rsplit("@", 1)[1])))
+        heads = [len(head) for layer in layers for head in layer]
+        assert sum(heads) == share * len(heads) and len(set(heads)) > 1, key  # the budget, unevenly shared
+        if "layerwise" in key:
+            assert all(sum(len(head) for head in layer) == share * len(layer) for layer in layers), key
+    bytes_ = {name: cost["bytes"] for name, cost in out["costs"].items()}
+    assert bytes_["kvzip"] == bytes_["kvzip_plus"] > bytes_["full"] > bytes_["snapkv"]
+
+
 def test_ci_runs_the_readmes_test_command():
     """.ci/run installs what the README's test command installs and runs the same tests (the fast tier)."""
     setup = next(line for line in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)

@@ -517,3 +517,55 @@ def kept_kvzip(model, prompt: torch.Tensor, capacity: int, prompts, chunk: int, 
         for _, layer, head, pos in sorted(entries)[:count]:
             kept[layer][head].add(pos)
     return kept
+
+
+QUEST: dict = {}  # the reference Quest's settings while it runs: page_size, capacity, dense_layers
+
+
+def _quest_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """Quest's decode step, one query head at a time in float64: pages of ``page_size`` keys from the first, each
+    scored by sum_d max(q_d * k_d) over the page's keys (the bound of its min/max box), the best min(max(3, capacity //
+    page_size), pages) read (ties to the earlier page); layers below ``dense_layers`` and multi-token steps read all."""
+    q_heads, q_len, k_len = query.shape[1], query.shape[2], key.shape[2]
+    group = q_heads // key.shape[1]
+    page = QUEST["page_size"]
+    out = torch.zeros(1, q_heads, q_len, value.shape[-1], dtype=torch.double)
+    for head in range(q_heads):
+        q, k, v = query[0, head].double(), key[0, head // group].double(), value[0, head // group].double()
+        for i in range(q_len):
+            visible = list(range(k_len - q_len + i + 1))
+            if q_len == 1 and module.layer_idx >= QUEST["dense_layers"]:
+                starts = list(range(0, k_len, page))
+                bounds = [sum(max(float(q[i, d] * k[j, d]) for j in range(s, min(s + page, k_len)))
+                              for d in range(k.shape[1])) for s in starts]
+                count = min(max(3, QUEST["capacity"] // page), len(starts))
+                best = sorted(range(len(starts)), key=lambda p: (-bounds[p], p))[:count]
+                visible = [j for p in best for j in range(starts[p], min(starts[p] + page, k_len))]
+            logits = torch.stack([q[i] @ k[j] for j in visible]) * scaling
+            out[0, head, i] = logits.softmax(dim=0) @ v[visible]
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+@torch.no_grad()
+def quest_generate(model, prompt: torch.Tensor, new: int, page_size: int, capacity: int, dense_layers: int):
+    """Greedy decoding with a full cache and Quest's reading rule (the reference attention above): the tokens and
+    each step's logits."""
+    from transformers import AttentionInterface, DynamicCache
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register("reference_quest", _quest_attention)
+    AttentionMaskInterface.register("reference_quest", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    QUEST.update(page_size=page_size, capacity=capacity, dense_layers=dense_layers)
+    original = model.config._attn_implementation
+    model.config._attn_implementation = "reference_quest"
+    cache, tokens, logits = DynamicCache(config=model.config), [], []
+    try:
+        out = model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        for _ in range(new):
+            logits.append(out.logits[0, -1].float())
+            tokens.append(int(logits[-1].argmax()))
+            out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True)
+    finally:
+        model.config._attn_implementation = original
+        QUEST.clear()
+    return tokens, torch.stack(logits)

@@ -17,6 +17,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from .kernels import attention_with_sums
+from .layout import additive_mask
 from .model_spec import attention_modules, attention_sinks, family_eager
 from .prefill_store import LayerCall, RecordedPrefill
 
@@ -89,6 +90,8 @@ def _hooked_attention(delegate, eager: bool):
             layer, step = cache.layers[module.layer_idx], cache.step.on(key.device)
             attention_mask = layer.layout.decode_mask(layer, step, attention_mask, query.shape[1],
                                                       query.dtype if eager else None)
+            if layer.layout.policy.selects_while_decoding:
+                attention_mask = _selected(layer.layout.policy, module, query, key, attention_mask, eager)
         forward = family_eager(module, delegate) if eager else delegate
         output = forward(module, query, key, value, attention_mask, **kwargs)
         if cache is not None and cache.plan is not None:
@@ -99,6 +102,19 @@ def _hooked_attention(delegate, eager: bool):
         return output
 
     return attention
+
+
+def _selected(policy, module, query, key, mask, eager: bool):
+    """``mask`` (None: every slot; bool ``[B, 1 or H, q, S]``; additive under eager) narrowed to the slots the
+    policy lets this step read (:meth:`~.methods.base.Policy.decode_visible`)."""
+    batch, slots = query.shape[0], key.shape[2]
+    visible = (torch.ones(batch, 1, 1, slots, dtype=torch.bool, device=key.device) if mask is None
+               else mask == 0 if eager else mask)
+    chosen = policy.decode_visible(query, key, visible[:, :, -1], module.layer_idx)
+    if chosen is None:
+        return mask
+    visible = visible & chosen[:, :, None]
+    return additive_mask(visible, query.dtype) if eager else visible
 
 
 def _record(cache, module, query, key, value, scaling: float) -> None:

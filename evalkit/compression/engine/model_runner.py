@@ -36,7 +36,7 @@ class ModelRunner:
         # Row layouts keep an eager model's own attention (which takes an additive mask); per-head layouts need the
         # engine's masks.
         eager = model.config._attn_implementation == "eager"
-        self.own_attention = not eager or pool.head_layouts
+        self.own_attention = not eager or pool.head_layouts or pool.policy.selects_while_decoding
         self.compile, self.backend, self.mode = compile, backend, mode
         self._step_fn = None
 

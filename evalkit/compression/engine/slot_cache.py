@@ -24,9 +24,13 @@ def decode_attention(module, query, key, value, attention_mask, dropout: float =
     attention_mask = layer.layout.packed_mask(layer, attention_mask)
     groups = query.shape[1] // key.shape[1]
     batch, _, _, dim = query.shape
+    chosen = layer.layout.policy.decode_visible(query, key, attention_mask[:, :, -1], module.layer_idx)
+    if chosen is not None:  # the slots the policy lets this step read (Quest), per query head: [B, Hkv, G, S]
+        attention_mask = attention_mask & chosen.view(batch, key.shape[1], groups, -1)
     sinks = attention_sinks(module)
     if sinks is not None:  # learned sinks (gpt-oss): the family's own eager attention
-        mask = attention_mask.repeat_interleave(query.shape[1] // attention_mask.shape[1], dim=1)
+        mask = (attention_mask.reshape(batch, query.shape[1], 1, -1) if chosen is not None else
+                attention_mask.repeat_interleave(query.shape[1] // attention_mask.shape[1], dim=1))
         output, _ = family_eager(module, None)(module, query, key, value, additive_mask(mask, query.dtype),
                                                dropout=dropout, scaling=scaling, **kwargs)
     else:

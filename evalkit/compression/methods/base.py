@@ -65,6 +65,8 @@ class Policy:
     # Scores the prompt by running the model again over inputs of its own after the prefill (KVzip's context
     # reconstruction, :mod:`..reconstruction`): every layer is sized and compressed once all the passes have run.
     extra_passes: ClassVar[bool] = False
+    # Keeps every token but lets each decode step attend to part of them (Quest): :meth:`decode_visible`.
+    selects_while_decoding: ClassVar[bool] = False
     # Sized by a budget (``4x``, ``tokens_N``); the fields the budget decides, which a config may not set.
     takes_budget: ClassVar[bool] = True
     budget_fields: ClassVar[tuple[str, ...]] = ("capacity",)
@@ -162,6 +164,13 @@ class Policy:
         """The kept ``keys`` and ``values`` ``[B, Hkv, kept, D]`` (the prompt tokens ``indices`` names, the first
         ``counts`` of each head real) as the cache will hold them. Runs after :meth:`select` where ``rewrites``."""
         return keys, values
+
+    def decode_visible(self, query: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
+                       layer_idx: int) -> torch.Tensor | None:
+        """The held slots a decode step's attention reads, ``[B, Hq, S]`` bool (None: every visible one). ``query``
+        ``[B, Hq, q, D]`` (post-RoPE), ``keys`` ``[B, Hkv, S, D]`` (this step's written), ``visible`` ``[B, 1 or Hkv,
+        S]`` the slots the step may see. Runs before the attention where ``selects_while_decoding``."""
+        return None
 
     def decode_evict(self, view: DecodeView) -> torch.Tensor | None:
         """Slots to free after this decode step, ``[B, Hkv, S]`` bool, or None."""

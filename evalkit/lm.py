@@ -172,9 +172,14 @@ class EvalkitLM(LM):
         for stop in prepared["until"]:
             if stop and stop in decoded:
                 decoded = decoded[: decoded.index(stop)]
+        request = prepared["request"]
+        compressed = request.compress_prefix or completion.stats["prompt_tokens"]  # the tokens compression saw
+        kept = completion.stats["kept_prompt_tokens"]
         stats = {**completion.stats, "truncated": prepared["truncated"], "compression_scope": self.prompts.compression_scope,
-                 "kv_bytes_predicted": self.cost.predicted_bytes(prepared["request"], completion.stats),
-                 "over_budget": self.cost.over_budget(completion.stats)}
+                 "kv_bytes_predicted": self.cost.predicted_bytes(request, completion.stats),
+                 "over_budget": self.cost.over_budget(completion.stats, compressed),
+                 # kvpress' compression_ratio, realized: the fraction of the compressed tokens removed
+                 "compression_ratio": 1 - sum(kept) / len(kept) / compressed if kept else None}
         if self.fidelity_tokens:
             ids = prepared["request"].input_ids[None].to(self.device)
             stats |= ec.fidelity(self.model, ids, self.policy, max_new_tokens=self.fidelity_tokens,

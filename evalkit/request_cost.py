@@ -14,11 +14,13 @@ class RequestCost:
         self.model, self.policy = model, policy
         self._geometry = None  # evalkit.memory's view of the model (False: it cannot price this one)
 
-    def over_budget(self, stats: dict, tolerance: float = 0.01) -> bool | None:
+    def over_budget(self, stats: dict, compressed: int | None = None, tolerance: float = 0.01) -> bool | None:
         """Whether the request's cache held more than the policy's capacities allow (by more than ``tolerance``):
         the kept prompt tokens (mean over layers and heads: PyramidKV's and AdaKV's uneven shares average to the
         budget) against the prompt capacity, the peak against the cache capacity. None without a capacity."""
-        prompt_cap, cache_cap = self.policy.prompt_capacity(), self.policy.cache_capacity()
+        # a fraction of each prompt removed: the size of this one (its ``compressed`` tokens; default the prompt)
+        policy = self.policy if self.policy.removed is None else self.policy.for_prompt(compressed or stats["prompt_tokens"])
+        prompt_cap, cache_cap = policy.prompt_capacity(), policy.cache_capacity()
         if prompt_cap is None and cache_cap is None:
             return None
         kept = stats.get("kept_prompt_tokens") or []
@@ -40,6 +42,7 @@ class RequestCost:
             return None
         prompt = int(measured["prompt_tokens"])
         tail = prompt - request.compress_prefix if request.compress_prefix is not None else 0
+        policy = self.policy.for_prompt(prompt - tail)  # a fraction of each prompt removed: this prompt's size
         return float(self._geometry.request_kv_bytes(
             prompt, int(measured["generated_tokens"]), str(self.model.dtype).removeprefix("torch."),
-            self.policy.prompt_capacity(), self.policy.cache_capacity(), uncompressed_tail=tail))
+            policy.prompt_capacity(), policy.cache_capacity(), uncompressed_tail=tail))

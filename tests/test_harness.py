@@ -48,7 +48,8 @@ def test_budget_is_a_plain_key_and_the_appending_form_still_works():
     assert plain.flat_config() == appended.flat_config() and plain.policy.cache_capacity() == 64
     assert spec_for("+budget=4x", "~budget").budget is None  # ~budget: no budget, the full-cache baseline
     assert spec_for("budget=tokens_100").policy.cache_capacity() == 100
-    with pytest.raises(ConfigError, match="budget must look like '4x', '2.5x' or 'tokens_4096', got '3q'"):
+    with pytest.raises(ConfigError, match="budget must look like '4x', '2.5x', 'tokens_4096' or 'removed_0.75' "
+                                          "\\(kvpress' compression_ratio\\), got '3q'"):
         spec_for("budget=3q")
 
 

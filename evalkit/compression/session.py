@@ -59,15 +59,30 @@ class CompressionSession:
             raise ValueError(f"{policy.name} cannot score a latent (MLA) cache: {policy.latent_refusal}")
         policy.check_layers(model.config.num_hidden_layers)
         self.model = model
-        self.policy = policy
-        self.cache = CompressedCache(policy, model.config.num_hidden_layers, rotary_embedding(model),
-                                     layer_policies(model, policy))
-        self.layout = layout_of(policy)  # the row's: per-head layouts only count its tokens
-        self.evicting = any(p.evicts_while_decoding for p in self.cache.layer_policies)
+        self._build(policy)
         if policy.extra_passes and any(p is not policy for p in self.cache.layer_policies):
             raise ValueError(f"{policy.name} runs passes over every layer's whole prompt; this model's sliding-window "
                              "layers keep only their window")
         self.eager = model.config._attn_implementation == "eager"
+
+    def _build(self, policy: Policy) -> None:
+        self.policy = policy
+        self.cache = CompressedCache(policy, self.model.config.num_hidden_layers, rotary_embedding(self.model),
+                                     layer_policies(self.model, policy))
+        self.layout = layout_of(policy)  # the row's: per-head layouts only count its tokens
+        self.evicting = any(p.evicts_while_decoding for p in self.cache.layer_policies)
+
+    def _size_for_prompt(self, real_len: torch.Tensor) -> None:
+        """Under a fraction of each prompt removed (kvpress' ``compression_ratio``), the method sized by this
+        prompt's length: one length per batch."""
+        lengths = set(real_len.tolist())
+        if len(lengths) > 1:
+            raise ValueError(f"removing {self.policy.removed} of each prompt sizes the method by the prompt's own "
+                             "length; this batch's prompts differ in length: prefill them one at a time (the engine "
+                             "does)")
+        targets = self.cache.targets
+        self._build(self.policy.for_prompt(lengths.pop()))
+        self.cache.targets = targets
 
     @property
     def state(self) -> RowState:
@@ -105,6 +120,8 @@ class CompressionSession:
         real_len = key_valid.sum(dim=1)
         if bool((real_len == 0).any()):
             raise ValueError("every row of input_ids needs at least one unmasked token")
+        if self.policy.removed is not None:
+            self._size_for_prompt(real_len)
         n = input_ids.shape[1]
         capacity = self.policy.prompt_capacity()
         keep = min(n, capacity) if capacity is not None else n

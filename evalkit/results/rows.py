@@ -90,7 +90,7 @@ def task_rows(results: dict, task: str, stats: dict[tuple, dict], reasoning: dic
 
 # A request's statistics (the adapter's), copied into its sample row in this order.
 STAT_COLUMNS = ("prompt_tokens", "generated_tokens", "kept_prompt_tokens", "peak_cache_tokens", "tokens_seen",
-                "realized_ratio", "truncated", "token_agreement", "first_divergence", "kl_mean", "spec_kept_tokens",
+                "realized_ratio", "compression_ratio", "truncated", "token_agreement", "first_divergence", "kl_mean", "spec_kept_tokens",
                 "draft_seconds", "prefill_seconds", "decode_seconds", "time_to_first_token_s", "reserved_cache_tokens")
 
 

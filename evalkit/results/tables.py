@@ -96,6 +96,7 @@ SAMPLE_COLUMNS: dict[str, pa.DataType] = {
     "peak_cache_tokens": pa.float64(),
     "tokens_seen": pa.int64(),
     "realized_ratio": pa.float64(),
+    "compression_ratio": pa.float64(),  # kvpress': the fraction of the compressed prompt tokens removed (realized)
     "truncated": pa.bool_(),
     "token_agreement": pa.float64(),
     "first_divergence": pa.int64(),

@@ -82,8 +82,28 @@ class Policy:
                             f"{cls.__module__}.{cls.__qualname__}")
         REGISTRY[name] = cls
 
+    # kvpress' ``compression_ratio`` (a ``removed_R`` budget): the fraction of each prompt removed. The method is then
+    # sized for every prompt by its own length (:meth:`for_prompt`); ``capacity`` is the longest prompt's.
+    removed: ClassVar[float | None] = None
+
     def __post_init__(self) -> None:
         check(self)
+
+    def for_prompt(self, n: int) -> Policy:
+        """The method as it compresses an ``n``-token prompt: itself, or under a ``removed`` fraction the same
+        method keeping ``int(n * (1 - removed))`` of the prompt."""
+        if self.removed is None:
+            return self
+        keep = max(1, int(n * (1 - self.removed)))
+        try:
+            sized = dataclasses.replace(self, capacity=keep)
+        except ValueError as error:
+            raise ValueError(f"removing {self.removed} of a {n}-token prompt keeps {keep} of them, too few for "
+                             f"{self.name}: {error}") from None
+        for name, value in vars(self).items():  # what was bound at run time (KVzip's prompt), not the fraction
+            if name != "removed" and name not in vars(sized):
+                setattr(sized, name, value)
+        return sized
 
     @classmethod
     def from_config(cls, capacity: int, **params) -> Policy:

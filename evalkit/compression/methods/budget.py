@@ -33,7 +33,8 @@ def method_params(method: str) -> tuple[str, ...]:
 
 
 def policy_from_budget(method: str, budget: str | None, max_context: int, **params) -> Policy:
-    """Build the policy ``method`` sized by ``budget`` against ``max_context``.
+    """Build the policy ``method`` sized by ``budget`` against ``max_context`` (a ``removed_R`` budget: sized again
+    for every prompt, see :meth:`Policy.for_prompt`; prompt methods only).
 
     ``full`` takes no budget. Each method's ``from_config`` says what the capacity becomes: ``streaming_llm`` spends it
     on ``sink`` + ``window`` (window = capacity - sink); every other method takes it as its ``capacity`` (the prompt capacity of growing methods such as SnapKV, the
@@ -48,4 +49,11 @@ def policy_from_budget(method: str, budget: str | None, max_context: int, **para
         return cls.from_config(None, **params)
     if budget is None:
         raise ValueError(f"method {method!r} needs a budget (e.g. '4x' or 'tokens_4096')")
-    return cls.from_config(budget_capacity(budget, max_context), **params)
+    policy = cls.from_config(budget_capacity(budget, max_context), **params)
+    removed = budget_grammar.removed(budget)
+    if removed is not None:
+        if policy.cache_capacity() is not None or "capacity" not in policy.budget_fields:
+            raise ValueError(f"budget {budget} removes a fraction of each prompt (kvpress' compression_ratio); "
+                             f"{method} keeps a cache of a fixed size: give it Nx or tokens_N")
+        policy.removed = removed
+    return policy

@@ -45,6 +45,8 @@ CASES = {
     "non_causal_attention": (lambda kp, r: kp.NonCausalAttnPress(compression_ratio=r),
                              lambda ec, c: ec.NonCausalAttention(capacity=c)),
     "leverage": (lambda kp, r: kp.LeverageScorePress(compression_ratio=r), lambda ec, c: ec.LeverageScore(capacity=c)),
+    "streaming_llm": (lambda kp, r: kp.StreamingLLMPress(compression_ratio=r, n_sink=4),
+                      lambda ec, c: ec.StreamingLLM(sink=4, window=c - 4)),
 }
 
 

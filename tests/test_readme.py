@@ -274,6 +274,35 @@ def test_the_kvzip_paritys_evalkit_side_keeps_the_models_share_and_prices_its_pa
     assert bytes_["kvzip"] == bytes_["kvzip_plus"] > bytes_["full"] > bytes_["snapkv"]
 
 
+def test_the_wrapper_paritys_evalkit_side_keeps_each_share_and_rewrites_what_it_keeps(tmp_path):
+    """The evalkit worker of `parity_wrappers.py` on its saved model, pattern and curve (its 600-token prompt): the
+    rewriting methods keep int(n * (1 - ratio)) keys and values per head; SimLayerKV shortens some layers, not all;
+    prefill+decoding keeps its share after prefill, then generates its 100 greedy tokens."""
+    import json
+
+    sys.path.insert(0, str(README.parent / "benchmarks"))
+    from parity_model import save_model
+    from parity_wrappers import REWRITING, RATIOS, STEPS, save_files
+
+    save_model(tmp_path, 600)
+    save_files(tmp_path)
+    result = subprocess.run([sys.executable, str(README.parent / "benchmarks" / "parity_wrappers.py"), "--worker",
+                             "evalkit", "--model", str(tmp_path)], capture_output=True, text=True, timeout=600,
+                            cwd=README.parent)
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert {key.rsplit("@", 1)[0] for key in out["caches"]} == set(REWRITING)
+    for key, layers in out["caches"].items():
+        share = int(600 * (1 - float(key.rsplit("@", 1)[1])))
+        assert all(len(head["kept"]) == len(head["keys"]) == share for heads in layers for head in heads), key
+    lazy = [len(heads[0]) for heads in out["kept"]["simlayerkv@-"]]
+    assert min(lazy) < 600 == max(lazy)
+    for ratio in RATIOS:
+        share = int(600 * (1 - ratio))
+        assert all(len(head) == share for heads in out["kept"][f"prefill_decoding@{ratio}"] for head in heads)
+        assert len(out["tokens"][str(ratio)]) == STEPS
+
+
 def test_ci_runs_the_readmes_test_command():
     """.ci/run installs what the README's test command installs and runs the same tests (the fast tier)."""
     setup = next(line for line in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)

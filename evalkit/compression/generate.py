@@ -146,14 +146,12 @@ def generate(model, input_ids: torch.LongTensor, policy: Policy, attention_mask:
     if tokenizer is not None:
         policy.bind_tokenizer(tokenizer)
     eos = eos_ids(stop_token_ids(model, tokenizer) if eos_token_id is None else eos_token_id)
-    if pad_token_id is None:
-        pad_token_id = int(eos[0]) if eos is not None else 0
+    pad_token_id = (int(eos[0]) if eos is not None else 0) if pad_token_id is None else pad_token_id
     choose = _chooser(do_sample, temperature, top_p, seed, input_ids.device)
     stop = stop_criteria(tokenizer, stop_strings, input_ids.shape[1]) if stop_strings else None
     session, logits, prefill_seconds = prefill(model, policy, input_ids, attention_mask, compress_prefix, position_ids,
                                                prefill_chunk, prefill_chunk_mode)
-    unfinished = torch.ones(len(input_ids), dtype=torch.bool)
-    generated = torch.zeros(len(input_ids), dtype=torch.long)
+    unfinished, generated = torch.ones(len(input_ids), dtype=torch.bool), torch.zeros(len(input_ids), dtype=torch.long)
     sequences, all_logits = input_ids, []
     for step in range(max_new_tokens):
         if return_logits:

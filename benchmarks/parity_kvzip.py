@@ -15,9 +15,7 @@ method's prefill time and the most KV bytes its prefill held (``kv_bytes_prefill
 
 from __future__ import annotations
 
-import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +36,7 @@ CASES = {
 def kept_by_kvpress(model, prompt) -> dict:
     import kvpress
     import torch
-    from parity_model import _held, full_keys
+    from parity_model import full_keys, kept_in_cache
     from transformers import DynamicCache
 
     full, out = full_keys(model, prompt), {}
@@ -48,13 +46,7 @@ def kept_by_kvpress(model, prompt) -> dict:
             cache = DynamicCache()
             with torch.no_grad(), press(model):
                 model(input_ids=prompt, past_key_values=cache, use_cache=True)
-            kept = []
-            for index, layer in enumerate(cache.layers):
-                masked = model.model.layers[index].self_attn.masked_key_indices
-                valid = torch.ones(layer.keys.shape[1], layer.keys.shape[2], dtype=torch.bool)
-                valid[masked[1], masked[2]] = False
-                kept.append(_held(full[index], layer.keys, valid))
-            out[f"{case}@{r}"] = kept
+            out[f"{case}@{r}"] = kept_in_cache(model, cache, full)
     return out
 
 
@@ -122,25 +114,13 @@ def save_models(folder: Path, length: int) -> list[Path]:
     return [random_llama, smollm2]
 
 
-def run_side(python: Path, side: str, model_dir: Path, prompt: Path) -> dict:
-    done = subprocess.run([str(python), __file__, "--worker", side, "--model", str(model_dir), "--prompt", str(prompt)],
-                          capture_output=True, text=True, env={"PYTHONPATH": str(HERE.parent), "PATH": "/usr/bin:/bin",
-                                                               "HF_HUB_OFFLINE": "1"})
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if not lines:
-        raise SystemExit(f"{side} worker failed: {done.stderr.strip()[-1500:]}")
-    return json.loads(lines[-1][7:])
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--length", type=int, default=600)
-    parser.add_argument("--venv", default=str(HERE.parent / ".kvpress-venv"))
-    parser.add_argument("--worker", choices=["kvpress", "evalkit"])
-    parser.add_argument("--model")
+    sys.path.insert(0, str(HERE))
+    from parity_model import model_parser
+
+    parser = model_parser(__doc__.splitlines()[0])
     parser.add_argument("--prompt")
     args = parser.parse_args()
-    sys.path.insert(0, str(HERE))
     if args.worker:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -155,6 +135,8 @@ def main() -> None:
         print("RESULT " + json.dumps(result))
         return
     from bench_vs_kvpress import kvpress_python
+    from parity_model import agreement
+    from parity_scores import run_worker
 
     python = kvpress_python(Path(args.venv))
     if python is None:
@@ -162,16 +144,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         for model_dir in save_models(Path(folder), args.length):
             prompt = Path(folder) / f"{model_dir.name}.prompt.pt"
-            theirs = run_side(python, "kvpress", model_dir, prompt)
-            ours = run_side(Path(sys.executable), "evalkit", model_dir, prompt)
+            theirs, ours = (run_worker(side_python, Path(__file__), side, "--model", str(model_dir), "--prompt",
+                                       str(prompt)) for side, side_python in (("kvpress", python),
+                                                                              ("evalkit", Path(sys.executable))))
             label = "SmolLM2-135M-Instruct" if model_dir.name != "random_llama" else "random GQA Llama"
             print(f"\n{label}, {args.length}-token prompt\n{'method':<18} {'ratio':>5}  heads agreeing  positions differing")
             for key, kept in theirs.items():
-                pairs = [(set(a), set(b)) for la, lb in zip(kept, ours["kept"][key]) for a, b in zip(la, lb)]
-                same = sum(a == b for a, b in pairs)
-                differ = sum(len(a ^ b) for a, b in pairs) // 2
+                same, heads, differ = agreement(kept, ours["kept"][key])
                 case, ratio = key.rsplit("@", 1)
-                print(f"{case:<18} {ratio:>5}  {same}/{len(pairs):<13} {differ}")
+                print(f"{case:<18} {ratio:>5}  {same}/{heads:<13} {differ}")
             base = ours["costs"]["snapkv"]
             print(f"{'method':<18} prefill s  x SnapKV  prefill peak KV bytes  x SnapKV")
             for name, cost in ours["costs"].items():

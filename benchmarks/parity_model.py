@@ -83,15 +83,29 @@ def kept_by_kvpress(model, prompt) -> dict:
             torch.manual_seed(0)  # leverage's sketch: kvpress draws from the global generator
             with torch.no_grad(), press(model):
                 model(input_ids=prompt, past_key_values=cache, use_cache=True)
-            kept = []
-            for index, layer in enumerate(cache.layers):
-                masked = getattr(model.model.layers[index].self_attn, "masked_key_indices", None)
-                valid = torch.ones(layer.keys.shape[1], layer.keys.shape[2], dtype=torch.bool)
-                if masked is not None:
-                    valid[masked[1], masked[2]] = False
-                kept.append(_held(full[index], layer.keys, valid))
-            out[f"{case}@{r}"] = kept
+            out[f"{case}@{r}"] = kept_in_cache(model, cache, full)
     return out
+
+
+def kept_in_cache(model, cache, full) -> list[list[list[int]]]:
+    """Per layer and KV head, the positions of the full prefill's keys ``full`` that kvpress' ``cache`` holds and
+    its press did not mask (``masked_key_indices``)."""
+    import torch
+
+    kept = []
+    for index, layer in enumerate(cache.layers):
+        masked = getattr(model.model.layers[index].self_attn, "masked_key_indices", None)
+        valid = torch.ones(layer.keys.shape[1], layer.keys.shape[2], dtype=torch.bool)
+        if masked is not None:
+            valid[masked[1], masked[2]] = False
+        kept.append(_held(full[index], layer.keys, valid))
+    return kept
+
+
+def agreement(theirs: list, ours: list) -> tuple[int, int, int]:
+    """Kept positions per layer and head on both sides: the heads that agree, all heads, the positions that differ."""
+    pairs = [(set(a), set(b)) for la, lb in zip(theirs, ours) for a, b in zip(la, lb)]
+    return sum(a == b for a, b in pairs), len(pairs), sum(len(a ^ b) for a, b in pairs) // 2
 
 
 def kept_by_evalkit(model, prompt) -> dict:
@@ -125,12 +139,19 @@ def save_model(folder: Path, length: int) -> None:
     torch.save(torch.randint(3, 1000, (1, length), generator=torch.Generator().manual_seed(1)), folder / "prompt.pt")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def model_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments of the model-level parity scripts: the prompt's length, kvpress' environment, and a worker's
+    side and model folder."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--length", type=int, default=600)
     parser.add_argument("--venv", default=str(HERE.parent / ".kvpress-venv"))
     parser.add_argument("--worker", choices=["kvpress", "evalkit"])
     parser.add_argument("--model")
+    return parser
+
+
+def main() -> None:
+    parser = model_parser(__doc__.splitlines()[0])
     args = parser.parse_args()
     if args.worker:
         import torch
@@ -156,10 +177,8 @@ def main() -> None:
     for key, theirs in sides["kvpress"].items():
         ours = sides["evalkit"][key]
         case, ratio = key.rsplit("@", 1)
-        pairs = [(set(a), set(b)) for la, lb in zip(theirs, ours) for a, b in zip(la, lb)]
-        same = sum(a == b for a, b in pairs)
-        differ = sum(len(a ^ b) for a, b in pairs) // 2
-        print(f"{case:<22} {ratio:>5}  {same}/{len(pairs):<13} {differ}")
+        same, heads, differ = agreement(theirs, ours)
+        print(f"{case:<22} {ratio:>5}  {same}/{heads:<13} {differ}")
 
 
 if __name__ == "__main__":

@@ -254,15 +254,20 @@ def main() -> None:
         print(f"{case:<28} {ratio:>5}  {kept:>9}  {same}/{len(theirs)}             {differ:<19}  {ties}")
 
 
-def run_side(python: Path, side: str, tensors: Path | str, model: bool = False) -> dict:
-    """One side's worker in its own environment (``model``: parity_model.py's, given the model folder)."""
-    script, flag = (HERE / "parity_model.py", "--model") if model else (Path(__file__), "--tensors")
-    done = subprocess.run([str(python), str(script), "--worker", side, flag, str(tensors)], capture_output=True,
-                          text=True, env={"PYTHONPATH": str(HERE.parent), "PATH": "/usr/bin:/bin"})
+def run_worker(python: Path, script: Path, side: str, *args: str) -> dict:
+    """``script --worker side *args`` in ``python``'s environment (offline): the JSON of its ``RESULT`` line."""
+    done = subprocess.run([str(python), str(script), "--worker", side, *args], capture_output=True, text=True,
+                          env={"PYTHONPATH": str(HERE.parent), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if not lines:
         raise SystemExit(f"{side} worker failed: {done.stderr.strip()[-1500:]}")
     return json.loads(lines[-1][7:])
+
+
+def run_side(python: Path, side: str, tensors: Path | str, model: bool = False) -> dict:
+    """One side's worker in its own environment (``model``: parity_model.py's, given the model folder)."""
+    script, flag = (HERE / "parity_model.py", "--model") if model else (Path(__file__), "--tensors")
+    return run_worker(python, script, side, flag, str(tensors))
 
 
 if __name__ == "__main__":

@@ -34,9 +34,8 @@ otherwise.
 
 from __future__ import annotations
 
-import argparse
 import json
-import subprocess
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -133,21 +132,14 @@ def run_kvpress(model, prompt, files: Path) -> dict:
     import kvpress
     import torch
     from kvpress.presses.duo_attention_press import DuoAttentionPress
-    from parity_model import _held, full_keys
+    from parity_model import full_keys, kept_in_cache
     from transformers import DynamicCache
 
     DuoAttentionPress.load_attention_pattern = staticmethod(lambda model: local_duo_pattern(files / "duo"))
     full, n, out = full_keys(model, prompt), prompt.shape[1], {"kept": {}, "caches": {}, "tokens": {}}
 
     def kept(cache) -> list[list[list[int]]]:
-        result = []
-        for index, layer in enumerate(cache.layers):
-            masked = getattr(model.model.layers[index].self_attn, "masked_key_indices", None)
-            valid = torch.ones(layer.keys.shape[1], layer.keys.shape[2], dtype=torch.bool)
-            if masked is not None:
-                valid[masked[1], masked[2]] = False
-            result.append(_held(full[index], layer.keys, valid))
-        return result
+        return kept_in_cache(model, cache, full)
 
     for case, (make_press, snapkv, _, in_order) in REWRITING.items():
         for r in RATIOS:
@@ -225,31 +217,16 @@ def save_files(folder: Path) -> None:
     sys.path.insert(0, str(HERE.parent / "tests"))
     import learned_files
 
-    learned_files.ROOT.rmdir()  # its own temporary folder, made on import and still empty
-    learned_files.ROOT = folder
-    learned_files.duo_pattern(DUO_SCORES, sink=16, recent=64).rename(folder / "duo")
-    learned_files.lukv_curve(layers=len(DUO_SCORES), kv_heads=len(DUO_SCORES[0])).rename(folder / "lukv.npy")
-
-
-def run_side(python: Path, side: str, model_dir: str) -> dict:
-    """One side's worker (this file's: parity_scores.run_side runs parity_model.py's)."""
-    done = subprocess.run([str(python), __file__, "--worker", side, "--model", model_dir], capture_output=True,
-                          text=True, env={"PYTHONPATH": str(HERE.parent), "PATH": "/usr/bin:/bin",
-                                          "HF_HUB_OFFLINE": "1"})
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if not lines:
-        raise SystemExit(f"{side} worker failed: {done.stderr.strip()[-1500:]}")
-    return json.loads(lines[-1][7:])
+    shutil.copytree(learned_files.duo_pattern(DUO_SCORES, sink=16, recent=64), folder / "duo")
+    shutil.copy(learned_files.lukv_curve(layers=len(DUO_SCORES), kv_heads=len(DUO_SCORES[0])), folder / "lukv.npy")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--length", type=int, default=600)
-    parser.add_argument("--venv", default=str(HERE.parent / ".kvpress-venv"))
-    parser.add_argument("--worker", choices=["kvpress", "evalkit"])
-    parser.add_argument("--model")
-    args = parser.parse_args()
     sys.path.insert(0, str(HERE))
+    from parity_model import model_parser
+
+    parser = model_parser(__doc__.splitlines()[0])
+    args = parser.parse_args()
     if args.worker:
         import torch
         from transformers import AutoModelForCausalLM
@@ -260,7 +237,8 @@ def main() -> None:
         print("RESULT " + json.dumps(run(model, prompt, Path(args.model))))
         return
     from bench_vs_kvpress import kvpress_python
-    from parity_model import save_model
+    from parity_model import agreement, save_model
+    from parity_scores import run_worker
 
     python = kvpress_python(Path(args.venv))
     if python is None:
@@ -268,7 +246,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         save_model(Path(folder), args.length)
         save_files(Path(folder))
-        sides = {side: run_side(python if side == "kvpress" else Path(sys.executable), side, folder)
+        sides = {side: run_worker(python if side == "kvpress" else Path(sys.executable), Path(__file__), side,
+                                  "--model", folder)
                  for side in ("kvpress", "evalkit")}
     theirs, ours = sides["kvpress"], sides["evalkit"]
     print(f"{'method':<26} {'ratio':>5}  heads agreeing  positions differing  max |dkeys|  max |dvalues|")
@@ -282,10 +261,8 @@ def main() -> None:
             differ = sum(len(set(a["kept"]) ^ set(b["kept"])) for a, b in pairs) // 2
             print(f"{case:<26} {ratio:>5}  {len(same)}/{len(pairs):<13} {differ:<20} {dk:>11.2e}  {dv:>12.2e}")
             continue
-        pairs = [(set(a), set(b)) for la, lb in zip(theirs["kept"][key], ours["kept"][key]) for a, b in zip(la, lb)]
-        same = sum(a == b for a, b in pairs)
-        differ = sum(len(a ^ b) for a, b in pairs) // 2
-        print(f"{case:<26} {ratio:>5}  {same}/{len(pairs):<13} {differ:<20} {'-':>11}  {'-':>12}")
+        same, heads, differ = agreement(theirs["kept"][key], ours["kept"][key])
+        print(f"{case:<26} {ratio:>5}  {same}/{heads:<13} {differ:<20} {'-':>11}  {'-':>12}")
     for r, tokens in theirs["tokens"].items():
         agree = sum(a == b for a, b in zip(tokens, ours["tokens"][r]))
         print(f"prefill_decoding at {r}: the two sides' greedy tokens agree on {agree} of {STEPS} steps")

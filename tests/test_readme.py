@@ -282,7 +282,7 @@ def test_the_wrapper_paritys_evalkit_side_keeps_each_share_and_rewrites_what_it_
 
     sys.path.insert(0, str(README.parent / "benchmarks"))
     from parity_model import save_model
-    from parity_wrappers import REWRITING, RATIOS, STEPS, save_files
+    from parity_wrappers import RATIOS, REWRITING, STEPS, save_files
 
     save_model(tmp_path, 600)
     save_files(tmp_path)

@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 
-def evalkit(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+def evalkit(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run the `evalkit` CLI offline in ``cwd``."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.run(
-        [sys.executable, "-m", "evalkit.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "evalkit.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
 
 

@@ -247,6 +247,7 @@ def test_the_model_paritys_evalkit_side_keeps_each_methods_share(tmp_path):
                 assert [len(head) for head in heads] == [share] * len(heads), key
 
 
+@pytest.mark.slow
 def test_the_kvzip_paritys_evalkit_side_keeps_the_models_share_and_prices_its_passes(tmp_path):
     """The evalkit worker of `parity_kvzip.py` on its random Llama (SmolLM2's tokenizer, a chat-prefixed prompt): the
     whole model keeps int(n * (1 - ratio)) tokens per head on average (per layer with layerwise), and KVzip's

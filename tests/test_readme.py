@@ -223,6 +223,7 @@ def test_the_score_paritys_evalkit_side_keeps_each_methods_share(tmp_path):
     assert min(len(head) for key in ("threshold kvzap 0.0@-", "threshold kvzap 0.5@-") for head in kept[key]) < 236
 
 
+@pytest.mark.slow
 def test_the_model_paritys_evalkit_side_keeps_each_methods_share(tmp_path):
     """The evalkit worker of `parity_model.py` on its saved model and prompt: per case and ratio, every layer keeps
     int(n * (1 - ratio)) tokens per KV head (AdaKV's family: on average over the layer's heads)."""
@@ -275,6 +276,7 @@ def test_the_kvzip_paritys_evalkit_side_keeps_the_models_share_and_prices_its_pa
     assert bytes_["kvzip"] == bytes_["kvzip_plus"] > bytes_["full"] > bytes_["snapkv"]
 
 
+@pytest.mark.slow
 def test_the_wrapper_paritys_evalkit_side_keeps_each_share_and_rewrites_what_it_keeps(tmp_path):
     """The evalkit worker of `parity_wrappers.py` on its saved model, pattern and curve (its 600-token prompt): the
     rewriting methods keep int(n * (1 - ratio)) keys and values per head; SimLayerKV shortens some layers, not all;

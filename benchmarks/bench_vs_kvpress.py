@@ -145,16 +145,25 @@ def kvpress_python(venv: Path) -> Path | None:
     return python if subprocess.run(check, capture_output=True).returncode == 0 else None
 
 
-def run_side(python: Path, side: str, model_dir: Path, prompt_file: Path, new: int, repeats: int) -> dict:
-    env_path = str(HERE.parent)
-    done = subprocess.run([str(python), __file__, "--worker", side, "--model", str(model_dir), "--prompt",
-                           str(prompt_file), "--new", str(new), "--repeats", str(repeats)], capture_output=True, text=True,
-                          env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1",
+def run_worker(python: Path, script: Path, side: str, *args: str) -> dict:
+    """``script --worker side *args`` in ``python``'s environment (offline): what its worker :func:`report` ed."""
+    done = subprocess.run([str(python), str(script), "--worker", side, *args], capture_output=True, text=True,
+                          env={"PYTHONPATH": str(HERE.parent), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1",
                                "TOKENIZERS_PARALLELISM": "false"})
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if not lines:
         raise SystemExit(f"{side} worker failed: {done.stderr.strip()[-1500:]}")
     return json.loads(lines[-1][7:])
+
+
+def report(result) -> None:
+    """A worker's result, as the line :func:`run_worker` reads."""
+    print("RESULT " + json.dumps(result))
+
+
+def run_side(python: Path, side: str, model_dir: Path, prompt_file: Path, new: int, repeats: int) -> dict:
+    return run_worker(python, Path(__file__), side, "--model", str(model_dir), "--prompt", str(prompt_file), "--new",
+                      str(new), "--repeats", str(repeats))
 
 
 def main() -> None:
@@ -169,7 +178,7 @@ def main() -> None:
     parser.add_argument("--prompt", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, args.model, args.prompt, args.new, args.repeats)))
+        report(worker(args.worker, args.model, args.prompt, args.new, args.repeats))
         return
     python = kvpress_python(Path(args.venv))
     if python is None:

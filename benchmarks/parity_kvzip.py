@@ -15,7 +15,6 @@ method's prefill time and the most KV bytes its prefill held (``kv_bytes_prefill
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 import time
@@ -121,22 +120,17 @@ def main() -> None:
     parser = model_parser(__doc__.splitlines()[0])
     parser.add_argument("--prompt")
     args = parser.parse_args()
-    if args.worker:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    from bench_vs_kvpress import kvpress_python, report, run_worker
+    from parity_model import agreement, load_saved
 
-        model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa").eval()
-        prompt = torch.load(args.prompt)
+    if args.worker:
+        from transformers import AutoTokenizer
+
+        model, prompt = load_saved(args.model, args.prompt)
         if args.worker == "kvpress":
-            result = kept_by_kvpress(model, prompt)
-        else:
-            tokenizer = AutoTokenizer.from_pretrained(args.model)
-            result = {"kept": kept_by_evalkit(model, tokenizer, prompt), "costs": costs(model, tokenizer, prompt)}
-        print("RESULT " + json.dumps(result))
-        return
-    from bench_vs_kvpress import kvpress_python
-    from parity_model import agreement
-    from parity_scores import run_worker
+            return report(kept_by_kvpress(model, prompt))
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        return report({"kept": kept_by_evalkit(model, tokenizer, prompt), "costs": costs(model, tokenizer, prompt)})
 
     python = kvpress_python(Path(args.venv))
     if python is None:

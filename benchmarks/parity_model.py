@@ -16,7 +16,6 @@ positions that differ.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -139,6 +138,16 @@ def save_model(folder: Path, length: int) -> None:
     torch.save(torch.randint(3, 1000, (1, length), generator=torch.Generator().manual_seed(1)), folder / "prompt.pt")
 
 
+def load_saved(folder: str, prompt: str | None = None):
+    """The model :func:`save_model` wrote (sdpa attention) and its prompt (or the prompt file ``prompt``), as each
+    side's worker loads them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").eval()
+    return model, torch.load(prompt or Path(folder) / "prompt.pt")
+
+
 def model_parser(description: str) -> argparse.ArgumentParser:
     """The arguments of the model-level parity scripts: the prompt's length, kvpress' environment, and a worker's
     side and model folder."""
@@ -153,16 +162,13 @@ def model_parser(description: str) -> argparse.ArgumentParser:
 def main() -> None:
     parser = model_parser(__doc__.splitlines()[0])
     args = parser.parse_args()
-    if args.worker:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa").eval()
-        prompt = torch.load(Path(args.model) / "prompt.pt")
-        kept = kept_by_kvpress(model, prompt) if args.worker == "kvpress" else kept_by_evalkit(model, prompt)
-        print("RESULT " + json.dumps(kept))
-        return
     sys.path.insert(0, str(HERE))
+    if args.worker:
+        from bench_vs_kvpress import report
+
+        model, prompt = load_saved(args.model)
+        report(kept_by_kvpress(model, prompt) if args.worker == "kvpress" else kept_by_evalkit(model, prompt))
+        return
     from bench_vs_kvpress import kvpress_python
     from parity_scores import run_side
 

@@ -18,8 +18,6 @@ evalkit towards the earlier token).
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -217,7 +215,9 @@ def main() -> None:
     if args.worker:
         tensors = torch.load(args.tensors)
         kept = kept_by_kvpress(tensors) if args.worker == "kvpress" else kept_by_evalkit(tensors)
-        print("RESULT " + json.dumps(kept))
+        from bench_vs_kvpress import report
+
+        report(kept)
         return
     sys.path.insert(0, str(HERE))
     from bench_vs_kvpress import kvpress_python
@@ -254,18 +254,10 @@ def main() -> None:
         print(f"{case:<28} {ratio:>5}  {kept:>9}  {same}/{len(theirs)}             {differ:<19}  {ties}")
 
 
-def run_worker(python: Path, script: Path, side: str, *args: str) -> dict:
-    """``script --worker side *args`` in ``python``'s environment (offline): the JSON of its ``RESULT`` line."""
-    done = subprocess.run([str(python), str(script), "--worker", side, *args], capture_output=True, text=True,
-                          env={"PYTHONPATH": str(HERE.parent), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if not lines:
-        raise SystemExit(f"{side} worker failed: {done.stderr.strip()[-1500:]}")
-    return json.loads(lines[-1][7:])
-
-
 def run_side(python: Path, side: str, tensors: Path | str, model: bool = False) -> dict:
     """One side's worker in its own environment (``model``: parity_model.py's, given the model folder)."""
+    from bench_vs_kvpress import run_worker
+
     script, flag = (HERE / "parity_model.py", "--model") if model else (Path(__file__), "--tensors")
     return run_worker(python, script, side, flag, str(tensors))
 

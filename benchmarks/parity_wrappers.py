@@ -227,18 +227,12 @@ def main() -> None:
 
     parser = model_parser(__doc__.splitlines()[0])
     args = parser.parse_args()
-    if args.worker:
-        import torch
-        from transformers import AutoModelForCausalLM
+    from bench_vs_kvpress import kvpress_python, report, run_worker
+    from parity_model import agreement, load_saved, save_model
 
-        model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa").eval()
-        prompt = torch.load(Path(args.model) / "prompt.pt")
-        run = run_kvpress if args.worker == "kvpress" else run_evalkit
-        print("RESULT " + json.dumps(run(model, prompt, Path(args.model))))
-        return
-    from bench_vs_kvpress import kvpress_python
-    from parity_model import agreement, save_model
-    from parity_scores import run_worker
+    if args.worker:
+        model, prompt = load_saved(args.model)
+        return report((run_kvpress if args.worker == "kvpress" else run_evalkit)(model, prompt, Path(args.model)))
 
     python = kvpress_python(Path(args.venv))
     if python is None:

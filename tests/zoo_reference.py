@@ -569,3 +569,93 @@ def quest_generate(model, prompt: torch.Tensor, new: int, page_size: int, capaci
         model.config._attn_implementation = original
         QUEST.clear()
     return tokens, torch.stack(logits)
+
+
+RKV: dict = {}  # the reference R-KV's settings and state while it runs
+
+
+def rkv_scores(queries: torch.Tensor, keys: torch.Tensor, window: int, kernel: int, lam: float, threshold: float,
+               scaling: float) -> list[float]:
+    """R-KV's score of one KV head's held keys ``[L, D]`` (text order) from the window's queries ``[G, w, D]`` (the
+    query heads of its group), written from the reference's ``update_kv`` and ``cal_similarity`` in float64: the
+    last ``window`` keys are the window, the others get a score."""
+    keys, queries = keys.double(), queries.double()
+    held, prefix = keys.shape[0], keys.shape[0] - window
+    logits = torch.stack([queries[g] @ keys.T * scaling for g in range(queries.shape[0])]).amax(dim=0)  # [w, L]
+    importance = logits[:, :prefix].softmax(dim=-1).mean(dim=0)
+    pooled = [max(importance[max(0, i - kernel // 2): i + kernel // 2 + 1]) for i in range(prefix)]
+    normed = keys / (keys.norm(dim=-1, keepdim=True) + 1e-8)
+    cosine = normed @ normed.T
+    for i in range(held):
+        cosine[i, i] = 0.0
+        similar = [j for j in range(held) if cosine[i, j] > threshold]
+        cosine[i, similar[-1] if similar else 0] = 0.0
+    redundancy = cosine.mean(dim=0).softmax(dim=0)
+    return [float(pooled[i]) * lam - float(redundancy[i]) * (1 - lam) for i in range(prefix)]
+
+
+def _rkv_keep(layer: int, queries: torch.Tensor, keys: torch.Tensor) -> None:
+    """Compress every KV head of ``layer`` to R-KV's budget: its window and the best others."""
+    s = RKV
+    group = queries.shape[0] // keys.shape[0]
+    for head, held in enumerate(s["held"][layer]):
+        scores = rkv_scores(queries[head * group:(head + 1) * group, -s["window"]:], keys[head, held], s["window"],
+                            s["kernel"], s["lam"], s["threshold"], s["scaling"])
+        best = top(scores, s["budget"] - s["window"])
+        s["held"][layer][head] = sorted(held[i] for i in best) + held[len(held) - s["window"]:]
+
+
+def _rkv_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """Full-cache attention in float64 over the keys R-KV holds, each layer compressed after its attention as R-KV
+    compresses (the prompt once it reaches the budget; then every step whose token's position is a multiple of the
+    interval)."""
+    s, layer = RKV, module.layer_idx
+    q_len, k_len = query.shape[2], key.shape[2]
+    group = query.shape[1] // key.shape[1]
+    queries = s.setdefault("queries", {})
+    queries[layer] = torch.cat([queries[layer], query[0]], dim=1) if layer in queries else query[0]
+    held = s["held"].setdefault(layer, [list(range(k_len - q_len)) for _ in range(key.shape[1])])
+    for heads in held:
+        heads.extend(range(k_len - q_len, k_len))
+    out = torch.zeros(1, query.shape[1], q_len, value.shape[-1], dtype=torch.double)
+    for head in range(query.shape[1]):
+        visible = held[head // group]
+        for i in range(q_len):
+            seen = [j for j in visible if j <= k_len - q_len + i]
+            logits = query[0, head, i].double() @ key[0, head // group, seen].double().T * scaling
+            out[0, head, i] = logits.softmax(dim=0) @ value[0, head // group, seen].double()
+    position = k_len - 1
+    if len(held[0]) >= s["budget"] and (q_len > 1 or position % s["interval"] == 0):
+        _rkv_keep(layer, queries[layer], key[0])
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+@torch.no_grad()
+def rkv_generate(model, prompt: torch.Tensor, new: int, capacity: int, window: int, interval: int, kernel: int = 7,
+                 lam: float = 0.07, threshold: float = 0.5):
+    """Greedy decoding with a full cache read as R-KV holds it (the reference attention above): the tokens, each
+    step's logits and, per layer, the positions each KV head holds at the end."""
+    from transformers import AttentionInterface, DynamicCache
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register("reference_rkv", _rkv_attention)
+    AttentionMaskInterface.register("reference_rkv", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    RKV.update(budget=capacity - interval, window=window, interval=interval, kernel=kernel, lam=lam,
+               threshold=threshold, scaling=head_dim ** -0.5, held={})
+    original = config._attn_implementation
+    config._attn_implementation = "reference_rkv"
+    cache, tokens, logits = DynamicCache(config=config), [], []
+    try:
+        out = model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        for step in range(new):
+            logits.append(out.logits[0, -1].float())
+            tokens.append(int(logits[-1].argmax()))
+            if step < new - 1:
+                out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True)
+        held = [RKV["held"][layer] for layer in sorted(RKV["held"])]
+    finally:
+        config._attn_implementation = original
+        RKV.clear()
+    return tokens, torch.stack(logits), held

@@ -67,6 +67,9 @@ class Policy:
     extra_passes: ClassVar[bool] = False
     # Keeps every token but lets each decode step attend to part of them (Quest): :meth:`decode_visible`.
     selects_while_decoding: ClassVar[bool] = False
+    # Its ranking can serve a wrapper (AdaKV, DecodingSnapKV, ...); False where it is tied to the method's own sizing
+    # and schedule (R-KV keeps ``capacity - interval``).
+    wrappable: ClassVar[bool] = True
     # Sized by a budget (``4x``, ``tokens_N``); the fields the budget decides, which a config may not set.
     takes_budget: ClassVar[bool] = True
     budget_fields: ClassVar[tuple[str, ...]] = ("capacity",)

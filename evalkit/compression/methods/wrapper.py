@@ -55,7 +55,8 @@ def scorers() -> list[str]:
     """The registered methods that score tokens themselves, whose ranking any wrapper can take (wrappers nest too,
     where the outer one allows: see :meth:`Wrapper.refusal`)."""
     return sorted(name for name, cls in REGISTRY.items()
-                  if not issubclass(cls, Wrapper) and cls.needs_scores and cls.score is not Policy.score)
+                  if not issubclass(cls, Wrapper) and cls.needs_scores and cls.score is not Policy.score
+                  and cls.wrappable)
 
 
 @dataclasses.dataclass
@@ -105,6 +106,8 @@ class Wrapper(Policy):
             return "it allocates budgets itself"
         if cls.evicts_while_decoding and issubclass(cls, Wrapper):
             return "it takes a scorer itself"
+        if not cls.wrappable:
+            return "its ranking is tied to its own schedule and sizing"
         if cls.rewrites:
             return "it rewrites the cache it keeps, which only the outermost method may do"
         if not cls.needs_scores or cls.score is Policy.score:

@@ -287,8 +287,8 @@ def _pool(values: list[float], kernel_size: int, pooling: str) -> list[float]:
 
 @torch.no_grad()
 def simulate_decoding(model, policy, prompt: torch.Tensor, tokens: list[int], kept: dict[int, list[set[int]]]):
-    """Feed ``tokens`` after ``prompt`` with a full cache, each layer and head seeing only what ``policy`` (H2O, TOVA
-    or DecodingSnapKV) still holds by its definition. Returns the logits of each step and, after each step, the
+    """Feed ``tokens`` after ``prompt`` with a full cache, each layer and head seeing only what ``policy`` (H2O, TOVA,
+    DecodingSnapKV or SnapKV-D) still holds by its definition. Returns the logits of each step and, after each step, the
     positions held per layer and KV head."""
     scaling = module_scaling(model)
     run = full_run(model, prompt)
@@ -356,6 +356,18 @@ def _evict(policy, layer, per_head, query, keys, position, steps, scaling, sums,
             victim = order[min(range(len(order)), key=lambda i: (mean[i], i))]
             for heads in per_head:
                 heads.discard(victim)
+    elif isinstance(policy, ec.SnapKVD):  # the step's own attention over the tokens older than the window, pooled
+        for h, heads in enumerate(per_head):
+            order = sorted(heads)
+            if len(order) < policy.capacity:
+                continue
+            prefix = [j for j in order if j <= position - policy.window]
+            summed = [0.0] * len(prefix)
+            for g in range(group):
+                probabilities = _probabilities(query[h * group + g], keys[h], order, scaling)[: len(prefix)]
+                pooled = _pool(probabilities, policy.kernel_size, policy.pooling)
+                summed = [s + p / group for s, p in zip(summed, pooled)]
+            heads.discard(prefix[min(range(len(prefix)), key=lambda i: (summed[i], i))])
     elif isinstance(policy, ec.DecodingSnapKV) and policy.scorer.name != "snapkv":  # re-applying KNorm (the only one here)
         assert policy.scorer.name == "knorm", policy.scorer
         if steps % policy.interval:

@@ -29,6 +29,7 @@ DECODING = {
     "h2o": lambda: ec.H2O(capacity=21, recent=6),
     "tova": lambda: ec.TOVA(capacity=21),
     "decoding_snapkv": lambda: ec.DecodingSnapKV.from_config(40, window=4, kernel_size=3, interval=8),
+    "snapkv_d": lambda: ec.SnapKVD(capacity=21, window=4, kernel_size=3),
 }
 SIZED = {**PREFILL, **DECODING, "rkv": lambda: ec.RKV(capacity=40, window=4, interval=8, kernel_size=3),
          "pyramidkv": lambda: ec.PyramidKV.from_config(20, window=6, kernel_size=5),
@@ -226,6 +227,9 @@ def test_decode_eviction_follows_the_definition_at_every_step(llama, name):
     if name == "decoding_snapkv":
         prefill = kept_snapkv_budgets(__import__("baseline_reference").full_run(llama, prompt),
                                       {0: 32, 1: 32}, 4, 3, "max", module_scaling(llama))
+    elif name == "snapkv_d":
+        prefill = kept_snapkv_budgets(__import__("baseline_reference").full_run(llama, prompt),
+                                      {0: 20, 1: 20}, 4, 3, "avg", module_scaling(llama))
     else:
         prefill = kept_prompt(llama, policy, prompt)
     reference_logits, history = simulate_decoding(llama, policy, prompt, tokens[:-1], prefill)

@@ -84,3 +84,18 @@ def test_rkv_holds_what_the_reference_repository_held_at_every_step():
     assert rows[("short_prompt", "sorted_topk")] == ["True", "300/300", "None"]
     # as shipped: the first decode-time compression (position 384 = 300 + 85 - 1; 128 = 60 + 69 - 1)
     assert rows[("long_prompt", "as_shipped")][2] == "85" and rows[("short_prompt", "as_shipped")][2] == "69"
+
+
+@pytest.mark.parametrize("policy", [ec.Full(), ec.RKV(capacity=48, window=4, interval=16, kernel_size=3),
+                                    ec.SnapKVD(capacity=40, window=8, kernel_size=3)], ids=lambda p: p.name)
+def test_engine_rows_say_whether_a_trace_hit_its_limit_and_price_its_byte_seconds(model, policy):
+    prompts = [random_prompt(50, seed=s)[0] for s in (1, 2)]
+    done = ec.Engine(model, policy, slots=2).run([ec.Request(prompts[0], max_new_tokens=NEW),
+                                                  ec.Request(prompts[1], max_new_tokens=NEW + 10)])
+    for completion in done:
+        stats = completion.stats
+        assert stats["hit_limit"] is True and stats["generated_tokens"] in (NEW, NEW + 10)
+        prefill = stats["kv_bytes_prefill_peak"] * stats["prefill_seconds"]
+        assert prefill < stats["kv_byte_seconds"] <= prefill + stats["kv_bytes_peak"] * stats["decode_seconds"]
+        if policy.name != "full":
+            assert stats["kv_bytes_peak"] < stats["kv_bytes_full"]  # it held less than a full cache

@@ -185,3 +185,38 @@ def test_a_ruler_group_run_gets_a_task_by_length_heatmap(tmp_path):
     paths = write_report(tmp_path, iterations=100)
     assert paths["ruler"].read_bytes()[:4] == b"\x89PNG" and "ruler_heatmap.png" in paths["markdown"].read_text()
     assert heatmap_axes("ruler", samples.assign(subset="niah_single_1"), registry=True) is None  # one level: none
+
+
+def test_trace_costs_against_the_full_cache_flag_what_held_less_but_spent_more(tmp_path):
+    """Generated lengths, limit hits, accuracy per token and byte-seconds per correct answer, from the samples; the
+    ratios against the full cache; a configuration that holds a quarter of the bytes per step but writes traces 5x
+    longer (at the limit) spends more byte-seconds in total and is flagged, in the table and in the report."""
+    runs = {  # method, budget: (generated tokens per sample, hit the limit, correct of 10, KV bytes held, seconds)
+        ("full", None): (100, False, 8, 400.0, 1.0),
+        ("h2o", "4x"): (500, True, 5, 100.0, 5.0),
+        ("snapstream", "4x"): (110, False, 8, 100.0, 1.1),
+    }
+    for index, ((method, budget), (length, hit, correct, held, seconds)) in enumerate(runs.items()):
+        config = {"run_id": f"run{index}", "model": "tiny", "task": "math500", "method": method, "budget": budget}
+        samples = [{"doc_id": doc, "sample_id": str(doc), "repeat": 0, "score": float(doc < correct),
+                    "generated_tokens": length, "hit_limit": hit, "kv_bytes_peak": int(held),
+                    "kv_byte_seconds": held * seconds} for doc in range(10)]
+        metrics = [{"subset": "all", "metric": "pass@1", "value": correct / 10, "stderr": 0.1, "n": 10},
+                   {"subset": "all", "metric": "kv_bytes_peak_mean", "value": held, "stderr": None, "n": 10}]
+        write_table(samples_table(samples, config), tmp_path, "samples", config["run_id"])
+        write_table(metrics_table(metrics, config), tmp_path, "metrics", config["run_id"])
+    table = summarize(pd.read_parquet(tmp_path / "metrics"), pd.read_parquet(tmp_path / "samples"), 200)
+    row = table.set_index("method").loc
+    assert row["full", "generated_tokens_mean"] == 100 and row["full", "hit_limit_share"] == 0.0
+    assert row["h2o", "hit_limit_share"] == 1.0 and row["h2o", "length_ratio"] == 5.0
+    assert row["h2o", "accuracy_per_1k_tokens"] == pytest.approx(1000 * 5 / 5000)
+    assert row["h2o", "kv_byte_seconds_per_correct"] == pytest.approx(10 * 500.0 / 5)
+    assert row["h2o", "kv_byte_seconds_ratio"] == pytest.approx(5000 / 4000)
+    assert row["h2o", "spent_more_in_total"] is True or bool(row["h2o", "spent_more_in_total"])
+    assert not bool(row["snapstream", "spent_more_in_total"])  # a quarter per step, about a quarter in total
+    assert row["snapstream", "length_ratio"] == pytest.approx(1.1)
+    paths = write_report(tmp_path, tmp_path / "report", iterations=200)
+    text = paths["markdown"].read_text()
+    assert "## Held less per step, spent more in total" in text and "| h2o" in text.split("spent more in total")[1]
+    assert "snapstream" not in text.split("## Held less per step, spent more in total")[1].split("![")[0]
+    assert paths["accuracy_vs_byte_seconds"].exists()

@@ -35,6 +35,9 @@ RUN_KEYS = ["task", "model", "method", "budget"]
 MEASURED = {"kv_bytes_peak": "kv_bytes_peak_mean", "memory_ratio": "memory_ratio_mean",
             "peak_memory_bytes": "peak_cuda_memory_bytes", "peak_rss_bytes": "peak_rss_bytes",
             "prefill_tokens_per_s": "prefill_tokens_per_s", "decode_tokens_per_s": "decode_tokens_per_s"}
+# What a generative run's traces cost (summary columns from its samples; the ratios against its full-cache baseline).
+TRACE = ("generated_tokens_mean", "hit_limit_share", "accuracy_per_1k_tokens", "kv_byte_seconds_per_correct",
+         "length_ratio", "kv_byte_seconds_ratio", "spent_more_in_total")
 # Columns that say nothing about what was evaluated: never a reason to keep runs apart.
 BOOKKEEPING = {"run_id", "started_at", "evalkit_version", "torch_version", "transformers_version", "lm_eval_version",
                "git_revision", "config_digest", "chat_template_sha"}
@@ -129,7 +132,7 @@ def summarize(metrics: pd.DataFrame, samples: pd.DataFrame, iterations: int = 20
             "onchip_ratio": float(memory["onchip_ratio"]) if "onchip_ratio" in memory else math.nan,
             **{column: float(measured[name]) if name in measured else math.nan for column, name in MEASURED.items()},
             "run_id": run["run_id"],
-        }
+        } | trace_costs(samples[samples["run_id"] == run["run_id"]])
         same = (runs[matched].map(_label) == run[matched].map(_label)).all(axis=1)
         baselines = runs[same & (runs["method"] == "full")]
         if len(baselines) and run["method"] != "full":
@@ -141,10 +144,46 @@ def summarize(metrics: pd.DataFrame, samples: pd.DataFrame, iterations: int = 20
             )
             row |= {"baseline": float(base_value.iloc[0]) if len(base_value) else math.nan, "delta": delta,
                     "delta_low": low, "delta_high": high, "paired_docs": paired}
+            row |= against_full(row, samples[samples["run_id"] == baseline["run_id"]])
         rows.append(row)
     table = pd.DataFrame(rows)
     table["budget"] = table["budget"].fillna("full")
     return table.sort_values(["task", "model", "method", *shown, "budget"], key=_budget_order).reset_index(drop=True)
+
+
+def trace_costs(samples: pd.DataFrame) -> dict:
+    """What a run's generations cost: their mean length, the share that ran to the generation limit, correct answers
+    per thousand generated tokens, and KV byte-seconds (measured per sample) per correct answer (NaN where the run
+    generated nothing or scored no sample)."""
+    out = dict.fromkeys(TRACE[:4], math.nan)
+    if "generated_tokens" not in samples or samples["generated_tokens"].isna().all():
+        return out
+    generated = samples["generated_tokens"].dropna()
+    out["generated_tokens_mean"] = float(generated.mean())
+    if "hit_limit" in samples and samples["hit_limit"].notna().any():
+        out["hit_limit_share"] = float(samples["hit_limit"].dropna().astype(bool).mean())
+    if "kv_byte_seconds" in samples and samples["kv_byte_seconds"].notna().any():
+        out["kv_byte_seconds_total"] = float(samples["kv_byte_seconds"].sum())
+    correct = samples["score"].dropna().sum() if "score" in samples else 0.0
+    if generated.sum() and "score" in samples and samples["score"].notna().any():
+        out["accuracy_per_1k_tokens"] = float(1000 * correct / generated.sum())
+    if correct and "kv_byte_seconds" in samples and samples["kv_byte_seconds"].notna().any():
+        out["kv_byte_seconds_per_correct"] = float(samples["kv_byte_seconds"].sum() / correct)
+    return out
+
+
+def against_full(row: dict, baseline: pd.DataFrame) -> dict:
+    """A run's traces against its full-cache baseline's: the length ratio, the ratio of total KV byte-seconds, and
+    whether it held less per step (``kv_bytes_peak``) yet spent more byte-seconds in total."""
+    base = trace_costs(baseline)
+    spent = baseline["kv_byte_seconds"].sum() if "kv_byte_seconds" in baseline else 0.0
+    own = row.get("kv_byte_seconds_total", math.nan)
+    ratio = own / spent if spent else math.nan
+    held_less = row.get("kv_bytes_peak", math.nan) < (baseline["kv_bytes_peak"].mean() if "kv_bytes_peak" in baseline
+                                                      else math.nan)
+    return {"length_ratio": row["generated_tokens_mean"] / base["generated_tokens_mean"]
+            if base["generated_tokens_mean"] else math.nan,
+            "kv_byte_seconds_ratio": ratio, "spent_more_in_total": bool(held_less and ratio > 1) if ratio == ratio else None}
 
 
 def compression_factor(budget: str) -> float:
@@ -161,7 +200,7 @@ def _budget_order(column: pd.Series) -> pd.Series:
 def _settings(table: pd.DataFrame) -> list[str]:
     """The columns beside task/model/method/budget that tell configurations apart in ``table``."""
     fixed = {*RUN_KEYS, "metric", "value", "stderr", "realized_ratio", "memory_fits", "onchip_ratio", "run_id",
-             "baseline", "delta", "delta_low", "delta_high", "paired_docs", *MEASURED}
+             "baseline", "delta", "delta_low", "delta_high", "paired_docs", *MEASURED, *TRACE, "kv_byte_seconds_total"}
     return [c for c in table.columns if c not in fixed]
 
 
@@ -219,6 +258,8 @@ def pareto(x: pd.Series, y: pd.Series, lower_x_is_better: bool) -> pd.Series:
 TRADEOFFS = {  # file -> (summary column, axis label, lower is better, scale to show)
     "accuracy_vs_memory.png": ("kv_bytes_peak", "KV cache held at peak per request, measured (MiB)", True, 2**-20),
     "accuracy_vs_speed.png": ("decode_tokens_per_s", "decode throughput, measured (tokens/s)", False, 1.0),
+    "accuracy_vs_byte_seconds.png": ("kv_byte_seconds_per_correct",
+                                     "KV byte-seconds per correct answer, measured (MiB s)", True, 2**-20),
 }
 
 
@@ -248,8 +289,9 @@ def tradeoff_plot(table: pd.DataFrame, column: str, label: str, lower_is_better:
             axis.errorbar(group["x"], group["value"], yerr=half[group.index], marker="o", linestyle="none",
                           capsize=3, label=name)
             for _, point in group.iterrows():
-                axis.annotate(str(point["budget"]), (point["x"], point["value"]), fontsize=7,
-                              xytext=(4, 4), textcoords="offset points")
+                axis.annotate(_point_label(point), (point["x"], point["value"]), fontsize=7,
+                              xytext=(4, 4), textcoords="offset points",
+                              color="red" if point.get("spent_more_in_total") is True else "black")
         for (model, *_), base in own[own["method"] == "full"].groupby(["model", *settings], dropna=False):
             point = base.iloc[-1]
             axis.errorbar([point["x"]], [point["value"]], yerr=[half[base.index[-1]]], marker="*", markersize=12,
@@ -261,6 +303,13 @@ def tradeoff_plot(table: pd.DataFrame, column: str, label: str, lower_is_better:
         axis.set_xscale("log")
         _finish_panel(axis, task, label, own)
     return _save(figure, path)
+
+
+def _point_label(point: pd.Series) -> str:
+    """A point's budget, and for generations its mean trace length against the full cache's (red where it held
+    less per step but spent more byte-seconds in total)."""
+    ratio = point.get("length_ratio")
+    return str(point["budget"]) if ratio is None or pd.isna(ratio) else f"{point['budget']} (len x{ratio:.2f})"
 
 
 def _finish_panel(axis, task: str, xlabel: str, rows: pd.DataFrame) -> None:
@@ -321,6 +370,13 @@ def write_report(results_dir: str | Path, out: str | Path | None = None, iterati
             "`delta_high`: paired bootstrap 95% interval. The baseline is the full-cache run with the same model, "
             "task, data and settings.", "", shown.to_markdown(index=False), "",
             f"![accuracy vs budget]({paths['plot'].name})", ""]
+    if "spent_more_in_total" in table and table["spent_more_in_total"].eq(True).any():
+        flagged = table[table["spent_more_in_total"].eq(True)]
+        text += ["## Held less per step, spent more in total", "",
+                 "These configurations held fewer KV bytes per request than the full cache yet spent more KV "
+                 "byte-seconds over the run (longer traces): cheaper per step, dearer per answer.", "",
+                 flagged[[*RUN_KEYS, "value", "length_ratio", "kv_byte_seconds_ratio"]].round(4).to_markdown(index=False),
+                 ""]
     plot(table, paths["plot"])
     paths["pivot"] = out / "pivot.csv"
     for name, (column, label, lower, scale) in TRADEOFFS.items():

@@ -89,7 +89,7 @@ def task_rows(results: dict, task: str, stats: dict[tuple, dict], reasoning: dic
 
 
 # A request's statistics (the adapter's), copied into its sample row in this order.
-STAT_COLUMNS = ("prompt_tokens", "generated_tokens", "kept_prompt_tokens", "peak_cache_tokens", "tokens_seen",
+STAT_COLUMNS = ("prompt_tokens", "generated_tokens", "hit_limit", "kept_prompt_tokens", "peak_cache_tokens", "tokens_seen",
                 "realized_ratio", "compression_ratio", "truncated", "token_agreement", "first_divergence", "kl_mean", "spec_kept_tokens",
                 "draft_seconds", "prefill_seconds", "decode_seconds", "time_to_first_token_s", "reserved_cache_tokens")
 
@@ -163,7 +163,7 @@ def summary_rows(samples: list[dict]) -> list[dict]:
 
 
 BYTE_COLUMNS = ("kv_bytes_peak", "kv_bytes_reserved", "kv_bytes_full", "kv_bytes_predicted", "memory_ratio",
-                "kv_bytes_prefill_peak")
+                "kv_bytes_prefill_peak", "kv_byte_seconds")
 
 
 def byte_rows(frame: pd.DataFrame) -> list[dict]:

@@ -92,6 +92,7 @@ SAMPLE_COLUMNS: dict[str, pa.DataType] = {
     "score": pa.float64(),
     "prompt_tokens": pa.int64(),
     "generated_tokens": pa.int64(),
+    "hit_limit": pa.bool_(),  # the generation ran to its max_new_tokens (the task's limit), not to a stop
     "kept_prompt_tokens": pa.float64(),  # mean over layers and KV heads (per-layer and per-head budgets differ)
     "peak_cache_tokens": pa.float64(),
     "tokens_seen": pa.int64(),
@@ -117,6 +118,9 @@ SAMPLE_COLUMNS: dict[str, pa.DataType] = {
     # the most bytes the request's keys and values held at once during its prefill (the prompt's before compression;
     # KVzip's reconstruction passes on top)
     "kv_bytes_prefill_peak": pa.int64(),
+    # the memory-time product: the prefill's peak over its seconds, then the mean bytes held per decode step over the
+    # decode seconds (byte-seconds)
+    "kv_byte_seconds": pa.float64(),
     "over_budget": pa.bool_(),  # the cache held more than the budget allows (None: no budget)
 }
 

@@ -37,9 +37,11 @@ class Accounting:
         # From its first token to the sync at which its end was seen (up to sync_every steps later).
         decode_seconds = time.perf_counter() - resident.admitted_at
         stats = {**resident.stats, "decode_seconds": decode_seconds, "generated_tokens": generated,
+                 "hit_limit": generated >= resident.request.max_new_tokens,
                  "peak_cache_tokens": peak, "tokens_seen": seen,
                  "realized_ratio": seen / peak, "reserved_cache_tokens": self.pool.slot_tokens,
                  **self._bytes(slot, row_peak, seen)}
+        stats["kv_byte_seconds"] = _byte_seconds(stats, resident, row_peak)
         return Completion(resident.index, list(resident.tokens), stats)
 
     def _bytes(self, slot: int, row_peak: int, seen: int) -> dict:
@@ -60,3 +62,16 @@ class Accounting:
             full += (min(seen, window) if window else seen) * heads * token_bytes
         return {"kv_bytes_peak": peak, "kv_bytes_reserved": reserved, "kv_bytes_full": full,
                 "memory_ratio": full / peak if peak else None}
+
+
+def _byte_seconds(stats: dict, resident: Resident, row_peak: int) -> float | None:
+    """The request's memory-time product: its prefill's KV peak for the prefill's seconds, then over its decode
+    seconds the bytes it held on average, step by step (each step's count of held tokens, from the prompt's kept ones
+    up to the cache's limit, priced at the measured bytes per held token)."""
+    if not stats.get("kv_bytes_peak") or not row_peak:
+        return None
+    steps = max(len(resident.tokens) - 1, 0)
+    held = [min(resident.held_at_start + step, resident.limit) for step in range(1, steps + 1)] or [resident.held_at_start]
+    mean_bytes = stats["kv_bytes_peak"] * (sum(held) / len(held)) / row_peak
+    prefill = (stats.get("kv_bytes_prefill_peak") or 0) * (stats.get("prefill_seconds") or 0.0)
+    return float(prefill + mean_bytes * stats["decode_seconds"])

@@ -65,6 +65,8 @@ class EvalkitLM(LM):
         self.policy.bind_tokenizer(tokenizer)
         ec.model_spec.check_hookable(model)
         self.policy.check_layers(model.config.num_hidden_layers)
+        if self.policy.kv_format is not None:
+            self.policy.kv_format.check_model(model.config)
         self.cost = RequestCost(model, self.policy)
         self.batch_size, self.seed, self.use_chat_template = int(batch_size), int(seed), bool(apply_chat_template)
         self.compile, self.sync_every = ec.compile_backend(compile), int(sync_every)

@@ -45,4 +45,4 @@ class RequestCost:
         policy = self.policy.for_prompt(prompt - tail)  # a fraction of each prompt removed: this prompt's size
         return float(self._geometry.request_kv_bytes(
             prompt, int(measured["generated_tokens"]), str(self.model.dtype).removeprefix("torch."),
-            policy.prompt_capacity(), policy.cache_capacity(), uncompressed_tail=tail))
+            policy.prompt_capacity(), policy.cache_capacity(), uncompressed_tail=tail, kv_format=policy.kv_format))

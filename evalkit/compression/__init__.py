@@ -14,6 +14,7 @@ from .engine import Completion, Engine, Request, compile_backend
 from .fidelity import fidelity
 from .generate import GenerationOutput, generate
 from .kernels import snapkv_scores
+from .kv_format import KVFormat, kv_format
 from .loglikelihood import score_continuation
 from .methods.base import Policy
 from .methods.budget import POLICIES, budget_capacity, method_params, policy_from_budget
@@ -36,6 +37,8 @@ __all__ = [
     "CompressionSession",
     "Engine",
     "GenerationOutput",
+    "KVFormat",
+    "kv_format",
     "Policy",
     "Request",
     "SpecPrefill",

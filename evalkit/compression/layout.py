@@ -75,6 +75,8 @@ class DecodeStep:
     active: torch.Tensor  # [B] bool: rows whose tokens count in the statistics (finished rows still run)
     slots: torch.Tensor | None = None  # [B, q] long: the slot each token takes in row layouts
     all_visible: bool = False  # one new token per row that sees every slot: row layouts need no mask
+    # [B, slots] long: row layouts' text position of each slot's token written after prefill (-1: a prompt slot)
+    slot_positions: torch.Tensor | None = None
 
     def on(self, device: torch.device) -> DecodeStep:
         """This step on ``device`` (a model spread over devices keeps each layer's cache on that layer's device; the
@@ -188,7 +190,7 @@ class RowLayout:
         return mask
 
     def after_attention(self, layer, step: DecodeStep, query, keys, values, scaling: float, sinks, module) -> None:
-        return None
+        settle_format(layer, self.policy, step.slot_positions[:, None, : layer.keys.shape[-2]], step)
 
     # -- the engine's slots ------------------------------------------------------------------------------------------
     def allocate(self, rows: int, kv_heads: int, size: int, query_shape: tuple[int, int], dtype, device):
@@ -287,7 +289,7 @@ class HeadLayout:
         if window:
             heads.remember(query, window)
         if not policy.evicts_while_decoding:
-            return
+            return settle_format(layer, policy, heads.positions, step)
         probabilities = attention_probabilities(query, keys, heads.valid[:, :, None, :], scaling, sinks)
         batch, kv_heads, groups, _, slots = probabilities.shape  # [B, Hkv, G, 1, S]
         view = DecodeView(
@@ -299,6 +301,7 @@ class HeadLayout:
         freed = policy.decode_evict(view)
         if freed is not None:
             heads.free(freed)
+        settle_format(layer, policy, heads.positions, step)
 
     # -- the engine's slots ------------------------------------------------------------------------------------------
     def allocate(self, rows: int, kv_heads: int, size: int, query_shape: tuple[int, int], dtype, device):
@@ -329,6 +332,13 @@ class HeadLayout:
     def held(self, layer, slot: int, row_peak: int) -> tuple[float, int]:
         peak = layer.heads.peak[slot]
         return float(peak.float().mean()), int(peak.sum())
+
+
+def settle_format(layer, policy: Policy, positions: torch.Tensor, step: DecodeStep) -> None:
+    """Under a quantized KV format (:mod:`.kv_format`), what this step's end quantizes of the layer's held tokens
+    (``positions`` ``[B, H or 1, S]``)."""
+    if policy.kv_format is not None:
+        policy.kv_format.settle(layer.keys, layer.values, positions, step.positions[:, -1], step.steps)
 
 
 def layout_of(policy: Policy, rotary=None) -> RowLayout | HeadLayout:

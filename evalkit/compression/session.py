@@ -206,6 +206,17 @@ class CompressionSession:
             kept_prompt=kept.clone(),
             peak=kept.clone(),
         )
+        self._quantize_prompt()
+
+    def _quantize_prompt(self) -> None:
+        """Under a quantized KV format, every layer's kept prompt as the format holds it."""
+        for layer in self.cache.layers:
+            fmt = layer.layout.policy.kv_format
+            if fmt is None:
+                continue
+            held = layer.heads.valid if layer.heads is not None else \
+                self.cache.state.valid[:, None, : layer.keys.shape[-2]].to(layer.keys.device)
+            layer.keys, layer.values = fmt.quantize_prompt(layer.keys, layer.values, held)
 
     def _check_chunking(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, chunk: int,
                         chunk_mode: str) -> None:
@@ -236,7 +247,7 @@ class CompressionSession:
         self.cache.decode_steps += 1
         slots, mask, all_visible = self.layout.advance(self.state, count, active.cpu())
         steps = torch.full((len(input_ids),), self.cache.decode_steps, dtype=torch.long, device=device)
-        self.cache.step = DecodeStep(positions, steps, active.to(device), slots, all_visible)
+        self.cache.step = DecodeStep(positions, steps, active.to(device), slots, all_visible, self.state.slot_pos)
         if mask is not None and self.eager:
             mask = additive_mask(mask, self.model.dtype)
         with hooked(self.model):

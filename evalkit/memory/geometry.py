@@ -97,16 +97,23 @@ class ModelGeometry:
         return (full * tokens + self.sliding_layers * min(tokens, self.sliding_window or tokens)) / self.layers
 
     def request_kv_bytes(self, prompt: int, generated: int, dtype: str, prompt_capacity: int | None = None,
-                         cache_capacity: int | None = None, uncompressed_tail: int = 0) -> float:
+                         cache_capacity: int | None = None, uncompressed_tail: int = 0, kv_format=None) -> float:
         """KV bytes one request's cache holds at its peak: a ``prompt``-token prompt of which the policy keeps at
         most ``prompt_capacity`` (the last ``uncompressed_tail`` tokens kept whole: question-agnostic compression),
         then every generated token but the last written, up to ``cache_capacity`` (None: no cap). Full-attention
-        layers hold that; a hybrid model's sliding-window layers hold at most their window of all the tokens."""
+        layers hold that; a hybrid model's sliding-window layers hold at most their window of all the tokens.
+        ``kv_format`` (:class:`evalkit.compression.KVFormat`): the full-attention layers' tokens priced as it stores
+        them (codes, scales, minima, the full-precision residual)."""
         decoded = max(generated - 1, 0)
         head = prompt - uncompressed_tail
         kept = (head if prompt_capacity is None else min(head, prompt_capacity)) + uncompressed_tail + decoded
         kept = kept if cache_capacity is None else min(kept, cache_capacity)
         sliding = min(prompt + decoded, self.sliding_window) if self.sliding_layers else 0
+        if kv_format is not None and self.attention != "mla":
+            element = dtype_bytes(dtype)
+            held = kv_format.held_bytes(kept * self.kv_heads, self.kv_heads, self.head_dim, self.head_dim, element)
+            return (self.layers - self.sliding_layers) * held + \
+                self.sliding_layers * sliding * self.values_per_token_per_layer() * element
         tokens = (self.layers - self.sliding_layers) * kept + self.sliding_layers * sliding
         return tokens * self.values_per_token_per_layer() * dtype_bytes(dtype)
 

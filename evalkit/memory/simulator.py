@@ -111,6 +111,7 @@ class Deployment:
     mtp_tokens: int = 0  # multi-token prediction: drafted tokens per step (DeepSeek-V3/R1 have one MTP block)
     mtp_acceptance: float = 0.85  # chance a draft is accepted given the previous one was
     name: str = "deployment"
+    kv_format: object | None = None  # quantized KV (evalkit.compression.KVFormat): each token priced as it stores it
 
     def __post_init__(self):
         check_tp(self.model, self.tp)
@@ -131,10 +132,16 @@ class Deployment:
 
     @property
     def kv_bytes_per_token(self) -> float:
-        """KV bytes one cached token costs each socket."""
+        """KV bytes one cached token costs each socket (under a quantized format: its codes and their share of the
+        scales and minima; its residual of recent full-precision tokens, per sequence, is left out here)."""
         if self.kv_sharding == "sequence":
-            return self.model.kv_bytes_per_token(self.kv_dtype) / self.tp
-        return self.model.kv_bytes_per_token_per_socket(self.tp, self.kv_dtype)
+            full = self.model.kv_bytes_per_token(self.kv_dtype) / self.tp
+        else:
+            full = self.model.kv_bytes_per_token_per_socket(self.tp, self.kv_dtype)
+        if self.kv_format is None or self.model.attention == "mla":
+            return full
+        dim, element = self.model.head_dim, dtype_bytes(self.kv_dtype)
+        return full * self.kv_format.token_bytes(dim, dim, element) / (2 * dim * element)
 
     @property
     def tokens_per_step(self) -> float:

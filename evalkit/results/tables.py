@@ -46,6 +46,9 @@ CONFIG_COLUMNS: dict[str, pa.DataType] = {
     "compression_scope": pa.string(),
     "prefill_chunk": pa.int64(),  # tokens prefilled at a time; empty: the whole prompt at once
     "prefill_chunk_mode": pa.string(),  # exact | compress (compressed back to the budget after every chunk)
+    "kv_bits": pa.int64(),  # quantized KV storage (KIVI); empty: the model's dtype
+    "kv_group_size": pa.int64(),
+    "kv_residual": pa.int64(),
     "deployment": pa.string(),
     "hardware": pa.string(),
     "seed": pa.int64(),

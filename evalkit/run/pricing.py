@@ -33,6 +33,8 @@ def price_deployment(cfg: dict, budget: str | None, policy: ec.Policy) -> memory
         return None
     try:
         deployment = memory.load_deployment(chosen, hardware=cfg.get("hardware"))
+        if policy.kv_format is not None:  # quantized KV: priced as the format stores it
+            deployment = dataclasses.replace(deployment, kv_format=policy.kv_format)
         verdict = memory.price(deployment, deployed_capacity(policy, budget, deployment))
     except ValueError as error:
         raise ConfigError(f"deployment: {error}") from None

@@ -48,6 +48,7 @@ class RunSpec:
     compression_scope: str = "prompt"
     prefill_chunk: int | None = None  # prefill this many tokens at a time (None: the whole prompt at once)
     prefill_chunk_mode: str = "exact"  # exact: compressed once at the end; compress: back to the budget every chunk
+    kv_format: ec.KVFormat | None = None  # quantized KV storage (kv_bits < 16)
     memory: memory.Verdict | None = None
     spec_prefill: dict | None = None  # speculative prefill settings (draft_model, keep, ...) when method=spec_prefill
     decode_method: str | None = None  # the KV policy while decoding (the method itself unless spec_prefill)
@@ -100,12 +101,14 @@ class RunSpec:
             **({"device_map": json.dumps(self.device_map, sort_keys=True)} if self.device_map is not None else {}),
             **({"prefill_chunk": self.prefill_chunk, "prefill_chunk_mode": self.prefill_chunk_mode}
                if self.prefill_chunk is not None else {}),
+            **({"kv_bits": self.kv_format.bits, "kv_group_size": self.kv_format.group_size,
+                "kv_residual": self.kv_format.residual} if self.kv_format is not None else {}),
         }
 
 
 RUN_KEYS = ("model", "method", "task", "hardware", "deployment", "budget", "results_dir", "seed", "limit", "batch_size",
             "compile", "fidelity_tokens", "resume", "strict_budget", "threads", "device", "bad_rows", "compression_scope",
-            "prefill_chunk", "prefill_chunk_mode", "memory")
+            "prefill_chunk", "prefill_chunk_mode", "memory", "kv_bits", "kv_group_size", "kv_residual")
 
 
 MODEL_KEYS = ("name", "pretrained", "max_context", "dtype", "apply_chat_template", "revision", "device_map",
@@ -232,6 +235,8 @@ def validate(cfg: dict, method_explicit: bool = True, checked: dict | None = Non
     apply_chat_template = checked["apply_chat_template"]
     apply_chat_template = task_of(checked["task"], options).adjust_options(options, apply_chat_template)
     prefill_chunk, chunk_mode = checked["prefill_chunk"], cfg.get("prefill_chunk_mode", "exact")
+    fmt = _kv_format(cfg, checked["scope"], spec_prefill)
+    policy.kv_format = fmt
     compile_with = _checked_runtime(policy, prefill_chunk, chunk_mode, checked["device"], cfg.get("compile", False))
     verdict = price_deployment(cfg, budget if method != "full" else None, policy)
     model = cfg.get("model") or {}
@@ -256,6 +261,7 @@ def validate(cfg: dict, method_explicit: bool = True, checked: dict | None = Non
         compression_scope=checked["scope"],
         prefill_chunk=prefill_chunk,
         prefill_chunk_mode=chunk_mode,
+        kv_format=fmt,
         memory=verdict,
         resume=checked["resume"],
         strict_budget=checked["strict_budget"],
@@ -267,6 +273,26 @@ def validate(cfg: dict, method_explicit: bool = True, checked: dict | None = Non
         compile=compile_with,
         own_deployment=model.get("deployment"),
     )
+
+
+def _kv_format(cfg: dict, scope: str, spec_prefill) -> ec.KVFormat | None:
+    """``kv_bits`` (with its group size and residual) as a quantized KV format, or None at 16 bits."""
+    import evalkit.compression as ec
+
+    bits = cfg.get("kv_bits", 16)
+    if bits == 16:
+        return None
+    for name in ("kv_bits", "kv_group_size", "kv_residual"):
+        _require_count(cfg.get(name), name, "a positive integer", 1, optional=name != "kv_bits")
+    if scope == "context":
+        raise ConfigError("kv_bits < 16 takes compression_scope=prompt: the question prefilled on top of a compressed "
+                          "context is not quantized as the format's residual rules say")
+    if spec_prefill is not None:
+        raise ConfigError("kv_bits < 16 does not combine with method=spec_prefill yet")
+    try:
+        return ec.KVFormat(bits, cfg.get("kv_group_size", 32), cfg.get("kv_residual", 128))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def _checked_runtime(policy, prefill_chunk: int | None, chunk_mode: str, device: str, compile_option):

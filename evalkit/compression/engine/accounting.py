@@ -3,6 +3,7 @@ read off the request's own tokens and the tensors the engine allocated."""
 
 from __future__ import annotations
 
+import math
 import time
 
 from ..methods.sliding_window import SlidingWindow
@@ -52,14 +53,20 @@ class Accounting:
         most its window), and ``memory_ratio`` = full / peak."""
         peak = reserved = full = 0
         for layer in self.pool.cache.layers:
-            token_bytes = (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
+            key_dim, value_dim, element = layer.keys.shape[-1], layer.values.shape[-1], layer.keys.element_size()
+            token_bytes = (key_dim + value_dim) * element
             heads = layer.keys.shape[1]
-            held = layer.layout.held(layer, slot, row_peak)[1]
-            peak += held * token_bytes
-            reserved += self.pool.slot_tokens * heads * token_bytes
             policy = layer.layout.policy
+            fmt = policy.kv_format  # a quantized format: what it stores for the tokens held (see .kv_format)
+
+            def price(tokens: int) -> float:
+                return fmt.held_bytes(tokens, heads, key_dim, value_dim, element) if fmt else tokens * token_bytes
+
+            peak += price(layer.layout.held(layer, slot, row_peak)[1])
+            reserved += price(self.pool.slot_tokens * heads)
             window = policy.cache_capacity() if isinstance(policy, SlidingWindow) else None
             full += (min(seen, window) if window else seen) * heads * token_bytes
+        peak, reserved = math.ceil(peak), math.ceil(reserved)
         return {"kv_bytes_peak": peak, "kv_bytes_reserved": reserved, "kv_bytes_full": full,
                 "memory_ratio": full / peak if peak else None}
 

@@ -36,7 +36,8 @@ class ModelRunner:
         # Row layouts keep an eager model's own attention (which takes an additive mask); per-head layouts need the
         # engine's masks.
         eager = model.config._attn_implementation == "eager"
-        self.own_attention = not eager or pool.head_layouts or pool.policy.selects_while_decoding
+        self.own_attention = (not eager or pool.head_layouts or pool.policy.selects_while_decoding
+                              or pool.policy.kv_format is not None)
         self.compile, self.backend, self.mode = compile, backend, mode
         self._step_fn = None
 
@@ -65,6 +66,7 @@ class ModelRunner:
         slot = ring_slot(rows.written, rows.fixed, rows.ring)
         rows.write_slot.copy_(slot[:, None])
         rows.valid.scatter_(1, slot[:, None], True)  # finished rows too: they must keep attending somewhere
+        rows.slot_pos.scatter_(1, slot[:, None], rows.positions)
         cache.sync()
         mask = rows.valid[:, None, None, :]
         if not self.own_attention:

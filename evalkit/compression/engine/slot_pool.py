@@ -27,6 +27,7 @@ class SlotRows:
     admission writes, a request's row as one unit (:meth:`load`)."""
 
     valid: torch.Tensor  # [slots, slot_tokens] bool: row layouts' slots that hold a token
+    slot_pos: torch.Tensor  # [slots, slot_tokens] long: row layouts' text position of a token written after prefill
     positions: torch.Tensor  # [slots, 1] long: text position of the slot's next token
     written: torch.Tensor  # [slots] cache writes so far, wrapped ones included
     fixed: torch.Tensor  # [slots] slots never overwritten
@@ -51,7 +52,8 @@ class SlotRows:
         long = dict(dtype=torch.long, device=device)
         valid = torch.zeros(slots, slot_tokens, dtype=torch.bool, device=device)
         valid[:, 0] = True  # an empty slot attends to one zero key: finite outputs, no NaN in its cache
-        return cls(valid=valid, positions=torch.zeros(slots, 1, **long), written=torch.zeros(slots, **long),
+        return cls(valid=valid, slot_pos=torch.full((slots, slot_tokens), -1, **long),
+                   positions=torch.zeros(slots, 1, **long), written=torch.zeros(slots, **long),
                    fixed=torch.zeros(slots, **long), ring=torch.ones(slots, **long),
                    next_token=torch.zeros(slots, **long), generated=torch.zeros(slots, **long),
                    max_new=torch.ones(slots, **long), finished=torch.ones(slots, dtype=torch.bool, device=device),
@@ -67,7 +69,7 @@ class SlotRows:
 
     def step_inputs(self) -> DecodeStep:
         """What each layer's layout reads during a step: views of these rows, so the step's updates show through."""
-        return DecodeStep(self.positions, self.generated, self.active, self.write_slot)
+        return DecodeStep(self.positions, self.generated, self.active, self.write_slot, slot_positions=self.slot_pos)
 
 
 def _is_slot(held: torch.Tensor, cache: torch.Tensor, slot: int) -> bool:
@@ -144,6 +146,8 @@ class SlotPool:
             layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, 0, extra))
             layer.values = torch.nn.functional.pad(layer.values, (0, 0, 0, extra))
         self.rows.valid = torch.nn.functional.pad(self.rows.valid, (0, extra), value=False)
+        self.rows.slot_pos = torch.nn.functional.pad(self.rows.slot_pos, (0, extra), value=-1)
+        self.cache.step.slot_positions = self.rows.slot_pos
         self.slot_tokens = size
 
     def make_room(self, residents: dict[int, Resident], steps: int) -> None:
@@ -166,6 +170,7 @@ class SlotPool:
         state = session.state
         row = SlotRows.empty(1, self.slot_tokens, self.out_width, self.rows.finished.device)
         row.valid[0], row.fixed[0], row.ring[0] = self.layout.slot_row(state, self.slot_tokens)
+        row.slot_pos[0, : min(state.slots, self.slot_tokens)] = state.slot_pos[0, : self.slot_tokens]
         row.positions[0], row.written[0] = int(state.seq_len[0]), int(state.written[0])
         row.seeds[0], row.do_sample[0], row.max_new[0] = request.seed & SEED_BITS, request.do_sample, request.max_new_tokens
         row.temperature[0], row.top_p[0] = request.temperature or 1.0, request.top_p or 1.0

@@ -88,6 +88,9 @@ class Policy:
     # kvpress' ``compression_ratio`` (a ``removed_R`` budget): the fraction of each prompt removed. The method is then
     # sized for every prompt by its own length (:meth:`for_prompt`); ``capacity`` is the longest prompt's.
     removed: ClassVar[float | None] = None
+    # The quantized storage the cache holds (:class:`..kv_format.KVFormat`; None: the model's dtype), set by a run's
+    # ``kv_bits`` on the method's instance.
+    kv_format: ClassVar[object | None] = None
 
     def __post_init__(self) -> None:
         check(self)

@@ -2,19 +2,27 @@
 quantizers (jy-yuan/KIVI ``quant/new_pack.py``: ``quant_and_pack_kcache``/``vcache``, ``unpack_and_dequant_kcache``/
 ``vcache``, with their bit packing), on the same seeded keys and values.
 
-    python benchmarks/parity_kivi.py --repo KIVI
+    python benchmarks/parity_kivi.py                 # evalkit against the shipped record of KIVI's outputs
+    python benchmarks/parity_kivi.py --repo KIVI     # run KIVI's functions (a checkout) and record them again
 
 The file imports triton (for its GPU kernels) at the top; the pure functions are read out of it (``ast``) and run
 without it. KIVI quantizes keys per channel over groups of ``group_size`` tokens and values per token over groups of
 ``group_size`` channels; evalkit's prompt quantization is compared with both, at 2, 4 and 8 bits, in float32 and
-float16, and prints the largest absolute difference and whether the two are bit-identical.
+float16, and prints whether the two are bit-identical (and, beside KIVI itself, the largest absolute difference).
+The record (``benchmarks/records/kivi_reference.json``) keeps a SHA-256 of each of KIVI's dequantized tensors.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
+import json
+import subprocess
 from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RECORD = HERE / "records" / "kivi_reference.json"
 
 FUNCTIONS = ("quant_and_pack_kcache", "quant_and_pack_vcache", "unpack_and_dequant_kcache",
              "unpack_and_dequant_vcache", "pack_tensor", "unpack_tensor")
@@ -36,41 +44,70 @@ def kivi_functions(repo: str) -> dict:
     return namespace
 
 
-def compare(repo: str) -> list[tuple]:
+def inputs():
+    """The seeded keys and values of each case: ``(dtype name, bits, keys, values)``."""
     import torch
 
-    import evalkit.compression as ec
-
-    kivi = kivi_functions(repo)
-    rows = []
     for dtype in (torch.float32, torch.float16):
         generator = torch.Generator().manual_seed(0)
         keys = (torch.randn(2, 4, 128, 64, generator=generator) * 2).to(dtype)
         values = torch.randn(2, 4, 128, 64, generator=generator).to(dtype)
         for bits in (2, 4, 8):
-            group = 32
-            code, scale, low = kivi["quant_and_pack_kcache"](keys.clone(), group, bits)
-            theirs_k = kivi["unpack_and_dequant_kcache"](code, scale, low, group, bits)
-            code, scale, low = kivi["quant_and_pack_vcache"](values.clone(), group, bits)
-            theirs_v = kivi["unpack_and_dequant_vcache"](code, scale, low, group, bits)
-            fmt = ec.KVFormat(bits, group, 128)
-            held = torch.ones(keys.shape[:3], dtype=torch.bool)
-            ours_k, ours_v = fmt.quantize_prompt(keys, values, held)
-            for name, ours, theirs in (("keys", ours_k, theirs_k), ("values", ours_v, theirs_v)):
-                theirs = theirs.to(dtype)
-                rows.append((str(dtype).removeprefix("torch."), bits, name,
-                             float((ours.float() - theirs.float()).abs().max()), bool(torch.equal(ours, theirs))))
-    return rows
+            yield str(dtype).removeprefix("torch."), bits, keys, values
+
+
+def digest(tensor) -> str:
+    return hashlib.sha256(tensor.contiguous().numpy().tobytes()).hexdigest()
+
+
+def kivi_outputs(repo: str) -> dict:
+    """KIVI's dequantized keys and values of every case, by ``dtype/bits/tensor``."""
+    kivi, out = kivi_functions(repo), {}
+    for dtype, bits, keys, values in inputs():
+        code, scale, low = kivi["quant_and_pack_kcache"](keys.clone(), GROUP, bits)
+        out[f"{dtype}/{bits}/keys"] = kivi["unpack_and_dequant_kcache"](code, scale, low, GROUP, bits).to(keys.dtype)
+        code, scale, low = kivi["quant_and_pack_vcache"](values.clone(), GROUP, bits)
+        out[f"{dtype}/{bits}/values"] = kivi["unpack_and_dequant_vcache"](code, scale, low, GROUP, bits).to(keys.dtype)
+    return out
+
+
+def evalkit_outputs() -> dict:
+    import torch
+
+    import evalkit.compression as ec
+
+    out = {}
+    for dtype, bits, keys, values in inputs():
+        held = torch.ones(keys.shape[:3], dtype=torch.bool)
+        out[f"{dtype}/{bits}/keys"], out[f"{dtype}/{bits}/values"] = ec.KVFormat(bits, GROUP, 128).quantize_prompt(
+            keys, values, held)
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repo", required=True, help="a checkout of jy-yuan/KIVI")
+    parser.add_argument("--repo", help="a checkout of jy-yuan/KIVI: run its functions and write the record")
     args = parser.parse_args()
-    print(f"{'dtype':<8} {'bits':>4} {'tensor':<7} {'max |diff|':>11} {'identical':>9}")
-    for dtype, bits, name, diff, same in compare(args.repo):
-        print(f"{dtype:<8} {bits:>4} {name:<7} {diff:>11.3g} {str(same):>9}")
+    ours = evalkit_outputs()
+    differences = {}
+    if args.repo:
+        theirs = kivi_outputs(args.repo)
+        differences = {key: float((ours[key].float() - theirs[key].float()).abs().max()) for key in theirs}
+        revision = subprocess.run(["git", "-C", args.repo, "rev-parse", "HEAD"], capture_output=True, text=True)
+        RECORD.parent.mkdir(exist_ok=True)
+        RECORD.write_text(json.dumps({"reference": f"jy-yuan/KIVI {revision.stdout.strip() or '(no git)'}",
+                                      "group_size": GROUP, "sha256": {k: digest(v) for k, v in theirs.items()}},
+                                     indent=1))
+    record = json.loads(RECORD.read_text())
+    print(f"evalkit's KV quantization beside {record['reference']} quant/new_pack.py (groups of {GROUP})")
+    print(f"{'dtype':<8} {'bits':>4} {'tensor':<7} {'identical':>9}" + (f" {'max |diff|':>11}" if differences else ""))
+    for key, expected in record["sha256"].items():
+        dtype, bits, name = key.split("/")
+        line = f"{dtype:<8} {bits:>4} {name:<7} {str(digest(ours[key]) == expected):>9}"
+        print(line + (f" {differences[key]:>11.3g}" if differences else ""))
 
+
+GROUP = 32
 
 if __name__ == "__main__":
     main()

@@ -288,7 +288,7 @@ def _pool(values: list[float], kernel_size: int, pooling: str) -> list[float]:
 @torch.no_grad()
 def simulate_decoding(model, policy, prompt: torch.Tensor, tokens: list[int], kept: dict[int, list[set[int]]]):
     """Feed ``tokens`` after ``prompt`` with a full cache, each layer and head seeing only what ``policy`` (H2O, TOVA,
-    DecodingSnapKV or SnapKV-D) still holds by its definition. Returns the logits of each step and, after each step, the
+    DecodingSnapKV, SnapKV-D or RaaS) still holds by its definition. Returns the logits of each step and, after each step, the
     positions held per layer and KV head."""
     scaling = module_scaling(model)
     run = full_run(model, prompt)
@@ -356,6 +356,19 @@ def _evict(policy, layer, per_head, query, keys, position, steps, scaling, sums,
             victim = order[min(range(len(order)), key=lambda i: (mean[i], i))]
             for heads in per_head:
                 heads.discard(victim)
+    elif isinstance(policy, ec.RaaS):  # stamps: the last step that gave a token more than alpha of its attention
+        stamps = sums.setdefault(layer, [{} for _ in range(kv_heads)])
+        first = position - steps + 1
+        for h, heads in enumerate(per_head):
+            order = sorted(heads)
+            probabilities = torch.tensor([_probabilities(query[h * group + g], keys[h], order, scaling)
+                                          for g in range(group)]).mean(dim=0).tolist()
+            for j, p in zip(order, probabilities):
+                if p > policy.alpha or j == position:
+                    stamps[h][j] = steps
+            if len(heads) >= policy.capacity:
+                generated = [j for j in order if j >= first]
+                heads.discard(min(generated, key=lambda j: (stamps[h].get(j, 0), j)))
     elif isinstance(policy, ec.SnapKVD):  # the step's own attention over the tokens older than the window, pooled
         for h, heads in enumerate(per_head):
             order = sorted(heads)

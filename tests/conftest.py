@@ -118,6 +118,7 @@ SMALL_SETTINGS = {
     "quest": lambda: ec.Quest(capacity=24, page_size=8, dense_layers=1),  # the tiny models have 2 layers
     "rkv": lambda: ec.RKV(capacity=64, window=4, interval=8, kernel_size=3),
     "snapkv_d": lambda: ec.SnapKVD(capacity=40, window=8, kernel_size=3),
+    "raas": lambda: ec.RaaS(capacity=48, alpha=0.02),
 }
 
 

@@ -30,6 +30,7 @@ DECODING = {
     "tova": lambda: ec.TOVA(capacity=21),
     "decoding_snapkv": lambda: ec.DecodingSnapKV.from_config(40, window=4, kernel_size=3, interval=8),
     "snapkv_d": lambda: ec.SnapKVD(capacity=21, window=4, kernel_size=3),
+    "raas": lambda: ec.RaaS(capacity=40, alpha=0.02),
 }
 SIZED = {**PREFILL, **DECODING, "rkv": lambda: ec.RKV(capacity=40, window=4, interval=8, kernel_size=3),
          "pyramidkv": lambda: ec.PyramidKV.from_config(20, window=6, kernel_size=5),
@@ -227,6 +228,8 @@ def test_decode_eviction_follows_the_definition_at_every_step(llama, name):
     if name == "decoding_snapkv":
         prefill = kept_snapkv_budgets(__import__("baseline_reference").full_run(llama, prompt),
                                       {0: 32, 1: 32}, 4, 3, "max", module_scaling(llama))
+    elif name == "raas":  # the prompt whole (it fits)
+        prefill = {layer: [set(range(30)) for _ in range(2)] for layer in range(2)}
     elif name == "snapkv_d":
         prefill = kept_snapkv_budgets(__import__("baseline_reference").full_run(llama, prompt),
                                       {0: 20, 1: 20}, 4, 3, "avg", module_scaling(llama))
@@ -250,7 +253,10 @@ def test_decode_eviction_follows_the_definition_at_every_step(llama, name):
     # Evictions really happened, and differently per head where the method allows it.
     sizes = {len(h) for per_layer in history for heads in per_layer.values() for h in heads}
     assert max(sizes) <= policy.capacity
-    assert len(history[-1][0][0] & set(range(30))) < 30
+    if name == "raas":  # the prompt is never evicted; generated tokens are
+        assert set(range(30)) <= history[-1][0][0] and len(history[-1][0][0]) < 30 + 119
+    else:
+        assert len(history[-1][0][0] & set(range(30))) < 30
 
 
 @pytest.mark.parametrize("name", sorted(DECODING))

@@ -53,6 +53,7 @@ SMALL = {
     "decoding_snapkv": lambda: ec.DecodingSnapKV.from_config(40, window=4, kernel_size=3, interval=8),
     "rkv": lambda: ec.RKV(capacity=40, window=4, interval=8, kernel_size=3),  # refuses a latent cache
     "snapkv_d": lambda: ec.SnapKVD(capacity=21, window=4, kernel_size=3),  # refuses a latent cache
+    "raas": lambda: ec.RaaS(capacity=21),  # refuses a latent cache
     "per_layer": lambda: ec.PerLayer.from_config(20, window=4, kernel_size=5, weights=(1.5, 0.5)),
     "composed": lambda: ec.Composed(capacity=20, then={"name": "snapkv", "window": 4, "kernel_size": 5}),
     "chunkkv": lambda: ec.ChunkKV.from_config(20, window=4, kernel_size=5, chunk_length=5),

@@ -99,3 +99,23 @@ def test_engine_rows_say_whether_a_trace_hit_its_limit_and_price_its_byte_second
         assert prefill < stats["kv_byte_seconds"] <= prefill + stats["kv_bytes_peak"] * stats["decode_seconds"]
         if policy.name != "full":
             assert stats["kv_bytes_peak"] < stats["kv_bytes_full"]  # it held less than a full cache
+
+
+@pytest.mark.slow
+def test_the_reasoning_trace_benchmark_reports_trace_costs_on_the_real_model(tmp_path):
+    """`benchmarks/bench_reasoning_traces.py` on two problems and four configurations of SmolLM2: every configuration
+    ran through the CLI and the table has the trace costs against the full cache."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_reasoning_traces.py"), "--problems", "2",
+                             "--repeats", "1", "--max-tokens", "48", "--configs", "4", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=1800, cwd=root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = [line for line in result.stdout.splitlines() if line.startswith("|")]
+    header = [cell.strip() for cell in table[0].strip("|").split("|")]
+    assert {"length_ratio", "hit_limit_share", "accuracy_per_1k_tokens", "MiB_s_per_correct"} <= set(header) or \
+        {"length_ratio", "hit_limit_share", "accuracy_per_1k_tokens"} <= set(header)
+    assert len(table) == 2 + 4  # header, rule, four configurations

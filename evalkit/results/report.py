@@ -43,6 +43,7 @@ BOOKKEEPING = {"run_id", "started_at", "evalkit_version", "torch_version", "tran
                "git_revision", "config_digest", "chat_template_sha"}
 # What the compression method is made of: the full-cache baseline of a run agrees with it on everything else.
 METHOD_COLUMNS = {"method", "budget", "capacity", "window", "kernel_size", "pooling", "gqa_reduce", "sink", "recent",
+                  "kv_bits", "kv_group_size", "kv_residual",
                   "policy_params", "decode_method", "draft_model", "draft_source", "keep_fraction", "spec_prefill",
                   "compression_scope", "fidelity_tokens", "deployment", "hardware"}
 

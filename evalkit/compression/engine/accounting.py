@@ -57,18 +57,22 @@ class Accounting:
             token_bytes = (key_dim + value_dim) * element
             heads = layer.keys.shape[1]
             policy = layer.layout.policy
-            fmt = policy.kv_format  # a quantized format: what it stores for the tokens held (see .kv_format)
-
-            def price(tokens: int) -> float:
-                return fmt.held_bytes(tokens, heads, key_dim, value_dim, element) if fmt else tokens * token_bytes
-
-            peak += price(layer.layout.held(layer, slot, row_peak)[1])
-            reserved += price(self.pool.slot_tokens * heads)
+            shape = (heads, key_dim, value_dim, element)
+            peak += _price(policy.kv_format, layer.layout.held(layer, slot, row_peak)[1], *shape)
+            reserved += _price(policy.kv_format, self.pool.slot_tokens * heads, *shape)
             window = policy.cache_capacity() if isinstance(policy, SlidingWindow) else None
             full += (min(seen, window) if window else seen) * heads * token_bytes
         peak, reserved = math.ceil(peak), math.ceil(reserved)
         return {"kv_bytes_peak": peak, "kv_bytes_reserved": reserved, "kv_bytes_full": full,
                 "memory_ratio": full / peak if peak else None}
+
+
+def _price(fmt, tokens: float, heads: int, key_dim: int, value_dim: int, element: int) -> float:
+    """Bytes ``tokens`` held tokens of a layer take: as its quantized format stores them (:mod:`..kv_format`), or in
+    the layer's dtype."""
+    if fmt is not None:
+        return fmt.held_bytes(tokens, heads, key_dim, value_dim, element)
+    return tokens * (key_dim + value_dim) * element
 
 
 def _byte_seconds(stats: dict, resident: Resident, row_peak: int) -> float | None:

@@ -1,15 +1,20 @@
-"""evalkit's quantized KV numerics (:mod:`evalkit.compression.kv_format`) beside KIVI's own pure-PyTorch
-quantizers (jy-yuan/KIVI ``quant/new_pack.py``: ``quant_and_pack_kcache``/``vcache``, ``unpack_and_dequant_kcache``/
-``vcache``, with their bit packing), on the same seeded keys and values.
+"""evalkit's quantized KV numerics (:mod:`evalkit.compression.kv_format`) beside KIVI's own pure-PyTorch quantizers
+(jy-yuan/KIVI ``quant/new_pack.py``: ``quant_and_pack_kcache``/``vcache``, ``unpack_and_dequant_kcache``/``vcache``,
+with their bit packing) and beside transformers' own quantized cache (``QuantoQuantizedLayer``, optimum-quanto's
+``MaxOptimizer``, keys per channel: ``axis_key=-1``, values per token: ``axis_value=0``, ``q_group_size`` 32), on
+the same seeded keys and values.
 
-    python benchmarks/parity_kivi.py                 # evalkit against the shipped record of KIVI's outputs
-    python benchmarks/parity_kivi.py --repo KIVI     # run KIVI's functions (a checkout) and record them again
+    python benchmarks/parity_kivi.py                    # evalkit against the shipped records of both
+    python benchmarks/parity_kivi.py --repo KIVI        # run KIVI's functions (a checkout) and record them again
+    python benchmarks/parity_kivi.py --quanto [VENV]    # run transformers' quanto layer (its own environment, made on
+                                                        # demand: optimum-quanto and this transformers) and record it
 
-The file imports triton (for its GPU kernels) at the top; the pure functions are read out of it (``ast``) and run
-without it. KIVI quantizes keys per channel over groups of ``group_size`` tokens and values per token over groups of
-``group_size`` channels; evalkit's prompt quantization is compared with both, at 2, 4 and 8 bits, in float32 and
-float16, and prints whether the two are bit-identical (and, beside KIVI itself, the largest absolute difference).
-The record (``benchmarks/records/kivi_reference.json``) keeps a SHA-256 of each of KIVI's dequantized tensors.
+KIVI's file imports triton (for its GPU kernels) at the top; the pure functions are read out of it (``ast``) and run
+without it. The cases: float32 and float16, 2/4/8 bits (quanto: 2 and 4), keys and values of ``[2, 4, 128, 64]``.
+Each line says whether evalkit's tensor is bit-identical to the reference's (and, where the reference ran now, the
+largest absolute difference). The record (``benchmarks/records/kivi_reference.json``) keeps a SHA-256 of each of the
+references' dequantized tensors. Where they apply: transformers quantizes the whole history again every
+``residual_length`` tokens and the whole prompt at once; KIVI and evalkit keep a full-precision residual.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import ast
 import hashlib
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -84,27 +90,73 @@ def evalkit_outputs() -> dict:
     return out
 
 
+def quanto_outputs() -> dict:
+    """transformers' ``QuantoQuantizedLayer`` quantizing and dequantizing each case (2 and 4 bits: quanto's)."""
+    from transformers.cache_utils import QuantoQuantizedLayer
+
+    out = {}
+    for dtype, bits, keys, values in inputs():
+        if bits == 8:
+            continue
+        layer = QuantoQuantizedLayer(nbits=bits, axis_key=-1, axis_value=0, q_group_size=GROUP)
+        out[f"{dtype}/{bits}/keys"] = layer._dequantize(layer._quantize(keys.contiguous(), axis=-1))
+        out[f"{dtype}/{bits}/values"] = layer._dequantize(layer._quantize(values.contiguous(), axis=0))
+    return out
+
+
+def record_quanto(venv: Path) -> dict:
+    """Run :func:`quanto_outputs` in its own environment; its record entry."""
+    import transformers
+
+    sys.path.insert(0, str(HERE))
+    from bench_vs_kvpress import reference_python, run_worker
+
+    version = f"transformers=={transformers.__version__}"
+    python = reference_python(venv, ["optimum-quanto", version], "import optimum.quanto, transformers",
+                              f"optimum-quanto and {version}")
+    if python is None:
+        raise SystemExit("transformers' quanto backend could not be installed")
+    return run_worker(python, Path(__file__), "quanto")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repo", help="a checkout of jy-yuan/KIVI: run its functions and write the record")
+    parser.add_argument("--quanto", nargs="?", const=str(HERE.parent / ".quanto-venv"),
+                        help="run transformers' quanto layer in this environment and write the record")
+    parser.add_argument("--worker", choices=["quanto"])
     args = parser.parse_args()
+    if args.worker:
+        import transformers
+        from importlib.metadata import version
+
+        theirs = quanto_outputs()
+        print("RESULT " + json.dumps({
+            "reference": f"transformers {transformers.__version__} QuantoQuantizedLayer (optimum-quanto "
+                         f"{version('optimum-quanto')}), axis_key=-1, axis_value=0",
+            "sha256": {k: digest(v) for k, v in theirs.items()}}))
+        return
     ours = evalkit_outputs()
+    record = json.loads(RECORD.read_text()) if RECORD.exists() else {}
     differences = {}
     if args.repo:
         theirs = kivi_outputs(args.repo)
-        differences = {key: float((ours[key].float() - theirs[key].float()).abs().max()) for key in theirs}
+        differences = {f"kivi/{key}": float((ours[key].float() - theirs[key].float()).abs().max()) for key in theirs}
         revision = subprocess.run(["git", "-C", args.repo, "rev-parse", "HEAD"], capture_output=True, text=True)
+        record["kivi"] = {"reference": f"jy-yuan/KIVI {revision.stdout.strip() or '(no git)'} quant/new_pack.py",
+                          "sha256": {k: digest(v) for k, v in theirs.items()}}
+    if args.quanto:
+        record["transformers"] = record_quanto(Path(args.quanto))
+    if args.repo or args.quanto:
         RECORD.parent.mkdir(exist_ok=True)
-        RECORD.write_text(json.dumps({"reference": f"jy-yuan/KIVI {revision.stdout.strip() or '(no git)'}",
-                                      "group_size": GROUP, "sha256": {k: digest(v) for k, v in theirs.items()}},
-                                     indent=1))
-    record = json.loads(RECORD.read_text())
-    print(f"evalkit's KV quantization beside {record['reference']} quant/new_pack.py (groups of {GROUP})")
-    print(f"{'dtype':<8} {'bits':>4} {'tensor':<7} {'identical':>9}" + (f" {'max |diff|':>11}" if differences else ""))
-    for key, expected in record["sha256"].items():
-        dtype, bits, name = key.split("/")
-        line = f"{dtype:<8} {bits:>4} {name:<7} {str(digest(ours[key]) == expected):>9}"
-        print(line + (f" {differences[key]:>11.3g}" if differences else ""))
+        RECORD.write_text(json.dumps(record, indent=1))
+    for name, entry in record.items():
+        print(f"evalkit's KV quantization (groups of {GROUP}) beside {entry['reference']}")
+        print(f"{'reference':<13} {'dtype':<8} {'bits':>4} {'tensor':<7} {'identical':>9}")
+        for key, expected in entry["sha256"].items():
+            dtype, bits, tensor = key.split("/")
+            line = f"{name:<13} {dtype:<8} {bits:>4} {tensor:<7} {str(digest(ours[key]) == expected):>9}"
+            print(line + (f" {differences[f'{name}/{key}']:>11.3g}" if f"{name}/{key}" in differences else ""))
 
 
 GROUP = 32

@@ -177,23 +177,6 @@ def compare(reference: dict, ours: dict) -> tuple[int, int, int | None]:
     return len(reference["tokens"]) - len(differing), len(reference["tokens"]), (differing[0] if differing else None)
 
 
-def reference_python(venv: Path) -> Path | None:
-    import torch
-
-    python = venv / "bin" / "python"
-    check = [str(python), "-c", "import transformers; assert transformers.__version__ == '4.51.3'"]
-    if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
-        return python
-    print(f"installing {TRANSFORMERS} into {venv} (the reference's API)...", flush=True)
-    for step in ([sys.executable, "-m", "venv", str(venv)],
-                 [str(python), "-m", "pip", "install", "-q", f"torch=={torch.__version__.split('+')[0]}", TRANSFORMERS]):
-        done = subprocess.run(step, capture_output=True, text=True)
-        if done.returncode != 0:
-            print(f"the reference environment could not be made: {done.stderr.strip().splitlines()[-1:]}; skipped")
-            return None
-    return python
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repo", help="a checkout of Zefan-Cai/R-KV: run the reference and write the record")
@@ -206,7 +189,11 @@ def main() -> None:
         print("RESULT " + json.dumps(reference_trace(args.repo, *CASES[args.case], sort_topk=args.sorted)))
         return
     if args.repo:
-        python = reference_python(Path(args.venv))
+        sys.path.insert(0, str(HERE))
+        from bench_vs_kvpress import reference_python
+
+        python = reference_python(Path(args.venv), [TRANSFORMERS], "import transformers; assert transformers."
+                                  "__version__ == '4.51.3'", f"{TRANSFORMERS} (the reference's API)")
         if python is None:
             return
         record = {"reference": "Zefan-Cai/R-KV " + subprocess.run(

@@ -183,9 +183,9 @@ def test_bad_kv_settings_are_one_line(tmp_path, extra, message):
     assert result.returncode != 0 and message in result.stderr
 
 
-def test_the_quantizers_agree_bit_for_bit_with_the_shipped_record_of_kivis_own():
-    """`benchmarks/parity_kivi.py` against its record of KIVI's own quant/new_pack.py outputs (float32 and float16,
-    2/4/8 bits, keys and values): every tensor identical."""
+def test_the_quantizers_agree_bit_for_bit_with_the_shipped_records_of_kivis_and_transformers():
+    """`benchmarks/parity_kivi.py` against its records of KIVI's own quant/new_pack.py outputs (float32 and float16,
+    2/4/8 bits, keys and values) and of transformers' quanto layer (2/4 bits): every tensor identical."""
     import subprocess
     import sys
     from pathlib import Path
@@ -194,5 +194,5 @@ def test_the_quantizers_agree_bit_for_bit_with_the_shipped_record_of_kivis_own()
     result = subprocess.run([sys.executable, str(root / "benchmarks" / "parity_kivi.py")], capture_output=True,
                             text=True, timeout=300, cwd=root)
     assert result.returncode == 0, result.stderr[-2000:]
-    rows = [line.split() for line in result.stdout.splitlines()[2:]]
-    assert len(rows) == 12 and all(row[3] == "True" for row in rows), result.stdout
+    rows = [line.split() for line in result.stdout.splitlines() if line.startswith(("kivi ", "transformers "))]
+    assert len(rows) == 12 + 8 and all(row[4] == "True" for row in rows), result.stdout

@@ -186,3 +186,26 @@ def test_a_hybrid_models_sliding_layers_hold_their_window_whatever_the_budget():
     geometry = memory.resolve_model(config)
     assert (geometry.sliding_layers, geometry.sliding_window) == (5, 512)
     assert geometry.held_tokens(4096) == (4096 + 5 * 512) / 6 and geometry.held_tokens(100) == 100
+
+
+def test_evalkit_mem_prices_a_quantized_kv_cache(tmp_path):
+    """`evalkit-mem ... kv_bits=4`: the KV bytes per socket are the format's (codes plus scales: 160 of 512 bytes per
+    token and head of 128 in bf16), the largest batch grows."""
+    import subprocess
+    import sys
+
+    from evalkit.results import read_table
+
+    frames = {}
+    for bits in (16, 4):
+        out = tmp_path / str(bits)
+        result = subprocess.run([sys.executable, "-m", "evalkit.memory.cli", f"results_dir={out}", "batches=[1]",
+                                 "deployment=llama31_8b_tp1_128k", f"kv_bits={bits}"],
+                                capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        frames[bits] = read_table(out, "memory").set_index(["budget", "tier"])
+    assert "KV 4-bit (KIVI, groups of 32, scales in bf16)" in result.stdout
+    assert set(frames[4]["kv_bits"]) == {4} and set(frames[16]["kv_bits"]) == {16}
+    kv16, kv4 = frames[16].loc[("full", "hbm"), "kv_bytes"], frames[4].loc[("full", "hbm"), "kv_bytes"]
+    assert kv4 == pytest.approx(kv16 * 160 / 512)
+    assert frames[4].loc[("4x", "hbm"), "max_batch"] > frames[16].loc[("4x", "hbm"), "max_batch"]

@@ -4,10 +4,12 @@ budgets x batches (up to the largest batch each budget fits), printed, written a
     evalkit-mem                                        # DeepSeek-R1 TP16 128k on SN40L
     evalkit-mem deployment=llama31_8b_tp1_128k hardware=h200_141g batches=[1,8,32]
     evalkit-mem -m deployment=deepseek_r1_tp16_128k,llama31_70b_tp8_128k hardware=sn40l,h200_141g
+    evalkit-mem deployment=llama31_8b_tp1_128k kv_bits=4  # the KV cache in KIVI's 4-bit format
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import sys
 import uuid
@@ -29,7 +31,18 @@ SHOWN = ["budget", "batch", "capacity", "tier", "used_bytes", "available_bytes",
 
 def table(cfg: dict):
     deployment = load_deployment(cfg["deployment"], hardware=cfg["hardware"])
+    if cfg.get("kv_bits", 16) != 16:  # quantized KV: each token priced as the format stores it
+        from evalkit.compression.kv_format import KVFormat
+
+        fmt = KVFormat(cfg["kv_bits"], cfg.get("kv_group_size", 32), cfg.get("kv_residual", 128))
+        deployment = dataclasses.replace(deployment, kv_format=fmt)
     return deployment, sweep(deployment, budgets=[str(b) for b in cfg["budgets"]], batches=list(cfg["batches"]))
+
+
+def kv_storage(deployment) -> str:
+    fmt = deployment.kv_format
+    return deployment.kv_dtype if fmt is None else (f"{fmt.bits}-bit (KIVI, groups of {fmt.group_size}, scales in "
+                                                    f"{deployment.kv_dtype})")
 
 
 def throughput_grid(frame) -> str:
@@ -89,7 +102,7 @@ def _main(cfg: DictConfig) -> None:
         shown[column] = (shown[column] / 2**30).round(3)
     shown = shown.rename(columns={"used_bytes": "used_GiB", "available_bytes": "avail_GiB", "headroom_bytes": "headroom_GiB"})
     print(f"{deployment.name} on {deployment.hardware.name}: model {deployment.model.name}, tp={deployment.tp}, "
-          f"context={deployment.context}, weights {deployment.weight_dtype}, KV {deployment.kv_dtype}; per socket")
+          f"context={deployment.context}, weights {deployment.weight_dtype}, KV {kv_storage(deployment)}; per socket")
     print(shown.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     speed = throughput_table(deployment, budgets=[str(b) for b in plain["budgets"]])
     speed.insert(0, "run_id", run_id)

@@ -312,7 +312,8 @@ def report(deployment: Deployment, budget: str | None = None) -> pd.DataFrame:
     common = {
         "model": d.model.name, "hardware": hw.name, "tp": d.tp, "batch": d.batch, "context": d.context,
         "budget": budget or "full", "capacity": verdict.cached_tokens, "weight_dtype": d.weight_dtype,
-        "kv_dtype": d.kv_dtype, "fits": verdict.fits, "max_batch": verdict.max_batch,
+        "kv_dtype": d.kv_dtype, "kv_bits": d.kv_format.bits if d.kv_format is not None else 16,
+        "fits": verdict.fits, "max_batch": verdict.max_batch,
         "onchip_ratio": verdict.onchip_ratio, "decode_tokens_per_s": verdict.decode_tokens_per_s,
         "kv_sharding": d.kv_sharding, "kernel_looping": d.kernel_looping, "mtp_tokens": d.mtp_tokens,
     }

@@ -127,8 +127,9 @@ def main() -> None:
     parser.add_argument("--worker", choices=["quanto"])
     args = parser.parse_args()
     if args.worker:
-        import transformers
         from importlib.metadata import version
+
+        import transformers
 
         theirs = quanto_outputs()
         print("RESULT " + json.dumps({

@@ -126,20 +126,20 @@ def worker(side: str, model_dir: str, prompt_file: str, new: int, repeats: int =
 
 def kvpress_python(venv: Path) -> Path | None:
     """The kvpress environment's python, made on demand; None (with a line saying why) when it cannot be."""
-    return reference_python(venv, [KVPRESS], "import kvpress", f"{KVPRESS} (its own environment: it pins "
-                            "transformers < 5.3)")
+    return reference_python(venv, [KVPRESS], "import kvpress", "kvpress", "its own environment: it pins "
+                            "transformers < 5.3")
 
 
-def reference_python(venv: Path, packages: list[str], check: str, what: str) -> Path | None:
+def reference_python(venv: Path, packages: list[str], check: str, name: str, why: str) -> Path | None:
     """The python of a reference's own environment ``venv`` (this torch, then ``packages``), made on demand where
-    ``check`` does not run in it; None (with a line saying why) when it cannot be made."""
+    ``check`` does not run in it; None (with a line saying why, naming it ``name``) when it cannot be made."""
     import torch
 
     python = venv / "bin" / "python"
     checked = [str(python), "-c", check]
     if python.exists() and subprocess.run(checked, capture_output=True).returncode == 0:
         return python
-    print(f"installing {what} into {venv}...", flush=True)
+    print(f"installing {' '.join(packages)} into {venv} ({why})...", flush=True)
     steps = [[sys.executable, "-m", "venv", str(venv)],
              [str(python), "-m", "pip", "install", "-q", f"torch=={torch.__version__.split('+')[0]}"],
              [str(python), "-m", "pip", "install", "-q", *packages]]
@@ -147,7 +147,7 @@ def reference_python(venv: Path, packages: list[str], check: str, what: str) -> 
         done = subprocess.run(step, capture_output=True, text=True)
         if done.returncode != 0:
             reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            print(f"{what} could not be installed ({' '.join(step[-2:])}: {reason}); skipped")
+            print(f"{name} could not be installed ({' '.join(step[-2:])}: {reason}); skipped")
             return None
     return python if subprocess.run(checked, capture_output=True).returncode == 0 else None
 

@@ -113,7 +113,7 @@ def record_quanto(venv: Path) -> dict:
 
     version = f"transformers=={transformers.__version__}"
     python = reference_python(venv, ["optimum-quanto", version], "import optimum.quanto, transformers",
-                              f"optimum-quanto and {version}")
+                              "transformers' quanto backend", "its own environment")
     if python is None:
         raise SystemExit("transformers' quanto backend could not be installed")
     return run_worker(python, Path(__file__), "quanto")

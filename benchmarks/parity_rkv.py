@@ -193,7 +193,7 @@ def main() -> None:
         from bench_vs_kvpress import reference_python
 
         python = reference_python(Path(args.venv), [TRANSFORMERS], "import transformers; assert transformers."
-                                  "__version__ == '4.51.3'", f"{TRANSFORMERS} (the reference's API)")
+                                  "__version__ == '4.51.3'", "the reference's environment", "the reference's API")
         if python is None:
             return
         record = {"reference": "Zefan-Cai/R-KV " + subprocess.run(

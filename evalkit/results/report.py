@@ -23,6 +23,7 @@ from evalkit import budget as budget_grammar
 from evalkit.task import Task, task_names, task_of
 
 from .tables import read_table
+from .trace_costs import TRACE, against_full, point_label, trace_costs
 
 SECONDARY = {"realized_ratio_mean", "extraction_failed", "rows_skipped", "wall_seconds", "prefill_tokens_per_s",
              "decode_tokens_per_s", "slot_utilization", "kv_bytes_peak_mean", "kv_bytes_full_mean",
@@ -35,9 +36,6 @@ RUN_KEYS = ["task", "model", "method", "budget"]
 MEASURED = {"kv_bytes_peak": "kv_bytes_peak_mean", "memory_ratio": "memory_ratio_mean",
             "peak_memory_bytes": "peak_cuda_memory_bytes", "peak_rss_bytes": "peak_rss_bytes",
             "prefill_tokens_per_s": "prefill_tokens_per_s", "decode_tokens_per_s": "decode_tokens_per_s"}
-# What a generative run's traces cost (summary columns from its samples; the ratios against its full-cache baseline).
-TRACE = ("generated_tokens_mean", "hit_limit_share", "accuracy_per_1k_tokens", "kv_byte_seconds_per_correct",
-         "length_ratio", "kv_byte_seconds_ratio", "spent_more_in_total")
 # Columns that say nothing about what was evaluated: never a reason to keep runs apart.
 BOOKKEEPING = {"run_id", "started_at", "evalkit_version", "torch_version", "transformers_version", "lm_eval_version",
                "git_revision", "config_digest", "chat_template_sha"}
@@ -152,41 +150,6 @@ def summarize(metrics: pd.DataFrame, samples: pd.DataFrame, iterations: int = 20
     return table.sort_values(["task", "model", "method", *shown, "budget"], key=_budget_order).reset_index(drop=True)
 
 
-def trace_costs(samples: pd.DataFrame) -> dict:
-    """What a run's generations cost: their mean length, the share that ran to the generation limit, correct answers
-    per thousand generated tokens, and KV byte-seconds (measured per sample) per correct answer (NaN where the run
-    generated nothing or scored no sample)."""
-    out = dict.fromkeys(TRACE[:4], math.nan)
-    if "generated_tokens" not in samples or samples["generated_tokens"].isna().all():
-        return out
-    generated = samples["generated_tokens"].dropna()
-    out["generated_tokens_mean"] = float(generated.mean())
-    if "hit_limit" in samples and samples["hit_limit"].notna().any():
-        out["hit_limit_share"] = float(samples["hit_limit"].dropna().astype(bool).mean())
-    if "kv_byte_seconds" in samples and samples["kv_byte_seconds"].notna().any():
-        out["kv_byte_seconds_total"] = float(samples["kv_byte_seconds"].sum())
-    correct = samples["score"].dropna().sum() if "score" in samples else 0.0
-    if generated.sum() and "score" in samples and samples["score"].notna().any():
-        out["accuracy_per_1k_tokens"] = float(1000 * correct / generated.sum())
-    if correct and "kv_byte_seconds" in samples and samples["kv_byte_seconds"].notna().any():
-        out["kv_byte_seconds_per_correct"] = float(samples["kv_byte_seconds"].sum() / correct)
-    return out
-
-
-def against_full(row: dict, baseline: pd.DataFrame) -> dict:
-    """A run's traces against its full-cache baseline's: the length ratio, the ratio of total KV byte-seconds, and
-    whether it held less per step (``kv_bytes_peak``) yet spent more byte-seconds in total."""
-    base = trace_costs(baseline)
-    spent = baseline["kv_byte_seconds"].sum() if "kv_byte_seconds" in baseline else 0.0
-    own = row.get("kv_byte_seconds_total", math.nan)
-    ratio = own / spent if spent else math.nan
-    held_less = row.get("kv_bytes_peak", math.nan) < (baseline["kv_bytes_peak"].mean() if "kv_bytes_peak" in baseline
-                                                      else math.nan)
-    return {"length_ratio": row["generated_tokens_mean"] / base["generated_tokens_mean"]
-            if base["generated_tokens_mean"] else math.nan,
-            "kv_byte_seconds_ratio": ratio, "spent_more_in_total": bool(held_less and ratio > 1) if ratio == ratio else None}
-
-
 def compression_factor(budget: str) -> float:
     """``4x`` -> 4, ``full`` -> 1; absolute budgets have no factor (NaN)."""
     if isinstance(budget, float) and math.isnan(budget):
@@ -290,7 +253,7 @@ def tradeoff_plot(table: pd.DataFrame, column: str, label: str, lower_is_better:
             axis.errorbar(group["x"], group["value"], yerr=half[group.index], marker="o", linestyle="none",
                           capsize=3, label=name)
             for _, point in group.iterrows():
-                axis.annotate(_point_label(point), (point["x"], point["value"]), fontsize=7,
+                axis.annotate(point_label(point), (point["x"], point["value"]), fontsize=7,
                               xytext=(4, 4), textcoords="offset points",
                               color="red" if point.get("spent_more_in_total") is True else "black")
         for (model, *_), base in own[own["method"] == "full"].groupby(["model", *settings], dropna=False):
@@ -304,13 +267,6 @@ def tradeoff_plot(table: pd.DataFrame, column: str, label: str, lower_is_better:
         axis.set_xscale("log")
         _finish_panel(axis, task, label, own)
     return _save(figure, path)
-
-
-def _point_label(point: pd.Series) -> str:
-    """A point's budget, and for generations its mean trace length against the full cache's (red where it held
-    less per step but spent more byte-seconds in total)."""
-    ratio = point.get("length_ratio")
-    return str(point["budget"]) if ratio is None or pd.isna(ratio) else f"{point['budget']} (len x{ratio:.2f})"
 
 
 def _finish_panel(axis, task: str, xlabel: str, rows: pd.DataFrame) -> None:

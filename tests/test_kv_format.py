@@ -174,13 +174,25 @@ def test_a_run_with_kv_bits_quantizes_in_the_engine_and_prices_what_it_held(tmp_
     (["kv_bits=3"], "kv_bits must be 2, 4, 8 or 16"),
     (["kv_bits=4", "compression_scope=context"], "kv_bits < 16 takes compression_scope=prompt"),
     (["kv_bits=4", "kv_group_size=24"], "kv_residual must be a positive multiple of kv_group_size"),
-    (["kv_bits=4", "kv_group_size=128", "kv_residual=128"], "kv_group_size 128 must divide the head dimension 64"),
+    (["kv_bits=4", "kv_group_size=0"], "kv_group_size must be a positive integer"),
 ])
-def test_bad_kv_settings_are_one_line(tmp_path, extra, message):
+def test_bad_kv_settings_are_one_line_config_errors(extra, message):
+    from test_harness import composed
+
+    from evalkit.errors import ConfigError
+    from evalkit.run import validate
+
+    with pytest.raises(ConfigError, match=message):
+        validate(composed("method=snapstream", "+budget=4x", *extra), method_explicit=True)
+
+
+def test_a_group_the_model_cannot_take_is_one_line_before_any_generation(tmp_path):
     from helpers import evalkit
 
-    result = evalkit("method=snapstream", "+budget=4x", "limit=1", f"results_dir={tmp_path}", *extra, cwd=tmp_path)
-    assert result.returncode != 0 and message in result.stderr
+    result = evalkit("method=snapstream", "+budget=4x", "limit=1", f"results_dir={tmp_path}", "kv_bits=4",
+                     "kv_group_size=128", "kv_residual=128", cwd=tmp_path)
+    assert result.returncode != 0 and "kv_group_size 128 must divide the head dimension 64" in result.stderr
+    assert not (tmp_path / "samples").exists()
 
 
 def test_the_quantizers_agree_bit_for_bit_with_the_shipped_records_of_kivis_and_transformers():

@@ -210,14 +210,48 @@ def sweep_jobs(preset: str) -> list[list[str]]:
     return jobs
 
 
+# Overrides no config interpolates: each job's config is one composition of its other overrides with these set on it
+# (values typed by Hydra's own parser), which is what Hydra composes for the job.
+SCALAR_OVERRIDES = ("budget", "kv_bits", "compression_scope")
+
+
+def job_configs(preset: str, chosen=lambda job: True):
+    """Every job of ``preset``'s sweep (those ``chosen``) and its composed config, composing once per choice of the
+    other overrides."""
+    import copy
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser, composed_once = OverridesParser.create(), {}
+    for job in filter(chosen, sweep_jobs(preset)):
+        rest = tuple(o for o in job if o.split("=", 1)[0] not in SCALAR_OVERRIDES)
+        if rest not in composed_once:
+            composed_once[rest] = composed(f"+experiment={preset}", *rest)
+        cfg = copy.deepcopy(composed_once[rest])
+        for override in job:
+            if override.split("=", 1)[0] in SCALAR_OVERRIDES:
+                parsed = parser.parse_override(override)
+                cfg[parsed.key_or_group] = parsed.value()
+        yield job, cfg
+
+
+def test_a_job_config_is_what_hydra_composes_for_it():
+    for preset, one in (("reasoning_grid", {"task=math500", "method=snapstream"}),
+                        ("ruler_grid", {"model.max_context=4096", "method=snapkv"})):
+        jobs = list(job_configs(preset, lambda job, one=one: one <= set(job)))
+        assert len(jobs) == 8  # every budget, with each value of the other scalar override
+        for job, cfg in jobs:
+            assert cfg == composed(f"+experiment={preset}", *job), job
+
+
 # baselines_grid's 111 jobs are validated, and counted, by test_baselines_grid_is_the_paper_grid_with_every_method.
 @pytest.mark.parametrize("preset", sorted(p.stem for p in (conf_dir() / "experiment").glob("*.yaml")
                                           if p.stem != "baselines_grid"))
 def test_every_job_of_every_preset_validates(preset):
     valid, pairings = 0, 0
-    for job in sweep_jobs(preset):
+    for _, cfg in job_configs(preset):
         try:
-            spec = validate(composed(f"+experiment={preset}", *job), method_explicit=True)
+            spec = validate(cfg, method_explicit=True)
             valid += 1
             assert spec.task and spec.policy is not None
         except InvalidCombination:  # full with a budget, a compressing method without one: skipped by design
@@ -264,11 +298,9 @@ def test_baselines_grid_is_the_paper_grid_with_every_method():
     the task; every_job_of_every_preset validates the other presets' tasks whole)."""
     jobs = sweep_jobs("baselines_grid")
     valid = 0
-    for job in jobs:
-        if job[0] != "task=aime24":
-            continue
+    for _, cfg in job_configs("baselines_grid", lambda job: job[0] == "task=aime24"):
         try:
-            spec = validate(composed("+experiment=baselines_grid", *job), method_explicit=True)
+            spec = validate(cfg, method_explicit=True)
         except InvalidCombination:
             continue
         valid += 1

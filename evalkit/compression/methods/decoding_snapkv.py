@@ -126,7 +126,7 @@ class DecodingSnapKV(Wrapper):
         snapkv = self.scorer
         scores = reduce_groups(pool_scores(ordered, snapkv.kernel_size, snapkv.pooling), snapkv.gqa_reduce)
         scores = scores.masked_fill(in_order(valid & in_window), float("inf")).masked_fill(~in_order(valid), float("-inf"))
-        return _dropped(scores, order, valid, target) & due[:, None, None]
+        return dropped_beyond(scores, order, valid, target) & due[:, None, None]
 
     def reselect(self, prompt, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What a re-application keeps of the cache seen as a prompt: the wrapped method's selection."""
@@ -153,7 +153,7 @@ class DecodingSnapKV(Wrapper):
         return torch.zeros_like(valid).scatter_(-1, order, held & ~kept)
 
 
-def _dropped(scores: torch.Tensor, order: torch.Tensor, valid: torch.Tensor, target: int) -> torch.Tensor:
+def dropped_beyond(scores: torch.Tensor, order: torch.Tensor, valid: torch.Tensor, target: int) -> torch.Tensor:
     """The valid slots beyond the ``target`` best ``scores`` (given in the slot ``order`` of text order; ties to the
     earlier token), as a mask over the slots."""
     ranked = scores.sort(dim=-1, descending=True, stable=True).indices

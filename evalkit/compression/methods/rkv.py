@@ -13,6 +13,7 @@ from evalkit.method_settings import setting
 
 from ..views import DecodeView, PrefillView
 from .base import Policy
+from .decoding_snapkv import dropped_beyond
 
 
 @dataclasses.dataclass
@@ -100,9 +101,7 @@ class RKV(Policy):
         prefix = held & (positions.gather(-1, order) <= (position - self.window)[:, None, None])
         scores = self.rank(queries, ordered_keys, held, prefix, scaling)
         scores = scores.masked_fill(held & ~prefix, float("inf")).masked_fill(~held, float("-inf"))
-        ranked = scores.sort(dim=-1, descending=True, stable=True).indices
-        dropped = torch.zeros_like(held).scatter_(-1, ranked[..., self.capacity - self.interval:], True)
-        return valid & torch.zeros_like(valid).scatter_(-1, order, dropped)
+        return dropped_beyond(scores, order, valid, self.capacity - self.interval)
 
     def rank(self, queries: torch.Tensor, keys: torch.Tensor, held: torch.Tensor, prefix: torch.Tensor,
              scaling: float) -> torch.Tensor:

@@ -97,6 +97,19 @@ class EvalkitLM(LM):
     def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
         return self.prompts.apply_chat_template(chat_history, add_generation_prompt)
 
+    def use_replicas(self, pool) -> None:
+        """Generate on ``pool`` (:class:`evalkit.parallel.pool.ReplicaPool`) instead of an engine of this process;
+        finished requests are recorded here as they arrive, as from one engine."""
+        from evalkit.parallel.throughput import ReplicaThroughput
+
+        self._engine, self.throughput = pool, ReplicaThroughput()
+
+    def close(self) -> None:
+        """Release what generation holds beyond this process (a replica pool's actors)."""
+        close = getattr(self._engine, "close", None)
+        if close is not None:
+            close()
+
     # -- generation ------------------------------------------------------------------------------------------------
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """All of a task's generation requests go to the engine at once; each finished one is recorded (and kept

@@ -142,7 +142,7 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None, shared=None) ->
         import torch
 
         torch.set_num_threads(spec.threads)
-    lm = _load_lm(spec, progress, model, tokenizer, shared)
+    lm = load_lm(spec, progress, model, tokenizer, shared)
     flow = task.generation_flow()  # the task's own passes (LongBench-v2's chain of thought), if it has them
     evaluate = _evaluator(spec, lm)
     try:
@@ -151,6 +151,8 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None, shared=None) ->
             results, stats, reasoning = outcome or (evaluate(built), lm.request_stats, None)
     except KeyboardInterrupt:
         raise Interrupted(len(Progress(progress_path).done)) from None
+    finally:
+        lm.close()  # parallel=ray: its replicas stop
     metrics, samples = _rows(spec, task, results, stats, reasoning, lm, skipped_rows)
     config = {"run_id": run_id, **spec.flat_config(), **identify(spec), "config_digest": digest,
               "chat_template_sha": chat_template_sha(lm.tokenizer) if spec.apply_chat_template else None,
@@ -164,15 +166,15 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None, shared=None) ->
     return RunResult(run_id, pd.DataFrame(metrics), pd.DataFrame(samples), paths)
 
 
-def _load_lm(spec: RunSpec, progress: Progress, model=None, tokenizer=None, shared=None):
+def load_lm(spec: RunSpec, progress: Progress | None = None, model=None, tokenizer=None, shared=None):
     """The run's lm-eval model (its model loaded unless given, or the sweep's), or a one-line RunError saying why
-    not."""
+    not. With ``parallel=ray`` its generations run on the run's replicas (each loads the model by this function)."""
     from evalkit.lm import EvalkitLM
 
     try:
         if model is None and shared is not None:
             model, tokenizer = shared.model_for(spec)
-        return EvalkitLM(
+        lm = EvalkitLM(
             pretrained=spec.pretrained, model=model, tokenizer=tokenizer, policy=spec.policy,
             max_context=spec.max_context, batch_size=spec.batch_size, device=spec.device, dtype=spec.dtype,
             seed=spec.seed, apply_chat_template=spec.apply_chat_template, compression_scope=spec.compression_scope,
@@ -184,6 +186,11 @@ def _load_lm(spec: RunSpec, progress: Progress, model=None, tokenizer=None, shar
         raise RunError(model_unavailable(spec.pretrained, error)) from None
     except ValueError as error:
         raise RunError(f"model {spec.pretrained}: {one_line(error)}") from None
+    if spec.parallel is not None:
+        from evalkit.parallel.pool import ReplicaPool
+
+        lm.use_replicas(ReplicaPool(spec, spec.parallel, lm.model.config))
+    return lm
 
 
 def _evaluator(spec: RunSpec, lm):
@@ -293,7 +300,8 @@ def summary(result: RunResult, spec: RunSpec) -> str:
     head = (f"run {result.run_id}\nmodel={spec.model_name} task={spec.task} method={spec.method} "
             f"budget={spec.budget or '-'} capacity={spec.policy.cache_capacity() or 'all'}")
     is_memory = result.metrics["subset"] == "memory"
-    table = result.metrics[~is_memory][["subset", "metric", "value", "stderr", "n"]].to_string(index=False,
+    per_replica = result.metrics["subset"].str.startswith("replica")  # parallel=ray: in the tables, not here
+    table = result.metrics[~is_memory & ~per_replica][["subset", "metric", "value", "stderr", "n"]].to_string(index=False,
                                                                                              float_format="%.4f")
     if spec.memory is not None:
         v, d = spec.memory, spec.memory.deployment

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from evalkit import budget as budget_grammar
 from evalkit.errors import ConfigError
 from evalkit.method_config import check_known, method_settings, policy_from_config, spec_prefill_settings
+from evalkit.parallel import ParallelSettings, parallel_settings
 from evalkit.task import LM_EVAL, task_of
 
 if TYPE_CHECKING:  # torch and the compression code load with the first validate(), not with this module
@@ -62,6 +63,9 @@ class RunSpec:
     compile: str | None = None  # torch.compile backend of the engine's decode step (None: not compiled)
     own_deployment: str | None = None  # the deployment the model config chose for its model (model.deployment)
     identity: dict | None = None  # filled by identify(): resolved sources, fingerprints
+    # parallel=ray: the requests sharded over Ray replicas (None: one process). Not part of the config: the tables of
+    # a run are the same however many replicas made them, and one run resumes another.
+    parallel: ParallelSettings | None = None
 
     def flat_config(self) -> dict:
         params = self.policy.settings()
@@ -108,7 +112,8 @@ class RunSpec:
 
 RUN_KEYS = ("model", "method", "task", "hardware", "deployment", "budget", "results_dir", "seed", "limit", "batch_size",
             "compile", "fidelity_tokens", "resume", "strict_budget", "threads", "device", "bad_rows", "compression_scope",
-            "prefill_chunk", "prefill_chunk_mode", "memory", "kv_bits", "kv_group_size", "kv_residual")
+            "prefill_chunk", "prefill_chunk_mode", "memory", "kv_bits", "kv_group_size", "kv_residual",
+            "parallel")
 
 
 MODEL_KEYS = ("name", "pretrained", "max_context", "dtype", "apply_chat_template", "revision", "device_map",
@@ -272,6 +277,7 @@ def validate(cfg: dict, method_explicit: bool = True, checked: dict | None = Non
         threads=checked["threads"],
         compile=compile_with,
         own_deployment=model.get("deployment"),
+        parallel=parallel_settings(cfg.get("parallel")),
     )
 
 

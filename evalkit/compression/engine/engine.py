@@ -90,14 +90,17 @@ class Engine:
         """Busy slot-steps over all slot-steps so far."""
         return self.accounting.utilization()
 
-    def run(self, requests: Iterable[Request], on_finish: Callable[[Completion], None] | None = None) -> list[Completion]:
+    def run(self, requests: Iterable[Request], on_finish: Callable[[Completion], None] | None = None,
+            slot_tokens: int | None = None) -> list[Completion]:
         """Generate every request; return the completions in request order. ``on_finish`` is called with each
-        completion as soon as it is done (in finishing order), before the next requests are admitted."""
+        completion as soon as it is done (in finishing order), before the next requests are admitted.
+        ``slot_tokens``: the slot size of a growing policy for this stream (default: the engine's ``slot_tokens``,
+        else what its largest request needs; a replica given part of a run's stream reserves what the whole needs)."""
         stream = list(requests)
         for request in stream:
             if not isinstance(request, Request):
                 raise TypeError(f"requests must be evalkit.compression.engine.Request, got {type(request).__name__}")
-        self.pool.prepare(stream, self.requested_slot_tokens)
+        self.pool.prepare(stream, slot_tokens or self.requested_slot_tokens)
         scheduler = Scheduler(stream, self.pool, self.stops, self.eos, self.sync_every)
         while scheduler.busy:
             if scheduler.admit():  # done at their first token (EOS, or one new token asked for)

@@ -113,13 +113,7 @@ class SlotPool:
         self.rows.finished.fill_(True)
 
     def _needed(self, request: Request) -> int:
-        """Cache slots ``request`` needs under a growing policy (its largest head's, for per-head layouts)."""
-        n = request.input_ids.numel()
-        (kv_heads, _, _), _ = cache_geometry(self.model.config)
-        if request.compress_prefix is not None and request.compress_prefix < n:
-            head = request.compress_prefix
-            return self.policy.prompt_slots(head, kv_heads) + (n - head) + request.max_new_tokens
-        return self.policy.prompt_slots(n, kv_heads) + request.max_new_tokens
+        return slots_needed(self.model.config, self.policy, request)
 
     def allocate(self, size: int) -> None:
         config = self.model.config
@@ -201,3 +195,13 @@ class SlotPool:
                 layer.keys[slot, :, :used] = source.keys[0, :, :used]
                 layer.values[slot, :, :used] = source.values[0, :, :used]
             layer.layout.load(layer, slot, source, used)
+
+
+def slots_needed(config, policy: Policy, request: Request) -> int:
+    """Cache slots ``request`` needs under a growing ``policy`` (its largest head's, for per-head layouts)."""
+    n = request.input_ids.numel()
+    (kv_heads, _, _), _ = cache_geometry(config)
+    if request.compress_prefix is not None and request.compress_prefix < n:
+        head = request.compress_prefix
+        return policy.prompt_slots(head, kv_heads) + (n - head) + request.max_new_tokens
+    return policy.prompt_slots(n, kv_heads) + request.max_new_tokens

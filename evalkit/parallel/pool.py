@@ -1,0 +1,138 @@
+"""A run's requests sharded over engine replicas on Ray, with the interface of one engine (``run``).
+
+Every finished request streams back to the run's process as it finishes and is handed to ``on_finish`` there: the
+run's one writer (its crash-safe progress file, then its tables) works as with one engine, so resume and the run's
+identity are unchanged. A replica that dies (killed, out of memory) is restarted by Ray and given its unfinished
+requests again; a request is recorded once, when its completion arrives, so none is lost or written twice. Past
+``max_restarts`` deaths of one replica the run stops with one line, its finished generations kept for resume.
+Results do not depend on the sharding: a request's greedy tokens are those it gets alone, and a sampled request
+draws from its own seeded stream (:class:`evalkit.compression.engine.Engine`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable
+
+from evalkit.compression.engine.request import Completion, Request
+from evalkit.compression.engine.slot_pool import slots_needed
+from evalkit.errors import RunError
+from evalkit.measure import Throughput
+
+from . import RAY_MISSING, ParallelSettings
+from .replica import Replica
+
+
+class ReplicaPool:
+    """``settings.replicas`` Ray actors, each holding the model of ``spec`` and an engine."""
+
+    def __init__(self, spec, settings: ParallelSettings, model_config):
+        try:
+            import ray
+        except ImportError:
+            raise RunError(RAY_MISSING) from None
+        self.ray, self.settings, self.model_config, self.policy = ray, settings, model_config, spec.policy
+        self.started_ray = not ray.is_initialized()
+        if self.started_ray:
+            ray.init(address=settings.address, include_dashboard=False, log_to_driver=False,
+                     logging_level=logging.ERROR, configure_logging=True)
+        cpus, gpus = self._resources(spec)
+        actor = ray.remote(num_cpus=cpus, num_gpus=gpus, max_restarts=settings.max_restarts, max_task_retries=0)(Replica)
+        threads = spec.threads or (max(1, int(cpus)) if gpus == 0 else None)
+        alone = dataclasses.replace(spec, parallel=None)  # a replica runs its share as one process
+        self.actors = [actor.remote(alone, threads) for _ in range(settings.replicas)]
+        self.deaths = [0] * settings.replicas
+        try:
+            self.pids = ray.get([a.pid.remote() for a in self.actors])  # a replica's load error surfaces here
+        except ray.exceptions.RayTaskError as error:
+            self.close()
+            raise error.as_instanceof_cause() from None
+
+    def _resources(self, spec) -> tuple[float, float]:
+        """CPUs and GPUs each replica asks Ray for: by default a GPU each where the cluster has GPUs, else an equal
+        share of the cluster's CPUs (a fraction where replicas outnumber cores: they all start)."""
+        cluster = self.ray.cluster_resources()
+        gpus = self.settings.gpus_per_replica
+        if gpus is None:
+            gpus = 1 if cluster.get("GPU", 0) >= 1 and spec.device != "cpu" else 0
+        cpus = self.settings.cpus_per_replica
+        if cpus is None:
+            cpus = cluster.get("CPU", os.cpu_count() or 1) / self.settings.replicas if not gpus else 1
+        return cpus, gpus
+
+    def run(self, requests: list[Request], on_finish: Callable[[Completion], None] | None = None) -> list[Completion]:
+        """Generate every request on the replicas (request ``i`` on replica ``i % replicas`` first); ``on_finish``
+        is called here with each completion as it arrives, once per request."""
+        ray = self.ray
+        # A growing policy's slots are sized for the whole stream, as one engine sizes them (same reserved bytes).
+        slot_tokens = max(slots_needed(self.model_config, self.policy, r) for r in requests) if requests else None
+        done: dict[int, Completion] = {}
+        unfinished = [set(range(r, len(requests), len(self.actors))) for r in range(len(self.actors))]
+        events: queue.Queue = queue.Queue()
+
+        def stream(replica: int, indices: list[int]) -> None:
+            try:
+                generator = self.actors[replica].generate.options(num_returns="streaming").remote(
+                    [(i, requests[i]) for i in indices], slot_tokens)
+                for ref in generator:
+                    events.put(("finished", replica, ray.get(ref)))
+                events.put(("ended", replica, None))
+            except ray.exceptions.RayTaskError as error:  # raised by the replica's own code: a real error
+                events.put(("error", replica, error.as_instanceof_cause()))
+            except ray.exceptions.RayError as error:  # the replica's process died (killed, out of memory)
+                events.put(("died", replica, error))
+
+        streaming = len(self.actors)
+        for replica, indices in enumerate(unfinished):
+            threading.Thread(target=stream, args=(replica, sorted(indices)), daemon=True).start()
+        while streaming:
+            kind, replica, payload = events.get()
+            if kind == "finished":
+                index, tokens, stats = payload
+                if index in done:  # defensive: a request is recorded once
+                    continue
+                unfinished[replica].discard(index)
+                done[index] = Completion(index, tokens, stats)
+                if on_finish is not None:
+                    on_finish(done[index])
+            elif kind == "error":
+                self.close()
+                raise payload
+            elif kind == "died":
+                self.deaths[replica] += 1
+                if self.deaths[replica] > self.settings.max_restarts:
+                    self.close()
+                    raise RunError(f"replica {replica} died {self.deaths[replica]} times (last: {_first_line(payload)})"
+                                   f"; {len(done)} of {len(requests)} generations are kept: run the same command again "
+                                   "to resume")
+                if unfinished[replica]:  # Ray restarts the actor; the call waits for it
+                    threading.Thread(target=stream, args=(replica, sorted(unfinished[replica])), daemon=True).start()
+                    continue
+                streaming -= 1
+            else:
+                if unfinished[replica]:  # the stream ended without them: never expected, never silent
+                    self.close()
+                    raise RunError(f"replica {replica} ended without {len(unfinished[replica])} of its requests")
+                streaming -= 1
+        return [done[i] for i in range(len(requests))]
+
+    def throughputs(self) -> list[Throughput]:
+        """Each replica's own measurement (a restarted replica's since its restart)."""
+        return self.ray.get([a.throughput.remote() for a in self.actors])
+
+    def close(self) -> None:
+        """Stop the replicas (and the local Ray cluster this pool started)."""
+        for actor in self.actors if hasattr(self, "actors") else ():
+            self.ray.kill(actor, no_restart=True)
+        if self.started_ray:
+            self.ray.shutdown()
+            self.started_ray = False
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__

@@ -6,7 +6,6 @@ Only :class:`ParallelSettings` lives here; Ray is imported by :mod:`evalkit.para
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 
 from evalkit.errors import ConfigError
 
@@ -50,6 +49,8 @@ def parallel_settings(section: dict | None) -> ParallelSettings | None:
     if address is not None and not isinstance(address, str):
         raise ConfigError(f"parallel.address must be a Ray address (auto, host:port, ray://host:port) or null, got "
                           f"{address!r}")
-    if importlib.util.find_spec("ray") is None:
-        raise ConfigError(RAY_MISSING)
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise ConfigError(RAY_MISSING) from None
     return ParallelSettings(**section)

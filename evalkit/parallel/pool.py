@@ -11,11 +11,14 @@ draws from its own seeded stream (:class:`evalkit.compression.engine.Engine`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import queue
+import sys
 import threading
+import time
 from collections.abc import Callable
 
 from evalkit.compression.engine.request import Completion, Request
@@ -74,8 +77,10 @@ class ReplicaPool:
         unfinished = [set(range(r, len(requests), len(self.actors))) for r in range(len(self.actors))]
         events: queue.Queue = queue.Queue()
 
-        def stream(replica: int, indices: list[int]) -> None:
+        def stream(replica: int, indices: list[int], restarted: bool = False) -> None:
             try:
+                if restarted:
+                    self._wait_for(replica)
                 generator = self.actors[replica].generate.options(num_returns="streaming").remote(
                     [(i, requests[i]) for i in indices], slot_tokens)
                 for ref in generator:
@@ -110,7 +115,11 @@ class ReplicaPool:
                                    f"; {len(done)} of {len(requests)} generations are kept: run the same command again "
                                    "to resume")
                 if unfinished[replica]:  # Ray restarts the actor; the call waits for it
-                    threading.Thread(target=stream, args=(replica, sorted(unfinished[replica])), daemon=True).start()
+                    print(f"evalkit: replica {replica} died ({_first_line(payload)}); restarted, it takes its "
+                          f"{len(unfinished[replica])} unfinished requests again (death {self.deaths[replica]} of "
+                          f"{self.settings.max_restarts} allowed)", file=sys.stderr, flush=True)
+                    threading.Thread(target=stream, args=(replica, sorted(unfinished[replica]), True),
+                                     daemon=True).start()
                     continue
                 streaming -= 1
             else:
@@ -120,14 +129,26 @@ class ReplicaPool:
                 streaming -= 1
         return [done[i] for i in range(len(requests))]
 
+    def _wait_for(self, replica: int) -> None:
+        """Until Ray has restarted the replica (its model loaded again); a replica Ray gave up on raises."""
+        while True:
+            try:
+                self.pids[replica] = self.ray.get(self.actors[replica].pid.remote())
+                return
+            except self.ray.exceptions.ActorUnavailableError:  # restarting
+                time.sleep(0.2)
+
     def throughputs(self) -> list[Throughput]:
-        """Each replica's own measurement (a restarted replica's since its restart)."""
-        return self.ray.get([a.throughput.remote() for a in self.actors])
+        """Each replica's own measurement (a restarted replica's since its restart); none once the pool is
+        closed."""
+        return self.ray.get([a.throughput.remote() for a in self.actors]) if self.actors else []
 
     def close(self) -> None:
         """Stop the replicas (and the local Ray cluster this pool started)."""
-        for actor in self.actors if hasattr(self, "actors") else ():
-            self.ray.kill(actor, no_restart=True)
+        for actor in getattr(self, "actors", ()):
+            with contextlib.suppress(self.ray.exceptions.RayError):  # one that died for good is gone already
+                self.ray.kill(actor, no_restart=True)
+        self.actors = []
         if self.started_ray:
             self.ray.shutdown()
             self.started_ray = False

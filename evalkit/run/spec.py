@@ -214,6 +214,7 @@ def _checked_run_settings(cfg: dict) -> dict:
         "fidelity_tokens": fidelity_tokens, "bad_rows": bad_rows, "device": device, "threads": cfg.get("threads"),
         "resume": _require_bool(cfg.get("resume", True), "resume"),
         "strict_budget": _require_bool(cfg.get("strict_budget", False), "strict_budget"),
+        "parallel": parallel_settings(cfg.get("parallel")),
     }
 
 
@@ -277,7 +278,7 @@ def validate(cfg: dict, method_explicit: bool = True, checked: dict | None = Non
         threads=checked["threads"],
         compile=compile_with,
         own_deployment=model.get("deployment"),
-        parallel=parallel_settings(cfg.get("parallel")),
+        parallel=checked["parallel"],
     )
 
 

@@ -136,3 +136,33 @@ def test_a_replica_that_keeps_dying_stops_the_run_and_its_samples_resume(tmp_pat
     assert f"resuming: {kept} generations already done" in resumed.stdout
     samples = read_table(results, "samples")
     assert len(samples) == 40 and samples["doc_id"].is_unique
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_the_scaling_benchmark_runs_and_its_runs_agree(tmp_path):
+    """docs/parallel.md's `python benchmarks/bench_replicas.py` (4 prompts here)."""
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_replicas.py"), "--limit", "4",
+                             "--replicas", "2", "--workdir", str(tmp_path)], capture_output=True, text=True,
+                            timeout=900, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = [line for line in result.stdout.splitlines() if line.startswith("| ray, 2 replicas")]
+    assert len(table) == 1 and table[0].rstrip().endswith("| yes |"), result.stdout
+
+
+def test_the_paper_grid_estimate_follows_from_the_measured_rows():
+    """docs/parallel.md's `python benchmarks/paper_grid_cost.py`: its numbers recomputed here from the H100 rows."""
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "paper_grid_cost.py"), "--mean-trace", "10000",
+                             "--gpus", "32"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    rows = {tuple(cells[1:3]): cells for line in result.stdout.splitlines()
+            if (cells := [c.strip() for c in line.split("|")]) and len(cells) == 8 and cells[1] not in ("method", "---")}
+    bandwidth = ((16.06e9 + 64 * 2048 * 131072) / 13.71e-3 + (16.06e9 + 16 * 8192 * 131072) / 13.39e-3) / 2
+    slots = 54 * 2**30 // (16384 * 131072)  # SnapStream 8x of 131072: 16,384 tokens a slot
+    rate = slots / ((16.06e9 + slots * 16384 * 131072) / bandwidth)
+    assert rows[("snapstream", "8x")][3:6] == ["16,384", str(slots), f"{rate:,.0f}"]
+    assert float(rows[("snapstream", "8x")][6]) == pytest.approx(30 * 64 * 10000 / rate / 3600, abs=0.05)
+    assert rows[("full", "-")][3] == "32,928"  # a growing cache reserves the prompt and all 32,768 new tokens
+    assert "on 32 GPUs" in result.stdout

@@ -16,6 +16,7 @@ from masked_reference import _RECORD, module_scaling, plain_snapkv_scores
 from transformers import DynamicCache
 
 import evalkit.compression as ec
+from evalkit.compression.model_spec import cache_kwargs
 
 
 def top(scores: list[float], count: int, offset: int = 0) -> set[int]:
@@ -52,7 +53,7 @@ def full_run(model, prompt: torch.Tensor) -> dict:
     model.config._attn_implementation = "reference_masked"
     _RECORD.clear()
     try:
-        model(input_ids=prompt, past_key_values=DynamicCache(config=config), use_cache=True)
+        model(input_ids=prompt, **cache_kwargs(model, DynamicCache(config=config)), use_cache=True)
         return {
             layer: {"query": _RECORD["queries"][layer][0].double(), "key": _RECORD["keys"][layer][0].double(),
                     "value": _RECORD["values"][layer][0].double(), "pre_rope": pre_rope[layer],
@@ -305,7 +306,7 @@ def simulate_decoding(model, policy, prompt: torch.Tensor, tokens: list[int], ke
     logits, history = [], []
     try:
         _RECORD.clear()
-        model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        model(input_ids=prompt, **cache_kwargs(model, cache), use_cache=True)
         for step, token in enumerate(tokens):
             position = n + step
             for per_head in held.values():
@@ -315,7 +316,7 @@ def simulate_decoding(model, policy, prompt: torch.Tensor, tokens: list[int], ke
                 layer: torch.stack([torch.tensor([j in heads for j in range(position + 1)]) for heads in per_head])
                 for layer, per_head in held.items()
             }
-            out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+            out = model(input_ids=torch.tensor([[token]]), **cache_kwargs(model, cache), use_cache=True)
             logits.append(out.logits[0, -1].float())
             for layer, per_head in held.items():
                 query = _RECORD["queries"][layer][0, :, 0].double()  # [Hq, D]

@@ -16,6 +16,7 @@ from transformers.masking_utils import (
 )
 
 import evalkit.compression as ec
+from evalkit.compression.model_spec import cache_kwargs
 
 _RECORD: dict = {}
 
@@ -116,7 +117,7 @@ def masked_run(model, policy, prompt: torch.Tensor, tokens: list[int]):
     try:
         cache = DynamicCache(config=model.config)
         n = prompt.shape[1]
-        out = model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        out = model(input_ids=prompt, **cache_kwargs(model, cache), use_cache=True)
         logits = [out.logits[0, -1].float()]
         kept = {
             layer: kept_prompt_positions(policy, _RECORD["queries"][layer][0], _RECORD["keys"][layer][0], module_scaling(model))
@@ -128,7 +129,7 @@ def masked_run(model, policy, prompt: torch.Tensor, tokens: list[int]):
                 layer: torch.stack([visible_keys(policy, heads, n, position) for heads in per_head])
                 for layer, per_head in kept.items()
             }
-            out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+            out = model(input_ids=torch.tensor([[token]]), **cache_kwargs(model, cache), use_cache=True)
             logits.append(out.logits[0, -1].float())
         return torch.stack(logits), kept
     finally:

@@ -25,6 +25,7 @@ from masked_reference import _RECORD
 from transformers import DynamicCache
 
 import evalkit.compression as ec
+from evalkit.compression.model_spec import cache_kwargs
 
 INF = float("inf")
 PROMPT, STEPS = 50, 20
@@ -79,7 +80,7 @@ def reference(model, policy, prompt: torch.Tensor, tokens: list[int]):
     _RECORD.clear()
     try:
         cache = DynamicCache(config=model.config)
-        model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        model(input_ids=prompt, **cache_kwargs(model, cache), use_cache=True)
         keys = {layer: key[0] for layer, key in _RECORD["keys"].items()}
         held = {layer: select(key, [range(n)] * key.shape[0]) for layer, key in keys.items()}
         history, logits = [held], []
@@ -88,7 +89,7 @@ def reference(model, policy, prompt: torch.Tensor, tokens: list[int]):
             held = {layer: [h | {position} for h in heads] for layer, heads in held.items()}
             _RECORD["visible"] = {layer: torch.tensor([[j in h for j in range(position + 1)] for h in heads])
                                   for layer, heads in held.items()}
-            logits.append(model(input_ids=torch.tensor([[token]]), past_key_values=cache).logits[0, -1].float())
+            logits.append(model(input_ids=torch.tensor([[token]]), **cache_kwargs(model, cache)).logits[0, -1].float())
             keys = {layer: key[0] for layer, key in _RECORD["keys"].items()}
             if step % policy.interval == 0:
                 held = {layer: select(keys[layer], heads) for layer, heads in held.items()}

@@ -12,6 +12,8 @@ import torch
 from baseline_reference import causal_probabilities, future_rotation, top
 from masked_reference import plain_snapkv_scores
 
+from evalkit.compression.model_spec import cache_kwargs
+
 TOP = torch.finfo(torch.float32).max
 
 
@@ -560,11 +562,11 @@ def quest_generate(model, prompt: torch.Tensor, new: int, page_size: int, capaci
     model.config._attn_implementation = "reference_quest"
     cache, tokens, logits = DynamicCache(config=model.config), [], []
     try:
-        out = model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        out = model(input_ids=prompt, **cache_kwargs(model, cache), use_cache=True)
         for _ in range(new):
             logits.append(out.logits[0, -1].float())
             tokens.append(int(logits[-1].argmax()))
-            out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True)
+            out = model(input_ids=torch.tensor([[tokens[-1]]]), **cache_kwargs(model, cache), use_cache=True)
     finally:
         model.config._attn_implementation = original
         QUEST.clear()
@@ -648,12 +650,12 @@ def rkv_generate(model, prompt: torch.Tensor, new: int, capacity: int, window: i
     config._attn_implementation = "reference_rkv"
     cache, tokens, logits = DynamicCache(config=config), [], []
     try:
-        out = model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        out = model(input_ids=prompt, **cache_kwargs(model, cache), use_cache=True)
         for step in range(new):
             logits.append(out.logits[0, -1].float())
             tokens.append(int(logits[-1].argmax()))
             if step < new - 1:
-                out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True)
+                out = model(input_ids=torch.tensor([[tokens[-1]]]), **cache_kwargs(model, cache), use_cache=True)
         held = [RKV["held"][layer] for layer in sorted(RKV["held"])]
     finally:
         config._attn_implementation = original

@@ -4,6 +4,8 @@ each layer. A new model family that breaks an assumption breaks it here, with on
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 
 import torch
@@ -18,6 +20,22 @@ def layer_kinds(config) -> list[str]:
     """The kind of each decoder layer (``full_attention``, ``sliding_attention`` on hybrid models): the config's
     ``layer_types``, or every layer full."""
     return list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+
+
+def cache_kwargs(model, cache) -> dict:
+    """The keyword argument that hands a model call its KV cache: ``cache`` (transformers' current name) or, in
+    releases from before the rename, ``past_key_values``."""
+    return {_cache_keyword(type(model)): cache}
+
+
+@functools.cache
+def _cache_keyword(model_class) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def returned_cache(output):
+    """The KV cache a model call returned, under either name."""
+    return output["cache"] if "cache" in output else output.past_key_values
 
 
 def rotary_embedding(model):

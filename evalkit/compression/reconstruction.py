@@ -16,6 +16,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from .attention import hooked, recording_inputs
 from .methods.base import best_in_order
+from .model_spec import cache_kwargs
 
 
 class PassCache(Cache):
@@ -78,7 +79,7 @@ def compress_by_passes(session, input_ids: torch.Tensor, key_valid: torch.Tensor
             observer = PassObserver(session, pass_cache, scores, row, first, start, end, inputs)
             with hooked(model), recording_inputs(model, inputs):
                 model(input_ids=ids, position_ids=after + torch.arange(ids.shape[1], device=ids.device)[None],
-                      past_key_values=pass_cache, use_cache=True, logits_to_keep=1, evalkit_cache=observer)
+                      use_cache=True, logits_to_keep=1, evalkit_cache=observer, **cache_kwargs(model, pass_cache))
             pass_cache.reset()
     scores = scores.masked_fill(~key_valid.to(scores.device)[None, :, None], float("-inf"))
     scores, counts = policy.allocate_layers(scores, key_valid.sum(dim=1).to(scores.device))  # counts [L, B, Hkv]

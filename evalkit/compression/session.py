@@ -12,7 +12,7 @@ from .cache import CompressedCache, PrefillPlan, RowState
 from .layout import DecodeStep, additive_mask, layout_of
 from .methods.base import Policy
 from .methods.sliding_window import layer_policies
-from .model_spec import check_hookable, rotary_embedding
+from .model_spec import cache_kwargs, check_hookable, rotary_embedding
 from .reconstruction import compress_by_passes
 
 CHUNK_MODES = ("exact", "compress")
@@ -171,8 +171,8 @@ class CompressionSession:
                                                 positions[:, begin:end]], dim=1)
                 self.cache.compressed_layers = set()
                 output = self.model(input_ids=input_ids[:, begin:end], attention_mask=attention_mask,
-                                    position_ids=positions[:, begin:end], past_key_values=self.cache, use_cache=True,
-                                    logits_to_keep=1, evalkit_cache=self.cache)
+                                    position_ids=positions[:, begin:end], use_cache=True, logits_to_keep=1,
+                                    evalkit_cache=self.cache, **cache_kwargs(self.model, self.cache))
                 self._check_every_layer_compressed()
         self.cache.plan = None
         logits = output.logits[:, -1].float()
@@ -252,7 +252,7 @@ class CompressionSession:
             mask = additive_mask(mask, self.model.dtype)
         with hooked(self.model):
             output = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                                past_key_values=self.cache, use_cache=True, evalkit_cache=self.cache)
+                                use_cache=True, evalkit_cache=self.cache, **cache_kwargs(self.model, self.cache))
         return output.logits.float()
 
     def realized(self, row: int) -> dict:

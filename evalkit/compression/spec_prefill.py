@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from .model_spec import cache_kwargs, returned_cache
 from .stopping import stop_token_ids
 
 
@@ -70,14 +71,14 @@ class SpecPrefill:
         try:
             out = model(input_ids=ids, use_cache=True, output_attentions=True)
             rows = [_prompt_attention(out.attentions, n)]
-            cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            cache, token = returned_cache(out), out.logits[:, -1].argmax(-1, keepdim=True)
             for step in range(self.look_ahead_cnt - 1):
                 if int(token) in eos:  # the reference stops looking ahead at EOS
                     break
-                out = model(input_ids=token, past_key_values=cache, use_cache=True, output_attentions=True,
+                out = model(input_ids=token, use_cache=True, output_attentions=True, **cache_kwargs(model, cache),
                             position_ids=torch.tensor([[n + step]], device=ids.device))
                 rows.append(_prompt_attention(out.attentions, n))
-                cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+                cache, token = returned_cache(out), out.logits[:, -1].argmax(-1, keepdim=True)
         finally:
             model.config._attn_implementation = original
         scores = torch.stack(rows)  # [queries, layers, heads, n]

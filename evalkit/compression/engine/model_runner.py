@@ -8,6 +8,7 @@ import torch
 
 from ..attention import attention_implementation
 from ..layout import additive_mask, ring_slot
+from ..model_spec import cache_kwargs
 from .sampling import choose_tokens
 from .slot_cache import DECODE_ATTENTION
 from .slot_pool import SlotPool
@@ -72,7 +73,7 @@ class ModelRunner:
         if not self.own_attention:
             mask = additive_mask(mask, self.model.dtype)
         logits = self.model(input_ids=rows.next_token[:, None], attention_mask=mask, position_ids=rows.positions,
-                            past_key_values=cache, use_cache=True, evalkit_cache=cache).logits
+                            use_cache=True, evalkit_cache=cache, **cache_kwargs(self.model, cache)).logits
         logits = logits[:, -1].float().to(rows.finished.device)  # a device-mapped model's last layer may be elsewhere
         chosen = choose_tokens(logits, greedy_only, rows.seeds, rows.generated, rows.do_sample, rows.temperature,
                                rows.top_p, use_top_p)

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import logging.config
+import os
 import signal
 import sys
 
@@ -199,9 +200,55 @@ def without_unknown_options(argv: list[str]) -> list[str]:
     return argv
 
 
+# Hydra launchers that an extra of evalkit installs: the packages (module, name) each needs, and the extra.
+_RAY = (("hydra_plugins.hydra_ray_launcher", "hydra-ray-launcher"), ("ray", "ray"))
+_SUBMITIT = (("hydra_plugins.hydra_submitit_launcher", "hydra-submitit-launcher"), ("submitit", "submitit"))
+LAUNCHERS = {"ray": (_RAY, "ray"), "submitit_slurm": (_SUBMITIT, "slurm"), "submitit_local": (_SUBMITIT, "slurm")}
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is missing
+        return False
+
+
+def missing_launcher(argv: list[str]) -> str | None:
+    """One line for a ``hydra/launcher=`` on the command line whose plugin is not installed (Hydra's own answer is a
+    page that lists the launchers it found), or None."""
+    for arg in argv:
+        key, _, name = arg.lstrip("+~").partition("=")
+        if key == "hydra/launcher" and name in LAUNCHERS:
+            packages, extra = LAUNCHERS[name]
+            missing = [package for module, package in packages if not _installed(module)]
+            if missing:
+                verb = "is" if len(missing) == 1 else "are"
+                return f"hydra/launcher={name} needs {' and '.join(missing)}, which {verb} not installed: " \
+                       f"pip install 'evalkit[{extra}]'"
+    return None
+
+
+def ray_cluster_overrides(argv: list[str]) -> list[str]:
+    """``argv`` with the Ray launcher's object store size unset where it connects to a running cluster (an address
+    given, or RAY_ADDRESS): hydra-ray-launcher 1.2 sets one for every ``ray.init``, which Ray refuses for a cluster
+    it joins."""
+    values = dict(arg.lstrip("+~").partition("=")[::2] for arg in argv if "=" in arg)
+    joins = values.get("hydra.launcher.ray.init.address", "null") not in ("null", "") or os.environ.get("RAY_ADDRESS")
+    if values.get("hydra/launcher") != "ray" or not joins or "hydra.launcher.ray.init.object_store_memory" in values:
+        return argv
+    return [*argv, "+hydra.launcher.ray.init.object_store_memory=null"]
+
+
 def main() -> None:
     try:
         sys.argv[1:] = normalize_overrides(sys.argv[1:])
+        missing = missing_launcher(sys.argv[1:])
+        if missing:
+            print(f"evalkit: config error: {missing}", file=sys.stderr)
+            sys.exit(2)
+        sys.argv[1:] = ray_cluster_overrides(sys.argv[1:])
         cfg, overrides, error = single_run(sys.argv[1:])
         _stop_if_interrupted()
         if error:

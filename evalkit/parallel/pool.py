@@ -31,9 +31,10 @@ from .replica import Replica
 
 
 class ReplicaPool:
-    """``settings.replicas`` Ray actors, each holding the model of ``spec`` and an engine."""
+    """``settings.replicas`` Ray actors, each holding the model of ``spec`` (loaded by ``load_lm(spec)``, the run's own
+    loader) and an engine."""
 
-    def __init__(self, spec, settings: ParallelSettings, model_config):
+    def __init__(self, spec, settings: ParallelSettings, model_config, load_lm):
         try:
             import ray
         except ImportError:
@@ -47,7 +48,7 @@ class ReplicaPool:
         actor = ray.remote(num_cpus=cpus, num_gpus=gpus, max_restarts=settings.max_restarts, max_task_retries=0)(Replica)
         threads = spec.threads or (max(1, int(cpus)) if gpus == 0 else None)
         alone = dataclasses.replace(spec, parallel=None)  # a replica runs its share as one process
-        self.actors = [actor.remote(alone, threads) for _ in range(settings.replicas)]
+        self.actors = [actor.remote(load_lm, alone, threads) for _ in range(settings.replicas)]
         self.deaths = [0] * settings.replicas
         try:
             self.pids = ray.get([a.pid.remote() for a in self.actors])  # a replica's load error surfaces here
@@ -70,7 +71,6 @@ class ReplicaPool:
     def run(self, requests: list[Request], on_finish: Callable[[Completion], None] | None = None) -> list[Completion]:
         """Generate every request on the replicas (request ``i`` on replica ``i % replicas`` first); ``on_finish``
         is called here with each completion as it arrives, once per request."""
-        ray = self.ray
         # A growing policy's slots are sized for the whole stream, as one engine sizes them (same reserved bytes).
         slot_tokens = max(slots_needed(self.model_config, self.policy, r) for r in requests) if requests else None
         done: dict[int, Completion] = {}
@@ -78,22 +78,13 @@ class ReplicaPool:
         events: queue.Queue = queue.Queue()
 
         def stream(replica: int, indices: list[int], restarted: bool = False) -> None:
-            try:
-                if restarted:
-                    self._wait_for(replica)
-                generator = self.actors[replica].generate.options(num_returns="streaming").remote(
-                    [(i, requests[i]) for i in indices], slot_tokens)
-                for ref in generator:
-                    events.put(("finished", replica, ray.get(ref)))
-                events.put(("ended", replica, None))
-            except ray.exceptions.RayTaskError as error:  # raised by the replica's own code: a real error
-                events.put(("error", replica, error.as_instanceof_cause()))
-            except ray.exceptions.RayError as error:  # the replica's process died (killed, out of memory)
-                events.put(("died", replica, error))
+            items = [(i, requests[i]) for i in indices]
+            threading.Thread(target=self._stream, args=(replica, items, slot_tokens, events, restarted),
+                             daemon=True).start()
 
         streaming = len(self.actors)
         for replica, indices in enumerate(unfinished):
-            threading.Thread(target=stream, args=(replica, sorted(indices)), daemon=True).start()
+            stream(replica, sorted(indices))
         while streaming:
             kind, replica, payload = events.get()
             if kind == "finished":
@@ -118,8 +109,7 @@ class ReplicaPool:
                     print(f"evalkit: replica {replica} died ({_first_line(payload)}); restarted, it takes its "
                           f"{len(unfinished[replica])} unfinished requests again (death {self.deaths[replica]} of "
                           f"{self.settings.max_restarts} allowed)", file=sys.stderr, flush=True)
-                    threading.Thread(target=stream, args=(replica, sorted(unfinished[replica]), True),
-                                     daemon=True).start()
+                    stream(replica, sorted(unfinished[replica]), restarted=True)
                     continue
                 streaming -= 1
             else:
@@ -128,6 +118,23 @@ class ReplicaPool:
                     raise RunError(f"replica {replica} ended without {len(unfinished[replica])} of its requests")
                 streaming -= 1
         return [done[i] for i in range(len(requests))]
+
+    def _stream(self, replica: int, items: list, slot_tokens: int | None, events: queue.Queue,
+                restarted: bool) -> None:
+        """Run ``items`` on one replica (in a thread of this process), putting what happens on ``events``: each
+        completion as it arrives, the stream's end, a real error of the replica's code, or the replica's death."""
+        ray = self.ray
+        try:
+            if restarted:
+                self._wait_for(replica)
+            generator = self.actors[replica].generate.options(num_returns="streaming").remote(items, slot_tokens)
+            for ref in generator:
+                events.put(("finished", replica, ray.get(ref)))
+            events.put(("ended", replica, None))
+        except ray.exceptions.RayTaskError as error:  # raised by the replica's own code: a real error
+            events.put(("error", replica, error.as_instanceof_cause()))
+        except ray.exceptions.RayError as error:  # the replica's process died (killed, out of memory)
+            events.put(("died", replica, error))
 
     def _wait_for(self, replica: int) -> None:
         """Until Ray has restarted the replica (its model loaded again); a replica Ray gave up on raises."""

@@ -1,6 +1,6 @@
 """One engine replica: the run's model and engine in a Ray actor's process, generating the requests it is handed.
 
-The replica loads the model exactly as a single-process run does (:func:`evalkit.run.runner.load_lm`) and measures its
+The replica loads the model exactly as a single-process run does (the run's ``load_lm``, handed over) and measures its
 own throughput; the run's process turns its completions into text, statistics and table rows.
 """
 
@@ -16,11 +16,10 @@ _END = object()
 class Replica:
     """The actor's body (``ray.remote`` is applied by :mod:`evalkit.parallel.pool`, so this file needs no Ray)."""
 
-    def __init__(self, spec, threads: int | None):
+    def __init__(self, load_lm, spec, threads: int | None):
         import torch
 
         from evalkit.measure import Throughput
-        from evalkit.run.runner import load_lm
 
         if threads:
             torch.set_num_threads(threads)

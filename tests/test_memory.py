@@ -209,3 +209,114 @@ def test_evalkit_mem_prices_a_quantized_kv_cache(tmp_path):
     kv16, kv4 = frames[16].loc[("full", "hbm"), "kv_bytes"], frames[4].loc[("full", "hbm"), "kv_bytes"]
     assert kv4 == pytest.approx(kv16 * 160 / 512)
     assert frames[4].loc[("4x", "hbm"), "max_batch"] > frames[16].loc[("4x", "hbm"), "max_batch"]
+
+
+# -- tensor-parallel communication ---------------------------------------------------------------------------------
+PER_USER = (198, 250)  # tok/s per user, DeepSeek-R1 on 16 SN40L sockets: SambaNova's DAC 2025 talk; its blog (">250")
+AGGREGATE = 1832  # tok/s for the node, SnapStream 4x (arXiv 2511.03092)
+HARDWARE_SPEC = {"name": "links", "sram": "520MiB", "hbm": "64GiB", "hbm_bandwidth": "1.6TB/s", "sockets_per_node": 16,
+                  "link_bandwidth": "110GB/s", "link_latency": "0.46us"}
+
+
+def test_deepseek_r1_on_16_sockets_decodes_near_the_published_speeds():
+    """Per user at batch 1 (full cache and SnapStream's 4x) within 1.5x of 198-250 tok/s, and the node's best at 4x
+    within 1.5x of 1,832 tok/s; without communication, batch 1 would be ~2x too fast."""
+    deployment = memory.load_deployment("deepseek_r1_tp16_128k")
+    quarter = memory.capacity_for_budget("4x", deployment.context)
+    for capacity in (None, quarter):
+        verdict = memory.price(deployment, capacity)
+        assert PER_USER[0] / 1.5 <= verdict.decode_tokens_per_s <= PER_USER[1] * 1.5
+        assert verdict.comm_seconds > verdict.step_seconds / 2  # batch 1 waits mostly on the links
+    batch, rate = memory.best_throughput(deployment, quarter)
+    assert batch == 115 and AGGREGATE / 1.5 <= rate <= AGGREGATE * 1.5
+    memory_only = dataclasses.replace(deployment, hardware=dataclasses.replace(
+        deployment.hardware, link_bandwidth=float("inf"), link_latency=0.0))
+    assert memory.price(memory_only, quarter).decode_tokens_per_s > PER_USER[1] * 2
+
+
+def test_one_socket_sends_nothing():
+    for name in ("llama31_8b_tp1_128k", "gpt_oss_120b_tp1_128k_h100"):
+        deployment = memory.load_deployment(name, batch=2)
+        verdict = memory.price(deployment, 32_768)
+        assert verdict.comm_seconds == 0
+        slow_links = dataclasses.replace(deployment, hardware=dataclasses.replace(
+            deployment.hardware, link_bandwidth=1.0, link_latency=1.0))
+        assert memory.price(slow_links, 32_768).step_seconds == verdict.step_seconds
+
+
+def test_communication_grows_with_tp_and_batch():
+    base = memory.load_deployment("llama31_70b_tp8_128k")
+    by_tp = [memory.price(dataclasses.replace(base, tp=tp)).comm_seconds for tp in (1, 2, 4, 8)]
+    assert by_tp[0] == 0 and by_tp == sorted(by_tp) and len(set(by_tp)) == 4
+    by_batch = [memory.price(dataclasses.replace(base, batch=b), 8192).comm_seconds for b in (1, 8, 64)]
+    assert by_batch == sorted(by_batch) and len(set(by_batch)) == 3
+    # A ring all-reduce: 2(tp-1)/tp of the bytes and 2(tp-1) hops; 161 of them (2 x 80 layers, the embedding) and the
+    # sampling's (8 bytes a token), no attention exchange (kv_sharding: head).
+    hardware, batch = base.hardware, 64
+    all_reduce = 2 * (7 / 8 * batch * 8192 * 2 / hardware.link_bandwidth + 7 * hardware.link_latency)
+    sampling = 2 * (7 / 8 * batch * 8 / hardware.link_bandwidth + 7 * hardware.link_latency)
+    assert by_batch[2] == pytest.approx(161 * all_reduce + sampling, rel=1e-12)
+
+
+def test_deepseek_r1_on_8_h200_is_priced_with_nvlink():
+    deployment = memory.load_deployment("deepseek_r1_tp8_128k_h200")
+    hardware = deployment.hardware
+    assert (hardware.link_bandwidth, hardware.link_latency) == (450e9, pytest.approx(0.6e-6))
+    verdict = memory.price(deployment)
+    # 123 all-reduces of 7168 bf16 values (2 x 61 layers, the embedding), the sampling's, and per layer the latent
+    # split by token: 128 heads' queries (576 values) gathered and partial outputs (512 + max and sum) scattered.
+    ring = lambda payload, phases: phases * (7 / 8 * payload / 450e9 + 7 * 0.6e-6)  # noqa: E731
+    expected = 123 * ring(7168 * 2, 2) + ring(8, 2) + 61 * (ring(128 * 576 * 2, 1) + ring(128 * 514 * 2, 1))
+    assert verdict.comm_seconds == pytest.approx(expected, rel=1e-12)
+    assert verdict.step_seconds == pytest.approx(verdict.read_hbm / 4.8e12 / 0.60 + expected, rel=1e-12)
+    fast = dataclasses.replace(deployment, hardware=dataclasses.replace(hardware, link_bandwidth=900e9))
+    assert memory.price(fast).comm_seconds < verdict.comm_seconds
+
+
+def test_sn40l_link_figures_are_fitted_and_say_so():
+    """Both hardware files carry the link fields; sn40l.yaml's are the rounded output of the fitting script, and say
+    what they are fitted to."""
+    import importlib.util
+
+    import yaml
+
+    from evalkit.paths import conf_dir
+
+    text = (conf_dir() / "hardware" / "sn40l.yaml").read_text()
+    for source in ("FITTED", "198", "250", "1,832", "2511.03092", "DAC 2025", "benchmarks/fit_sn40l_links.py"):
+        assert source in text
+    for name in ("sn40l", "sn40l_node8", "h100_80g", "h200_141g"):
+        assert {"link_bandwidth", "link_latency"} <= set(yaml.safe_load((conf_dir() / "hardware" / f"{name}.yaml").read_text()))
+    script = conf_dir().parent / "benchmarks" / "fit_sn40l_links.py"
+    spec = importlib.util.spec_from_file_location("fit_sn40l_links", script)
+    fit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fit)
+    bandwidth, latency = fit.fit(memory.load_deployment("deepseek_r1_tp16_128k"))
+    shipped = memory.load_hardware("sn40l")
+    assert shipped.link_bandwidth == pytest.approx(bandwidth, rel=0.02)
+    assert shipped.link_latency == pytest.approx(latency, rel=0.02)
+    assert memory.load_hardware("sn40l_node8").link_bandwidth == shipped.link_bandwidth
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"link_bandwidth": None}, "lacks 'link_bandwidth'"),
+    ({"link_latency": None}, "lacks 'link_latency'"),
+    ({"link_latency": "-1us"}, "link_latency: cannot read a time"),
+    ({"link_bandwidth": -5}, "link_bandwidth: sizes must be non-negative"),
+    ({"link_bandwidth": 0}, "need link_bandwidth > 0"),
+    ({"link_latency": "3 parsecs"}, "cannot read a time"),
+])
+def test_bad_link_fields_are_one_line_errors(change, message):
+    spec = {k: v for k, v in {**HARDWARE_SPEC, **change}.items() if v is not None}
+    with pytest.raises(ValueError, match=message) as error:
+        memory.load_hardware(spec)
+    assert "\n" not in str(error.value) and "links" in str(error.value)
+    assert memory.load_hardware(HARDWARE_SPEC).link_latency == pytest.approx(0.46e-6)
+
+
+def test_a_model_without_hidden_size_cannot_be_split():
+    config = {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 16}
+    one = memory.load_deployment({"name": "x", "model": config, "tp": 1, "batch": 1, "context": 64}, HARDWARE_SPEC)
+    assert memory.price(one).comm_seconds == 0
+    with pytest.raises(ValueError, match="tp=2 needs .* hidden_size"):
+        memory.load_deployment({"name": "x", "model": config, "tp": 2, "batch": 1, "context": 64}, HARDWARE_SPEC)

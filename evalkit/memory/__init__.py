@@ -23,6 +23,7 @@ from .simulator import (
     best_throughput,
     capacity_for_budget,
     parse_bytes,
+    parse_seconds,
     price,
     report,
     sweep,
@@ -31,8 +32,8 @@ from .simulator import (
 
 __all__ = [
     "ASSUMPTIONS", "PRESETS", "Deployment", "Hardware", "ModelGeometry", "best_throughput", "capacity_for_budget",
-    "deployment_report", "kv_bytes_per_token", "load_deployment", "load_hardware", "parse_bytes", "price", "report",
-    "resolve_model", "sweep", "throughput_table",
+    "deployment_report", "kv_bytes_per_token", "load_deployment", "load_hardware", "parse_bytes", "parse_seconds",
+    "price", "report", "resolve_model", "sweep", "throughput_table",
 ]
 
 

@@ -111,9 +111,12 @@ def _main(cfg: DictConfig) -> None:
     plot_path = Path(plain["results_dir"]) / "plots" / "throughput" / f"{run_id}.png"
     plot_path.parent.mkdir(parents=True, exist_ok=True)
     plot = plot_throughput(speed, deployment, plot_path)
+    hw = deployment.hardware
+    links = (f"links {hw.link_bandwidth / 1e9:,.0f} GB/s each way and {hw.link_latency * 1e6:.2f} us a hop"
+             if deployment.tp > 1 else "no links (one socket)")
     print(f"\ndecode tokens/s (whole node, {deployment.weight_dtype} weights, KV split by {deployment.kv_sharding}, "
           f"kernel looping {'on' if deployment.kernel_looping else 'off'}, efficiency {deployment.efficiency:.2f}, "
-          f"{deployment.tokens_per_step:.2f} tokens per step):")
+          f"{links}, {deployment.tokens_per_step:.2f} tokens per step):")
     print(throughput_grid(speed))
     print(f"assumptions: {ASSUMPTIONS}\nwritten: {path} (CSV copy under csv/memory/), {speed_path}, {plot}")
 

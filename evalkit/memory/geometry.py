@@ -9,6 +9,10 @@ Mixture of experts (DeepSeek-V3/R1, Mixtral, Qwen-MoE): ``experts`` routed exper
 ``experts_per_token`` of them, plus ``shared_experts`` every token uses; the first ``dense_layers`` layers have a dense
 MLP. A decode step reads the experts the batch activates, not all of them (:func:`expected_active_experts`).
 
+Tensor parallelism sends activations of ``hidden_size`` values per token between the sockets (see
+:mod:`evalkit.memory.interconnect`); attention split by token over them also exchanges every head's query and partial
+output (:meth:`ModelGeometry.split_attention_values`).
+
 Hybrid models (Gemma-2/3, gpt-oss): ``sliding_layers`` of the layers attend over the last ``sliding_window`` tokens
 only, so they never hold more; a budget compresses the full-attention layers (as evalkit's cache does).
 """
@@ -38,7 +42,8 @@ class ModelGeometry:
     MoE: ``experts`` routed experts per MoE layer (0: a dense model), ``experts_per_token`` (top-k),
     ``shared_experts``, ``dense_layers`` (the first layers, with a dense MLP), ``expert_params`` (one expert's
     parameters: gate, up and down projections), ``mtp_layers`` (DeepSeek's multi-token-prediction blocks, each one
-    MoE layer beside the model, not counted in ``params``)."""
+    MoE layer beside the model, not counted in ``params``). ``hidden_size``: the width of the activations
+    tensor parallelism all-reduces (needed only when tp > 1)."""
 
     name: str
     layers: int
@@ -58,6 +63,7 @@ class ModelGeometry:
     mtp_layers: int = 0
     sliding_layers: int = 0
     sliding_window: int | None = None
+    hidden_size: int | None = None
 
     def __post_init__(self):
         if self.attention not in ("gqa", "mla"):
@@ -65,6 +71,8 @@ class ModelGeometry:
         for field in ("layers", "heads"):
             if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
                 raise ValueError(f"{self.name}: {field} must be a positive integer, got {getattr(self, field)!r}")
+        if self.hidden_size is not None and (not isinstance(self.hidden_size, int) or self.hidden_size < 1):
+            raise ValueError(f"{self.name}: hidden_size must be a positive integer, got {self.hidden_size!r}")
         needed = ("kv_heads", "head_dim") if self.attention == "gqa" else ("kv_lora_rank", "qk_rope_head_dim")
         for field in needed:
             value = getattr(self, field)
@@ -165,6 +173,15 @@ class ModelGeometry:
             return self.kv_lora_rank + self.qk_rope_head_dim
         return 2 * self.kv_heads * self.head_dim
 
+    def split_attention_values(self) -> tuple[int, int]:
+        """Values per token and layer that attention split by token over the sockets exchanges: every head's query
+        (gathered to every socket) and every head's partial output with its softmax max and sum (reduced back to the
+        head's socket). MLA attends in its latent space (absorbed projections): queries of ``kv_lora_rank +
+        qk_rope_head_dim``, outputs of ``kv_lora_rank``."""
+        if self.attention == "mla":
+            return self.heads * (self.kv_lora_rank + self.qk_rope_head_dim), self.heads * (self.kv_lora_rank + 2)
+        return self.heads * self.head_dim, self.heads * (self.head_dim + 2)
+
     def kv_bytes_per_token(self, dtype: str = "bf16") -> float:
         return self.layers * self.values_per_token_per_layer() * dtype_bytes(dtype)
 
@@ -206,18 +223,21 @@ def check_tp(model: ModelGeometry, tp: int) -> None:
 
 
 PRESETS = {
-    "llama31_8b": ModelGeometry("llama31_8b", layers=32, heads=32, kv_heads=8, head_dim=128, params=8.03e9),
-    "llama31_70b": ModelGeometry("llama31_70b", layers=80, heads=64, kv_heads=8, head_dim=128, params=70.6e9),
-    "llama31_405b": ModelGeometry("llama31_405b", layers=126, heads=128, kv_heads=8, head_dim=128, params=405.9e9),
+    "llama31_8b": ModelGeometry("llama31_8b", layers=32, heads=32, hidden_size=4096, kv_heads=8, head_dim=128,
+                                params=8.03e9),
+    "llama31_70b": ModelGeometry("llama31_70b", layers=80, heads=64, hidden_size=8192, kv_heads=8, head_dim=128,
+                                 params=70.6e9),
+    "llama31_405b": ModelGeometry("llama31_405b", layers=126, heads=128, hidden_size=16384, kv_heads=8, head_dim=128,
+                                  params=405.9e9),
     # gpt-oss-120b (config.json of openai/gpt-oss-120b): 36 layers alternating a 128-token sliding window and full
     # attention, 64 query / 8 KV heads of 64; 128 experts of 3 x 2880 x 2880 parameters, 4 per token; MXFP4 experts.
-    "gpt_oss_120b": ModelGeometry("gpt_oss_120b", layers=36, heads=64, kv_heads=8, head_dim=64, params=116.8e9,
-                                  experts=128, experts_per_token=4, expert_params=3 * 2880 * 2880,
+    "gpt_oss_120b": ModelGeometry("gpt_oss_120b", layers=36, heads=64, hidden_size=2880, kv_heads=8, head_dim=64,
+                                  params=116.8e9, experts=128, experts_per_token=4, expert_params=3 * 2880 * 2880,
                                   sliding_layers=18, sliding_window=128),
     # DeepSeek-V3/R1 (config.json of deepseek-ai/DeepSeek-R1; arXiv 2412.19437): 256 routed experts of
     # 3 x 7168 x 2048 parameters, 8 per token, 1 shared, the first 3 of 61 layers dense, one MTP block.
-    "deepseek_r1_671b": ModelGeometry("deepseek_r1_671b", layers=61, heads=128, attention="mla", kv_lora_rank=512,
-                                      qk_rope_head_dim=64, params=671e9, experts=256,
+    "deepseek_r1_671b": ModelGeometry("deepseek_r1_671b", layers=61, heads=128, hidden_size=7168, attention="mla",
+                                      kv_lora_rank=512, qk_rope_head_dim=64, params=671e9, experts=256,
                                       experts_per_token=8, shared_experts=1, dense_layers=3,
                                       expert_params=3 * 7168 * 2048, mtp_layers=1),
 }
@@ -249,11 +269,12 @@ def from_hf_config(config, name: str | None = None, params: float = 0.0, active_
     if moe.get("experts") and moe["experts"] * moe["expert_params"] * (shape.layers - moe["dense_layers"]) > params:
         # No parameter count to split: price the cache (and whatever params says) as a dense model.
         moe = {k: v for k, v in moe.items() if k in ("sliding_layers", "sliding_window")}
+    hidden = get("hidden_size")
     if shape.attention == "mla":
-        return ModelGeometry(name, layers=shape.layers, heads=shape.heads, attention="mla",
+        return ModelGeometry(name, layers=shape.layers, heads=shape.heads, hidden_size=hidden, attention="mla",
                              kv_lora_rank=shape.kv_lora_rank, qk_rope_head_dim=shape.qk_rope_head_dim, params=params,
                              active_params=active_params, **moe)
-    return ModelGeometry(name, layers=shape.layers, heads=shape.heads, kv_heads=shape.kv_heads,
+    return ModelGeometry(name, layers=shape.layers, heads=shape.heads, hidden_size=hidden, kv_heads=shape.kv_heads,
                          head_dim=shape.head_dim, params=params, active_params=active_params, **moe)
 
 

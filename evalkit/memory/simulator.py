@@ -12,12 +12,14 @@ Placement model (each assumption a field of :class:`Deployment` or :class:`Hardw
 
 Decode model: one step reads the weights the batch needs once (the dense part, and in every MoE layer the distinct
 experts the batch's tokens activate, :func:`~evalkit.memory.geometry.expected_active_experts`, each from the tier it
-lives in) and the batch's whole KV cache from HBM. Step time = bytes / bandwidth per tier, summed, divided by the
-hardware's ``decode_efficiency`` (the share of peak bandwidth decoding reaches: with kernel looping on SN40L, or
-``unlooped_slowdown`` times less without). Multi-token prediction (``mtp_tokens`` drafts per step, each accepted with
-``mtp_acceptance`` given the previous one was) runs the model on ``1 + mtp_tokens`` tokens per sequence and the MTP
-block once per draft; it emits ``1 + a + a^2 + ...`` tokens per step. Tokens/s = batch x tokens per step / step time.
-Compute, the overlap of tiers and the interconnect are not modelled: decoding is taken as memory bound.
+lives in) and the batch's whole KV cache from HBM, then sends what tensor parallelism needs between the sockets
+(:mod:`~evalkit.memory.interconnect`: all-reduces of the activations, priced on the hardware's ``link_bandwidth`` and
+``link_latency``). Step time = bytes / bandwidth per tier, summed, divided by the hardware's ``decode_efficiency`` (the
+share of peak memory bandwidth decoding reaches), plus the communication; ``unlooped_slowdown`` times that without
+kernel looping. Multi-token prediction (``mtp_tokens`` drafts per step, each accepted with ``mtp_acceptance`` given
+the previous one was) runs the model on ``1 + mtp_tokens`` tokens per sequence and the MTP block once per draft; it
+emits ``1 + a + a^2 + ...`` tokens per step. Tokens/s = batch x tokens per step / step time. Compute and the overlap
+of tiers and links are not modelled: decoding is taken as bound by memory and links.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import pandas as pd
 
 from evalkit import budget as budget_grammar
 
+from . import interconnect
 from .geometry import (
     ModelGeometry,
     check_tp,
@@ -37,26 +40,38 @@ from .geometry import (
     resolve_model,
 )
 
-_UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+_BYTES = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+_SECONDS = {"s": 1, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def _quantity(value, units: dict, what: str, example: str) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(\S+?)\s*", str(value))
+        if not match or match.group(2) not in units:
+            raise ValueError(f"cannot read a {what} from {value!r} (use e.g. {example})")
+        number = float(match.group(1)) * units[match.group(2)]
+    if number < 0 or math.isnan(number):
+        raise ValueError(f"{what}s must be non-negative, got {value!r}")
+    return number
 
 
 def parse_bytes(value) -> float:
     """``"520MiB"``, ``"64GiB"``, ``"1.5TiB"``, ``"141GB"``, ``"1.6TB/s"`` (bytes per second) or a plain number."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        number = float(value)
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)(/s)?\s*", str(value))
-        if not match:
-            raise ValueError(f"cannot read a size from {value!r} (use e.g. 520MiB, 64GiB, 1.6TB/s)")
-        number = float(match.group(1)) * _UNITS[match.group(2)]
-    if number < 0 or math.isnan(number):
-        raise ValueError(f"sizes must be non-negative, got {value!r}")
-    return number
+    units = {**_BYTES, **{f"{unit}/s": factor for unit, factor in _BYTES.items()}}
+    return _quantity(value, units, "size", "520MiB, 64GiB, 1.6TB/s")
+
+
+def parse_seconds(value) -> float:
+    """``"0.6us"``, ``"600ns"``, ``"2ms"`` or a plain number of seconds."""
+    return _quantity(value, _SECONDS, "time", "0.6us, 600ns, 2ms")
 
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
-    """One socket (or GPU) and its node. ``ddr`` 0: a single tier of HBM (GPUs)."""
+    """One socket (or GPU) and its node. ``ddr`` 0: a single tier of HBM (GPUs). ``link_bandwidth``: bytes per second
+    each way between a socket and the next on the ring tensor parallelism uses; ``link_latency``: seconds per hop."""
 
     name: str
     sram: float
@@ -65,32 +80,44 @@ class Hardware:
     hbm_bandwidth: float
     ddr_bandwidth: float
     sockets_per_node: int
+    link_bandwidth: float
+    link_latency: float
     sram_holds_kv: bool = True  # SN40L streams each layer's KV through SRAM; a GPU reads it from HBM (no such limit)
     decode_efficiency: float = 1.0  # share of peak memory bandwidth a decode step reaches (kernel looping on SN40L)
     unlooped_slowdown: float = 1.0  # how much slower decoding is without kernel looping (1: not applicable)
 
     @classmethod
     def from_config(cls, cfg: dict) -> Hardware:
+        name = cfg.get("name", "?")
         unknown = set(cfg) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
-            raise ValueError(f"hardware {cfg.get('name', '?')} has unknown setting(s) {sorted(unknown)}")
-        try:
-            return cls(
-                name=str(cfg["name"]), sram=parse_bytes(cfg["sram"]), hbm=parse_bytes(cfg["hbm"]),
-                ddr=parse_bytes(cfg.get("ddr", 0)), hbm_bandwidth=parse_bytes(cfg["hbm_bandwidth"]),
-                ddr_bandwidth=parse_bytes(cfg.get("ddr_bandwidth", 0)), sockets_per_node=int(cfg["sockets_per_node"]),
-                sram_holds_kv=bool(cfg.get("sram_holds_kv", True)),
-                decode_efficiency=float(cfg.get("decode_efficiency", 1.0)),
-                unlooped_slowdown=float(cfg.get("unlooped_slowdown", 1.0)),
-            )
-        except KeyError as missing:
-            raise ValueError(f"hardware spec {cfg.get('name', '?')} lacks {missing}") from None
+            raise ValueError(f"hardware {name} has unknown setting(s) {sorted(unknown)}")
+
+        def setting(key, read, default=None):
+            if key not in cfg and default is None:
+                raise ValueError(f"hardware spec {name} lacks {key!r}")
+            try:
+                return read(cfg.get(key, default))
+            except ValueError as error:
+                raise ValueError(f"hardware {name}: {key}: {error}") from None
+
+        return cls(
+            name=setting("name", str), sram=setting("sram", parse_bytes), hbm=setting("hbm", parse_bytes),
+            ddr=setting("ddr", parse_bytes, 0), hbm_bandwidth=setting("hbm_bandwidth", parse_bytes),
+            ddr_bandwidth=setting("ddr_bandwidth", parse_bytes, 0), sockets_per_node=setting("sockets_per_node", int),
+            link_bandwidth=setting("link_bandwidth", parse_bytes), link_latency=setting("link_latency", parse_seconds),
+            sram_holds_kv=setting("sram_holds_kv", bool, True),
+            decode_efficiency=setting("decode_efficiency", float, 1.0),
+            unlooped_slowdown=setting("unlooped_slowdown", float, 1.0),
+        )
 
     def __post_init__(self):
         if self.hbm <= 0 or self.hbm_bandwidth <= 0 or self.sockets_per_node < 1:
             raise ValueError(f"hardware {self.name}: hbm, hbm_bandwidth and sockets_per_node must be positive")
         if self.ddr > 0 and self.ddr_bandwidth <= 0:
             raise ValueError(f"hardware {self.name}: a DDR tier needs a positive ddr_bandwidth")
+        if not self.link_bandwidth > 0 or not self.link_latency >= 0:
+            raise ValueError(f"hardware {self.name}: need link_bandwidth > 0 and link_latency >= 0")
         if not 0 < self.decode_efficiency <= 1 or self.unlooped_slowdown < 1:
             raise ValueError(f"hardware {self.name}: need 0 < decode_efficiency <= 1 and unlooped_slowdown >= 1")
 
@@ -104,6 +131,7 @@ class Deployment:
     context: int
     weight_dtype: str = "bf16"
     kv_dtype: str = "bf16"
+    activation_dtype: str = "bf16"  # what the tensor-parallel collectives carry
     sram_kv_share: float = 0.5
     hbm_reserve: float = 0.05
     kv_sharding: str = "head"  # head: MLA's latent whole on every socket; sequence: split by token over the sockets
@@ -122,7 +150,9 @@ class Deployment:
             raise ValueError(f"batch and context must be positive integers, got {self.batch!r}, {self.context!r}")
         if not 0 < self.sram_kv_share <= 1 or not 0 <= self.hbm_reserve < 1:
             raise ValueError("need 0 < sram_kv_share <= 1 and 0 <= hbm_reserve < 1")
-        dtype_bytes(self.weight_dtype), dtype_bytes(self.kv_dtype)
+        dtype_bytes(self.weight_dtype), dtype_bytes(self.kv_dtype), dtype_bytes(self.activation_dtype)
+        if self.tp > 1 and self.model.hidden_size is None:
+            raise ValueError(f"tp={self.tp} needs {self.model.name}'s hidden_size to price its all-reduces")
         if self.kv_sharding not in ("head", "sequence"):
             raise ValueError(f"kv_sharding must be head or sequence, got {self.kv_sharding!r}")
         if not isinstance(self.mtp_tokens, int) or self.mtp_tokens < 0 or not 0 <= self.mtp_acceptance <= 1:
@@ -149,9 +179,14 @@ class Deployment:
         return 1 + sum(self.mtp_acceptance ** i for i in range(1, self.mtp_tokens + 1))
 
     @property
+    def slowdown(self) -> float:
+        """How much slower the whole step runs for want of kernel looping (1 with it)."""
+        return 1.0 if self.kernel_looping else self.hardware.unlooped_slowdown
+
+    @property
     def efficiency(self) -> float:
-        hardware = self.hardware
-        return hardware.decode_efficiency / (1 if self.kernel_looping else hardware.unlooped_slowdown)
+        """The share of peak memory bandwidth the step's memory reads reach."""
+        return self.hardware.decode_efficiency / self.slowdown
 
     @classmethod
     def from_config(cls, cfg: dict, hardware: dict | Hardware) -> Deployment:
@@ -190,6 +225,7 @@ class Verdict:
     active_experts: float = 0.0  # expected distinct routed experts per MoE layer and step (0: a dense model)
     read_hbm: float = 0.0  # bytes one decode step reads from HBM per socket (weights + KV)
     read_ddr: float = 0.0  # ... and from DDR (overflowed weights)
+    comm_seconds: float = 0.0  # of step_seconds, the tensor-parallel communication (before any kernel-looping slowdown)
 
     @property
     def fits(self) -> bool:
@@ -235,10 +271,11 @@ def price(deployment: Deployment, capacity: int | None = None) -> Verdict:
     share = lambda part, whole: part / whole if whole else 1.0  # noqa: E731
     read_hbm = dense_read * share(dense_hbm, dense) + routed_read * share(routed_hbm, routed) + kv
     read_ddr = dense_read + routed_read + kv - read_hbm
-    step = read_hbm / hw.hbm_bandwidth + (read_ddr / hw.ddr_bandwidth if read_ddr > 0 and hw.ddr_bandwidth else 0.0)
+    reads = read_hbm / hw.hbm_bandwidth + (read_ddr / hw.ddr_bandwidth if read_ddr > 0 and hw.ddr_bandwidth else 0.0)
     if read_ddr > 1e-6 * read_hbm and not hw.ddr_bandwidth:
-        step = math.nan  # weights that fit no tier (a GPU without DDR): no estimate rather than a wrong one
-    step /= d.efficiency
+        reads = math.nan  # weights that fit no tier (a GPU without DDR): no estimate rather than a wrong one
+    comm = interconnect.step_seconds(d)
+    step = (reads / hw.decode_efficiency + comm) * d.slowdown
     return Verdict(
         deployment=d, capacity=capacity, cached_tokens=tokens, weights=weights, weights_hbm=weights_hbm,
         weights_ddr=weights_ddr, kv=kv, working_set=working_set,
@@ -246,6 +283,7 @@ def price(deployment: Deployment, capacity: int | None = None) -> Verdict:
         fits_hbm=kv <= hbm_free, fits_ddr=weights_ddr <= hw.ddr, max_batch=max_batch,
         onchip_ratio=d.context / tokens, decode_tokens_per_s=d.batch * d.tokens_per_step / step, step_seconds=step,
         active_experts=model.active_experts(routed_tokens), read_hbm=read_hbm, read_ddr=max(0.0, read_ddr),
+        comm_seconds=comm,
     )
 
 
@@ -281,7 +319,8 @@ def throughput_table(deployment: Deployment, budgets=("full", "2x", "4x", "8x", 
                 "model": deployment.model.name, "hardware": deployment.hardware.name, "tp": deployment.tp,
                 "context": deployment.context, "budget": budget, "capacity": verdict.cached_tokens, "batch": batch,
                 "fits": fits, "tokens_per_s": verdict.decode_tokens_per_s if fits else math.nan,
-                "step_ms": verdict.step_seconds * 1e3 if fits else math.nan, "active_experts": verdict.active_experts,
+                "step_ms": verdict.step_seconds * 1e3 if fits else math.nan,
+                "comm_ms": verdict.comm_seconds * 1e3 if fits else math.nan, "active_experts": verdict.active_experts,
                 "read_hbm_bytes": verdict.read_hbm, "read_ddr_bytes": verdict.read_ddr,
                 "max_batch": limits[budget], "best_batch": bests[budget][0], "best_tokens_per_s": bests[budget][1],
                 "weight_dtype": deployment.weight_dtype, "kv_sharding": deployment.kv_sharding,
@@ -295,7 +334,9 @@ ASSUMPTIONS = (
     "weights sharded over tp sockets, HBM first (always-read part, then routed experts) then DDR; KV cache in HBM; "
     "on-chip working set = one layer's KV for the batch within sram_kv_share of SRAM; hbm_reserve of HBM kept free; "
     "decode step = bytes read / bandwidth per tier (dense weights once, the distinct experts the batch activates under "
-    "uniform routing, the batch's whole KV) / decode_efficiency; no compute, overlap or interconnect time"
+    "uniform routing, the batch's whole KV) / decode_efficiency, plus tensor-parallel communication on a ring of tp "
+    "sockets (two activation all-reduces per layer, the embedding's and the sampling's; attention split by token also "
+    "gathers queries and scatters partial outputs) at link_bandwidth and link_latency per hop; no compute or overlap"
 )
 
 

@@ -1,6 +1,6 @@
 """``evalkit-report``: what a results directory says, as pivot tables, deltas against the full cache, and plots.
 
-    evalkit-report results/ [--out results/report] [--bootstrap 2000]
+    evalkit-report results/ [--out results/report] [--bootstrap 2000] [--html]   (export kvpress, push: docs/results.md)
 
 For every compressed run, the delta of its primary metric against the full-cache run of the same model and task, with
 a paired bootstrap confidence interval over the samples both runs scored; beside it the realized compression and the
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,8 @@ import pandas as pd
 from evalkit import budget as budget_grammar
 from evalkit.task import Task, task_names, task_of
 
-from .tables import read_table
+from . import html_page, hub, kvpress_export
+from .tables import CONFIG_COLUMNS, read_table
 from .trace_costs import TRACE, against_full, point_label, trace_costs
 
 SECONDARY = {"realized_ratio_mean", "extraction_failed", "rows_skipped", "wall_seconds", "prefill_tokens_per_s",
@@ -48,8 +50,6 @@ METHOD_COLUMNS = {"method", "budget", "capacity", "window", "kernel_size", "pool
 
 def config_columns(metrics: pd.DataFrame) -> list[str]:
     """The run-config columns present in ``metrics`` (everything but the observations and bookkeeping)."""
-    from .tables import CONFIG_COLUMNS
-
     return [c for c in CONFIG_COLUMNS if c in metrics and c not in BOOKKEEPING]
 
 
@@ -431,16 +431,19 @@ def subset_heatmaps(table: pd.DataFrame, samples: pd.DataFrame, task: str, path:
 
 
 def main(argv: list[str] | None = None) -> None:
+    if (argv := sys.argv[1:] if argv is None else argv)[:1] in (["export"], ["push"]):  # each its module's main
+        return (kvpress_export if argv[0] == "export" else hub).main(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results_dir", type=Path)
     parser.add_argument("--out", type=Path, default=None, help="default: <results_dir>/report")
     parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the delta intervals")
+    parser.add_argument("--html", action="store_true", help="also write report.html: the report as one page")
     args = parser.parse_args(argv)
     if not (args.results_dir / "metrics").is_dir():
         parser.error(f"{args.results_dir} has no metrics/ folder: not an evalkit results directory")
     paths = write_report(args.results_dir, args.out, args.bootstrap)
-    print(Path(paths["markdown"]).read_text())
-    print("written:", ", ".join(str(p) for p in paths.values()))
+    paths |= {"html": html_page.write_page(args.results_dir, paths)} if args.html else {}
+    print(paths["markdown"].read_text(), "written: " + ", ".join(str(p) for p in paths.values()), sep="\n")
 
 
 if __name__ == "__main__":

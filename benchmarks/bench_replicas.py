@@ -1,13 +1,15 @@
 """Data-parallel scaling: one fixed workload run in one process, then with ``parallel=ray`` over 1 and 2 replicas
 (more with ``--replicas``), side by side in one run; the tables of every run compared row for row.
 
-    python benchmarks/bench_replicas.py [--limit 64] [--replicas 1 2] [--workdir DIR] [--device cpu]
+    python benchmarks/bench_replicas.py [--limit 64] [--replicas 1 2] [--threads 1] [--workdir DIR] [--device cpu]
 
 The workload: a random-weight Llama (the built-in task's tokenizer, ~2M parameters) on the built-in key-value
 retrieval task (``limit`` prompts of a few hundred tokens, 128 new tokens each, greedy), 4 slots per engine,
-SnapStream 4x. Reported per configuration: the generation's wall seconds and output tokens per second (the run's own
-``wall_seconds`` and ``output_tokens_per_s``/generated tokens), the process's end-to-end seconds (Ray's start and each
-replica's model load included), and the speedup of the generation over one replica.
+SnapStream 4x, ``--threads`` torch threads per process (one by default: replicas are compared at equal threads, not
+against one process whose threads fight over cores other work also uses). Reported per configuration: the
+generation's wall seconds and output tokens per second (the run's own ``wall_seconds``, generated tokens over it), the
+process's end-to-end seconds (Ray's start and each replica's model load included), and the generation's speedup over
+one replica.
 """
 
 from __future__ import annotations
@@ -59,12 +61,13 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=64)
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of each process (one, or per replica)")
     parser.add_argument("--workdir")
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="evalkit-replicas-"))
     model = random_model(work / "model")
     common = ("task=kv_retrieval", f"model.pretrained={model}", f"limit={args.limit}", "batch_size=4",
-              "+task.generation.max_gen_toks=128", "+budget=4x", f"device={args.device}")
+              "+task.generation.max_gen_toks=128", "+budget=4x", f"device={args.device}", f"threads={args.threads}")
     setups = [("one process", ())] + [(f"ray, {n} replica{'s' * (n > 1)}", ("parallel=ray", f"parallel.replicas={n}"))
                                       for n in args.replicas]
     rows, reference, base = [], None, None
@@ -78,7 +81,8 @@ def main() -> None:
         rate = generated / values["wall_seconds"]
         base = rate if base is None and extra else base
         rows.append((label, values["wall_seconds"], rate, seconds, same))
-    print(f"{args.limit} prompts, {reference['generated_tokens'].sum()} output tokens, device {args.device}\n")
+    print(f"{args.limit} prompts, {reference['generated_tokens'].sum()} output tokens, device {args.device}, "
+          f"{args.threads} thread(s) per process\n")
     print("| setup | generation s | output tok/s | speedup vs 1 replica | end-to-end s | rows as one process |")
     print("|---|---|---|---|---|---|")
     for label, wall, rate, seconds, same in rows:

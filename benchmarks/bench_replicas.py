@@ -15,24 +15,13 @@ one replica.
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
+
+from bench_shared_prefill import evalkit  # one evalkit command, offline, timed
 
 COLUMNS = ["doc_id", "prediction", "score", "generated_tokens", "kept_prompt_tokens", "kv_bytes_peak",
            "kv_bytes_reserved", "config_digest"]
-
-
-def evalkit(*args: str, cwd: Path) -> float:
-    started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "evalkit.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                               "PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
-    if done.returncode != 0:
-        raise SystemExit(f"evalkit {' '.join(args)} failed: {done.stderr.strip()[-1500:]}")
-    return time.perf_counter() - started
 
 
 def random_model(path: Path) -> Path:

@@ -22,8 +22,9 @@ from evalkit.measure import Throughput
 from evalkit.method_config import policy_from_config
 from evalkit.models import load_model, load_spec_prefill
 from evalkit.progress import request_keys, stats_keys
-from evalkit.prompts import CONTEXT_END, PromptEncoder
+from evalkit.prompts import PromptEncoder, context_end
 from evalkit.request_cost import RequestCost
+from evalkit.task import doc_to_question
 
 
 @register_model("evalkit")
@@ -57,7 +58,7 @@ class EvalkitLM(LM):
         if self.max_context < 1:
             raise ValueError("max_context is needed when the model config has no max_position_embeddings")
         self.prompts = PromptEncoder(tokenizer, self.max_context, compression_scope)
-        self.context_unmarked = 0  # compression_scope=context: prompts without the end-of-context mark (compressed whole)
+        self.context_unmarked = 0  # compression_scope=context: prompts whose document's end is unknown (compressed whole)
         self.stop_token_ids = ec.stop_token_ids(model, tokenizer)  # every EOS of the generation config and tokenizer
         self._stop_token_texts = set(tokenizer.convert_ids_to_tokens(self.stop_token_ids))
         # lm_eval --model evalkit --model_args method=...,budget=...: checked as the evalkit CLI checks a config
@@ -125,7 +126,7 @@ class EvalkitLM(LM):
                 outputs[index] = record["text"]
                 self.request_stats[owners[index]] = record["stats"]
         todo = [i for i in range(len(requests)) if outputs[i] is None]
-        prepared = [self._prepare(requests[i].args[0], requests[i].args[1], keys[i]) for i in todo]
+        prepared = [self._prepare(*requests[i].args[:2], keys[i], self._question(requests[i])) for i in todo]
         meter = self.throughput
         meter.start(self.device)
         with tqdm(total=len(requests), initial=len(requests) - len(todo), desc="generate", disable=disable_tqdm) as bar:
@@ -158,8 +159,17 @@ class EvalkitLM(LM):
                                      prefill_chunk_mode=self.prefill_chunk_mode)
         return self._engine
 
-    def _prepare(self, text: str, gen_kwargs: dict, key: str) -> dict:
-        """One lm-eval request as an engine request, plus what its text and statistics need afterwards."""
+    def _question(self, request) -> str | None:
+        """With compression_scope=context, the text that follows the document in ``request``'s prompt: its task's
+        ``doc_to_question`` hook on the request's doc (:func:`evalkit.task.doc_to_question`); None: unknown."""
+        if self.prompts.compression_scope != "context":
+            return None
+        hook = doc_to_question(request.task_name)
+        return hook(request.doc) if hook is not None else None
+
+    def _prepare(self, text: str, gen_kwargs: dict, key: str, question: str | None = None) -> dict:
+        """One lm-eval request as an engine request, plus what its text and statistics need afterwards;
+        ``question``: the text that follows the prompt's document (:meth:`_question`)."""
         options, cut = GenerationOptions.from_lm_eval(gen_kwargs), False
         if options.truncation == "middle" and options.max_len:  # LongBench: on the raw prompt, before the template
             text, cut = self.prompts.truncate_raw(text, options.max_len)
@@ -167,11 +177,12 @@ class EvalkitLM(LM):
         if self.spec_prefill is not None:
             # The draft reads the whole prompt; only the tokens it keeps reach the target, at their positions.
             input_ids, _, positions, (spec_stats,) = self.spec_prefill.select(
-                [text.replace(CONTEXT_END, "")], self.tokenizer, self.tokenizer.pad_token_id,
+                [text], self.tokenizer, self.tokenizer.pad_token_id,
                 max_tokens=self.max_context - options.max_new_tokens, add_special_tokens=[self.prompts.add_special_tokens(text)])
             truncated, positions = spec_stats["truncated"], positions[0]
         else:
-            input_ids, _, (truncated,), (start,) = self.prompts.encode([text], options.max_new_tokens, options.truncation)
+            input_ids, _, (truncated,), (start,) = self.prompts.encode(
+                [text], options.max_new_tokens, options.truncation, [context_end(text, question)])
             compress_prefix = start if self.prompts.compression_scope == "context" else None
             self.context_unmarked += self.prompts.compression_scope == "context" and start is None
         stop_strings = [s for s in options.until if s and s not in self._stop_token_texts]  # those end it as tokens

@@ -9,7 +9,7 @@ import zlib
 
 import pytest
 
-from evalkit.prompts import CONTEXT_END
+from evalkit.prompts import context_end
 from evalkit.scoring.data import load_rows
 from evalkit.tasks.aime24 import aime
 from evalkit.tasks.livecodebench import livecodebench as lcb
@@ -77,11 +77,12 @@ def write_jsonl(path, rows):
 
 
 # -- LongBench-v2 --------------------------------------------------------------------------------------------------
-def test_longbench_prompt_is_the_official_template_with_the_document_marked():
+def test_longbench_prompt_is_the_official_template_with_the_documents_end_known():
     doc = longbench_rows()[0]
     prompt = longbench.fill(longbench.ZERO_SHOT, doc)
     assert prompt.startswith("Please read the following text and answer the question below.\n\n<text>\nThe sky is blue.")
-    head, tail = prompt.split(CONTEXT_END)
+    end = context_end(prompt, longbench.question(longbench.ZERO_SHOT, doc))
+    head, tail = prompt[:end], prompt[end:]
     assert head.endswith("The grass is green.\n</text>\n\n")
     assert tail == ("What is the correct answer to this question: Which colour is the sky?\nChoices:\n(A) red\n(B) blue\n"
                     "(C) green\n(D) black\n\nFormat your response as follows: \"The correct answer is (insert answer here)\".")
@@ -92,7 +93,8 @@ def test_longbench_cot_prompts_reason_over_the_document_then_answer_without_it()
     reasoning_prompt = longbench.fill(longbench.COT, doc)
     assert "The sky is blue." in reasoning_prompt and reasoning_prompt.endswith("(D) black\n\nLet\u2019s think step by step:")
     answer_prompt = longbench.fill(longbench.COT_ANSWER, doc, " The sky is blue, so B. ")
-    assert "The sky is blue." not in answer_prompt.split("step by step:")[0] and CONTEXT_END not in answer_prompt
+    assert "The sky is blue." not in answer_prompt.split("step by step:")[0]
+    assert longbench.question(longbench.COT_ANSWER, doc, " The sky is blue, so B. ") is None  # no document to end
     assert "The text is too long and omitted here." in answer_prompt
     assert "Let\u2019s think step by step: The sky is blue, so B.\n\nBased on the above" in answer_prompt
 
@@ -275,7 +277,7 @@ def test_task_runs_end_to_end_through_the_cli(tmp_path, random_model_dir, task, 
     assert samples["generated_tokens"].between(1, 8).all() and samples["prompt_tokens"].gt(0).all()
     options = json.loads(metrics["task_options"].iloc[0])
     assert options["dataset"]["path"] == str(data) and options["generation"]["max_gen_toks"] == 8
-    if "compression_scope=context" in extra:  # LongBench marks where its document ends: every prompt split there
+    if "compression_scope=context" in extra:  # LongBench says where its document ends: every prompt split there
         assert metrics.loc[metrics["metric"] == "context_unmarked", "value"].tolist() == [0.0]
     if task == "longbench_v2":
         assert set(metrics["metric"]) >= {"accuracy", "extraction_failed"}
@@ -298,12 +300,13 @@ def test_adapter_middle_truncation_keeps_both_ends_and_the_document_split(random
     from evalkit.lm import EvalkitLM
 
     lm = EvalkitLM(pretrained=str(random_model_dir), max_context=64, device="cpu")
-    text = " ".join(f"k{i}" for i in range(100)) + CONTEXT_END + " ? k5"
-    ids, _, truncated, starts = lm.prompts.encode([text], reserve=4, truncation="middle")
+    text = " ".join(f"k{i}" for i in range(100)) + " ? k5"
+    end = context_end(text, " ? k5")
+    ids, _, truncated, starts = lm.prompts.encode([text], reserve=4, truncation="middle", context_ends=[end])
     tokens = lm.tokenizer.convert_ids_to_tokens(ids[0])
     assert truncated == [True] and len(tokens) == 60
     assert tokens[:3] == ["<s>", "k0", "k1"] and tokens[29] == "k28" and tokens[30] == "k72"
     assert tokens[-2:] == ["?", "k5"]
     assert starts == [58]  # 30 + 28 document tokens kept, then the question
-    ids, _, _, starts = lm.prompts.encode([text.replace(CONTEXT_END, "")], reserve=4, truncation="left")
+    ids, _, _, starts = lm.prompts.encode([text], reserve=4, truncation="left")
     assert lm.tokenizer.convert_ids_to_tokens(ids[0])[0] == "k42" and starts == [None]

@@ -165,15 +165,17 @@ def test_group_rows_aggregate_as_lm_eval_defines_it():
     assert only_a["value"] == pytest.approx(3 / 4) and only_a["n"] == 4
 
 
-def test_rulers_prompts_mark_where_their_context_ends():
-    """For compression_scope=context: every RULER template of the installed lm-eval (niah in both wordings, vt, cwe,
-    fwe, qa) gets the mark right after its context, before its question; the prompt is otherwise RULER's."""
+def test_rulers_prompts_say_where_their_context_ends():
+    """For compression_scope=context: in every RULER template of the installed lm-eval (niah in both wordings, vt, cwe,
+    fwe, qa) the context ends right before its question (given out of band); the prompt is RULER's own."""
     import importlib
 
-    from evalkit.prompts import CONTEXT_END
+    from evalkit.prompts import context_end
     from evalkit.task.registry import family_hooks
 
-    mark = family_hooks("ruler")["doc_to_text"]
+    hooks = family_hooks("ruler")
+    assert "doc_to_text" not in hooks  # RULER's own prompt
+    question = hooks["doc_to_question"]
     templates = {"niah": importlib.import_module("lm_eval.tasks.ruler.niah_utils").TEMPLATE}
     for name in ("vt", "cwe", "fwe", "qa"):
         pytest.importorskip("wonderwords")
@@ -182,9 +184,10 @@ def test_rulers_prompts_mark_where_their_context_ends():
     one = templates["niah"].replace("Some", "A").replace("are all", "is").replace("are", "is")  # prepare_niah's
     for name, template in {**templates, "niah_one": one}.items():
         text = template.format(context="CONTEXT-BODY", query="QUERY", type_needle_v="numbers", num_v=1)
-        marked = mark({"input": text})
-        head, tail = marked.split(CONTEXT_END)
-        assert head + tail == text and head.rstrip().endswith("CONTEXT-BODY") and "CONTEXT-BODY" not in tail, name
+        end = context_end(text, question({"input": text}))
+        head, tail = text[:end], text[end:]
+        assert head.rstrip().endswith("CONTEXT-BODY") and "CONTEXT-BODY" not in tail, name
+        assert "{query}" not in template or "QUERY" in tail, name  # the question follows the context's end
 
 
 class FakeIndex:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from evalkit.prompts import CONTEXT_END
+from evalkit.prompts import context_end
 from evalkit.tasks.longbench_v2 import longbench
 
 # -- LongBench-v2 (pred.py, result.py) ------------------------------------------------------------------------------
@@ -18,12 +18,13 @@ def test_longbench_fills_the_template_in_pred_py_order():
     """pred.py: ``template.replace('$DOC$', ...).replace('$Q$', ...).replace('$C_A$', ...)...`` then ``$COT$``: a
     document holding ``$Q$`` gets the question, a question holding ``$DOC$`` keeps it, reasoning is not filled."""
     prompt = longbench.fill(longbench.ZERO_SHOT, TRICKY)
-    assert prompt.replace(CONTEXT_END, "") == (
+    assert prompt == (
         "Please read the following text and answer the question below.\n\n<text>\nA paper: let Is $DOC$ in yes no? be "
         "the set and no a constant; $DOC$ here.\n</text>\n\nWhat is the correct answer to this question: Is $DOC$ in "
         "yes no?\nChoices:\n(A) yes no\n(B) no\n(C) $Q$\n(D) maybe\n\nFormat your response as follows: \"The correct "
         "answer is (insert answer here)\".")
-    assert prompt.index(CONTEXT_END) == prompt.index("</text>\n\n") + len("</text>\n\n")
+    question = longbench.question(longbench.ZERO_SHOT, TRICKY)  # what follows the document
+    assert context_end(prompt, question) == prompt.index("</text>\n\n") + len("</text>\n\n")
     answer = longbench.fill(longbench.COT_ANSWER, TRICKY, "Because $C_A$ and $Q$ hold, (A).")
     assert answer == (
         "Please read the following text and answer the questions below.\n\nThe text is too long and omitted here.\n\n"
@@ -57,11 +58,11 @@ def byte_level_lm(random_model_dir):
 def test_longbench_prompt_is_tokenized_whole_with_the_document_end_found_by_offsets(byte_level_lm, scope):
     lm, document = byte_level_lm, "doc end.\n</text>\n\n"
     lm.prompts.compression_scope = scope
-    text = document + CONTEXT_END + "What is the answer?"
-    ids, _, _, (start,) = lm.prompts.encode([text], reserve=4)
+    text = document + "What is the answer?"
+    ids, _, _, (start,) = lm.prompts.encode([text], reserve=4, context_ends=[context_end(text, "What is the answer?")])
     whole = lm.tokenizer(document + "What is the answer?")["input_ids"]
     pieces = lm.tokenizer(document)["input_ids"] + lm.tokenizer("What is the answer?")["input_ids"]
-    assert whole != pieces  # the tokenizer merges across the mark: tokenizing in two pieces would differ
+    assert whole != pieces  # the tokenizer merges across the document's end: tokenizing in two pieces would differ
     assert ids[0].tolist() == whole
     assert lm.tokenizer.convert_ids_to_tokens(whole[start:start + 1]) == ["What"]  # the question starts there
 

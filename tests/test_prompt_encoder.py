@@ -1,11 +1,12 @@
-"""The PromptEncoder alone, with a tokenizer and no model: where the end-of-context mark falls, how each truncation
-moves it, and no second BOS before a templated or BOS-led prompt."""
+"""The PromptEncoder alone, with a tokenizer and no model: where the document's end (given out of band, as a
+character position) falls in the tokens, how each truncation moves it, and no second BOS before a templated or
+BOS-led prompt."""
 
 from __future__ import annotations
 
 import pytest
 
-from evalkit.prompts import CONTEXT_END, PromptEncoder
+from evalkit.prompts import PromptEncoder, context_end
 from evalkit.train_tiny import build_tokenizer
 
 DOCUMENT = " ".join(f"k{i} v{i % 7}" for i in range(30))  # 60 words: 60 tokens with the tiny word-level tokenizer
@@ -17,20 +18,24 @@ def tokenizer():
     return build_tokenizer()
 
 
-def test_the_mark_is_removed_and_the_tokens_before_it_counted(tokenizer):
+def test_the_tokens_before_the_documents_end_are_counted(tokenizer):
     encoder = PromptEncoder(tokenizer, max_context=512)
-    ids, before = encoder.tokenize(DOCUMENT + CONTEXT_END + " " + QUESTION)
+    text = DOCUMENT + " " + QUESTION
+    assert context_end(text, " " + QUESTION) == len(DOCUMENT)
+    ids, before = encoder.tokenize(text, context_end(text, " " + QUESTION))
     assert ids == tokenizer(DOCUMENT + " " + QUESTION)["input_ids"]
     assert ids[before:] == tokenizer(" " + QUESTION, add_special_tokens=False)["input_ids"]
-    assert encoder.tokenize(DOCUMENT)[1] is None  # no mark, no boundary
+    assert encoder.tokenize(text)[1] is None  # no end given, no boundary
+    assert context_end(text, "? k4") is None and context_end(text, None) is None  # not in the prompt: unknown
 
 
 @pytest.mark.parametrize("truncation", ["left", "middle"])
 def test_truncation_keeps_the_limit_and_moves_the_context_end_with_the_cut(tokenizer, truncation):
-    text = DOCUMENT + CONTEXT_END + " " + QUESTION
-    whole, before = PromptEncoder(tokenizer, max_context=512).tokenize(text)
+    text = DOCUMENT + " " + QUESTION
+    whole, before = PromptEncoder(tokenizer, max_context=512).tokenize(text, len(DOCUMENT))
     encoder = PromptEncoder(tokenizer, max_context=40)
-    ids, mask, (truncated,), (start,) = encoder.encode([text], reserve=8, truncation=truncation)
+    ids, mask, (truncated,), (start,) = encoder.encode([text], reserve=8, truncation=truncation,
+                                                       context_ends=[len(DOCUMENT)])
     kept = ids[0].tolist()
     assert truncated and len(kept) == 32 and mask.sum() == 32
     cut = len(whole) - 32
@@ -38,12 +43,12 @@ def test_truncation_keeps_the_limit_and_moves_the_context_end_with_the_cut(token
         assert kept == whole[cut:] and start == before - cut
     else:  # the first and last halves survive
         assert kept == whole[:16] + whole[16 + cut:] and start == before - cut
-    assert kept[start:] == whole[before:]  # the question is still after the mark
+    assert kept[start:] == whole[before:]  # the question is still after the document's end
 
 
 def test_a_short_prompt_is_left_padded_beside_a_long_one(tokenizer):
     encoder = PromptEncoder(tokenizer, max_context=512)
-    ids, mask, truncated, starts = encoder.encode(["k1 v2" + CONTEXT_END + " ? k1", DOCUMENT], reserve=4)
+    ids, mask, truncated, starts = encoder.encode(["k1 v2 ? k1", DOCUMENT], reserve=4, context_ends=[5, None])
     assert truncated == [False, False]
     assert mask[0].tolist() == [0] * (ids.shape[1] - 5) + [1] * 5
     assert ids[0, -5:].tolist() == tokenizer("k1 v2 ? k1")["input_ids"] and starts == [ids.shape[1] - 2, None]  # BOS k1 v2 | ? k1

@@ -13,7 +13,7 @@ import torch
 from test_benchmarks import lcb_rows
 
 from evalkit.lm import EvalkitLM
-from evalkit.prompts import CONTEXT_END, truncate_middle
+from evalkit.prompts import context_end, truncate_middle
 from evalkit.tasks.aime24 import aime
 from evalkit.tasks.livecodebench import livecodebench as lcb
 from evalkit.tasks.longbench_v2 import longbench
@@ -173,12 +173,14 @@ def test_longbench_samples_at_temperature_0_1_on_every_call():
 def test_longbench_truncation_is_pred_py_on_the_raw_prompt():
     tokenizer = build_tokenizer()
     words = [f"k{i}" for i in range(50)]
-    text = " ".join(words[:40]) + CONTEXT_END + " " + " ".join(words[40:])
+    text = " ".join(words[:40]) + " " + " ".join(words[40:])
+    question = " " + " ".join(words[40:])  # what follows the document
     cut, truncated = truncate_middle(tokenizer, text, 21)
     # pred.py: ids = encode(prompt) = [<s>, k0..k49]; ids[:10] + ids[-11:] (-21 // 2 == -11); decode without <s>.
     assert truncated
-    assert cut.replace(CONTEXT_END, "") == " ".join(words[:9] + words[-11:])
-    assert cut.index(CONTEXT_END) == len(" ".join(words[:9] + words[39:40]))  # the document ends before k40
+    assert cut == " ".join(words[:9] + words[-11:])
+    assert context_end(cut, question) == len(" ".join(words[:9] + words[39:40]))  # the document ends before k40
+    assert context_end(truncate_middle(tokenizer, text, 12)[0], question) is None  # its question cut: unknown
     assert truncate_middle(tokenizer, text, 60) == (text, False)
 
 

@@ -22,7 +22,7 @@ import pandas as pd
 from evalkit.compression.prefill_store import sharing_prefills
 from evalkit.errors import Interrupted, RunError, model_unavailable, one_line
 from evalkit.progress import Progress
-from evalkit.results import metrics_table, samples_table, write_table
+from evalkit.results import lm_eval_files, metrics_table, samples_table, write_table
 from evalkit.results.rows import group_rows, tidy_rows
 from evalkit.task import task_of
 
@@ -160,6 +160,7 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None, shared=None) ->
     # Samples first, metrics last (its parquet file after its CSV): a metrics parquet file means the run is complete.
     samples_path = write_table(samples_table(samples, config), spec.results_dir, "samples", run_id)
     paths = [write_table(metrics_table(metrics, config), spec.results_dir, "metrics", run_id), samples_path]
+    lm_eval_files.write(spec, run_id, results, stats, reasoning, lm.tokenizer)  # lm-eval's own files, after them
     progress.remove()
     for kept in progress_path.parent.glob(f"{digest}-*"):  # what the task's own passes kept meanwhile
         kept.unlink()

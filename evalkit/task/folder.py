@@ -13,6 +13,10 @@ and ``utils.py`` may define these hooks (each optional):
 - ``dataset_identity(dataset_kwargs) -> str``: the identity of data built at run time (no files to fingerprint);
 - ``adjust_options(options, apply_chat_template) -> bool``: the run's task options adjusted in place before the run
   (a prompt style's system turn and stop strings), returning whether the chat template applies;
+- ``doc_to_question(doc) -> str | None``: the end of ``doc_to_text(doc)`` that follows the document (the question,
+  with whatever joins it to the document); ``compression_scope=context`` compresses only what precedes it in the
+  prompt as sent (:func:`evalkit.task.doc_to_question`). The prompt itself carries no mark, so lm-eval's own models
+  read the same text as evalkit's;
 - ``generation_flow(evaluate, config, request_stats, scratch) -> (results, stats, reasoning) | None``: the task's
   own way to run its requests (LongBench-v2's chain of thought: a reasoning call, then the answer call);
   ``evaluate(config)`` runs lm-eval over a task config, ``request_stats`` holds the adapter's statistics per

@@ -7,7 +7,9 @@ of lm-eval's YAML, e.g. ``ruler``) may define
 - ``sample_metric(sample, metric_names) -> str | None``: the metric that scores a sample (default: the first);
 - ``sample_subset(doc) -> str``: a sample's subset;
 - ``metric_applies(name, value) -> bool``: False drops a metric row (a value that means "nothing measured");
-- ``doc_to_text(doc) -> str``: the prompt in place of the YAML's (RULER's, with the end of its context marked).
+- ``doc_to_text(doc) -> str``: the prompt in place of the YAML's;
+- ``doc_to_question(doc) -> str | None``: the end of the prompt that follows its context (RULER's question), for
+  ``compression_scope=context`` (:func:`evalkit.task.doc_to_question`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from evalkit.paths import tasks_dir
 from . import definition as yaml_definition
 from .base import DataOrigin, Task
 
-FAMILY_HOOKS = ("sample_metric", "sample_subset", "metric_applies", "doc_to_text")
+FAMILY_HOOKS = ("sample_metric", "sample_subset", "metric_applies", "doc_to_text", "doc_to_question")
 
 
 class RegistryTask(Task):
@@ -98,7 +100,7 @@ def member_config(task: str, options: dict, pretrained: str | None = None) -> di
         if key in options:
             config[key] = options[key]
     text = family_hooks(yaml_path(task).parent.name).get("doc_to_text")
-    if text is not None:  # evalkit's prompt for the family (RULER's, its context's end marked)
+    if text is not None:  # evalkit's prompt for the family
         config["doc_to_text"] = text
     model = {"pretrained": pretrained} if pretrained else {}
     metadata = {key: value for key, value in (options.get("metadata") or {}).items() if value is not None}

@@ -5,7 +5,7 @@ metadata ``pretrained``; ``task.metadata.tokenizer`` names another), one set per
 ``task.metadata.max_seq_lengths``. Its metrics are named by length (``"4096"``): a document scores at its own
 length and reports ``-1`` at every other one, and a length with no documents aggregates to ``-1``. Here each sample
 scores at its own length, its subset is that length, and lengths that were not built leave no metric row. The
-prompt marks where the context ends (:func:`doc_to_text`), for ``compression_scope=context``.
+prompt is RULER's own; :func:`doc_to_question` says where its context ends, for ``compression_scope=context``.
 """
 
 NOT_BUILT = -1.0  # RULER's value for "no document of this length"
@@ -38,12 +38,10 @@ QUESTION_LEADS = (
 )
 
 
-def doc_to_text(doc: dict) -> str:
-    """RULER's prompt (its ``{{input}}``) with evalkit's end-of-document mark before the question, so that
+def doc_to_question(doc: dict) -> str | None:
+    """What follows the context in RULER's prompt (its ``{{input}}``): the question, so that
     ``compression_scope=context`` compresses the context alone (query-agnostic, as kvpress' RULER leaderboard splits
-    context and question); with ``prompt`` (the default) the mark is dropped and the prompt is RULER's, unchanged."""
-    from evalkit.prompts import CONTEXT_END
-
+    context and question); None where no template's question is found."""
     text = doc["input"]
     start = max(text.rfind(lead) for lead in QUESTION_LEADS)
-    return text if start < 0 else text[:start] + CONTEXT_END + text[start:]
+    return None if start < 0 else text[start:]

@@ -1,21 +1,21 @@
 """LongBench-v2 (Bai et al., 2024) with the official prompts, middle truncation and answer extraction.
 
-The document is followed by :data:`evalkit.prompts.CONTEXT_END`: with ``compression_scope=prompt`` (default) the adapter
-drops the mark and compresses the whole prompt, so SnapKV's observation window is the prompt's last tokens after the
-chat template: the end of the choices, the answer-format instruction and the template's generation prompt. With
-``compression_scope=context`` only the text up to the end of the document is compressed.
+With ``compression_scope=prompt`` (default) the adapter compresses the whole prompt, so SnapKV's observation window is
+the prompt's last tokens after the chat template: the end of the choices, the answer-format instruction and the
+template's generation prompt. With ``compression_scope=context`` only the text up to the end of the document is
+compressed: :func:`question` gives what follows it (the prompt itself carries no mark).
 """
 
 from __future__ import annotations
 
 import re
 
-from evalkit.prompts import CONTEXT_END
 from evalkit.scoring.data import RowError, require_text
 
 HUB_ID = "THUDM/LongBench-v2"
 CHOICES = "What is the correct answer to this question: $Q$\nChoices:\n(A) $C_A$\n(B) $C_B$\n(C) $C_C$\n(D) $C_D$\n\n"
 DOCUMENT = "Please read the following text and answer the question{s} below.\n\n<text>\n$DOC$\n</text>\n\n"
+DOCUMENT_END = "</text>\n\n"
 ZERO_SHOT = (DOCUMENT.format(s="") + CHOICES
              + 'Format your response as follows: "The correct answer is (insert answer here)".')
 # Chain of thought, two calls: the reasoning over the document, then the answer call without the document.
@@ -33,13 +33,20 @@ REQUIRED = ("_id", "question", "choice_A", "choice_B", "choice_C", "choice_D", "
 def fill(template: str, doc: dict, reasoning: str = "") -> str:
     """The official substitution (pred.py): plain ``str.replace`` in its order, ``$DOC$`` first, then ``$Q$``, the
     choices and ``$COT$`` last, every field stripped; so a document that contains ``$Q$`` gets the question there, as
-    in the official prompt. The document is followed by the context-end mark, which sits in the template (after
-    ``</text>\n\n``) before any substitution, so no field can move it."""
-    text = template.replace("</text>\n\n", "</text>\n\n" + CONTEXT_END, 1) if "$DOC$" in template else template
-    text = text.replace("$DOC$", doc["context"].strip()).replace("$Q$", doc["question"].strip())
+    in the official prompt."""
+    text = template.replace("$DOC$", doc["context"].strip()).replace("$Q$", doc["question"].strip())
     for letter in "ABCD":
         text = text.replace(f"$C_{letter}$", doc[f"choice_{letter}"].strip())
     return text.replace("$COT$", reasoning.strip())
+
+
+def question(template: str, doc: dict, reasoning: str = "") -> str | None:
+    """What follows the document in :func:`fill`'s prompt: the template's part after ``</text>\n\n``, filled the
+    same way (no placeholder spans that boundary, so the prompt ends with it); None for a template without a
+    document."""
+    if "$DOC$" not in template:
+        return None
+    return fill(template.partition(DOCUMENT_END)[2], doc, reasoning)
 
 
 def extract_answer(response: str) -> str | None:

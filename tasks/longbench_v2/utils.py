@@ -33,6 +33,10 @@ def doc_to_text(doc):
     return longbench.fill(longbench.TEMPLATES[doc["prompt_mode"]], doc, doc["reasoning"])
 
 
+def doc_to_question(doc):
+    return longbench.question(longbench.TEMPLATES[doc["prompt_mode"]], doc, doc["reasoning"])
+
+
 def process_results(doc, results):
     return longbench.score(doc, results[0], doc["empty_output"])
 

@@ -2,7 +2,6 @@
 
 import datasets
 
-from evalkit.prompts import CONTEXT_END
 from evalkit.tasks.needle import needle
 
 
@@ -12,8 +11,12 @@ def load(lengths=(1000, 1800), depths=(0.0, 0.25, 0.5, 0.75, 1.0), per_cell=2, s
 
 
 def doc_to_text(doc):
-    # The document, its end marked (compression_scope=context compresses only what precedes it), then the question.
-    return f"{doc['context']}{CONTEXT_END}\n\n{doc['question']}"
+    return doc["context"] + doc_to_question(doc)
+
+
+def doc_to_question(doc):
+    """What follows the document in the prompt: compression_scope=context compresses only what precedes it."""
+    return f"\n\n{doc['question']}"
 
 
 def dataset_identity(dataset_kwargs):

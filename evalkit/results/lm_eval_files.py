@@ -1,0 +1,102 @@
+"""lm-eval's own result files for a run, written by lm-eval's own writer (its ``EvaluationTracker``), as
+``lm_eval --output_path DIR --log_samples`` writes them: ``DIR/<model>/results_<date>.json`` (scores, configs, versions,
+task hashes, model and environment) and ``DIR/<model>/samples_<task>_<date>.jsonl`` (one line per document and filter,
+with its hashes), where DIR is ``<results_dir>/lm_eval/<run_id>/`` (one folder per run, named as its tables are) and
+``<model>`` is lm-eval's sanitized model name. The model is recorded as lm-eval's ``evalkit`` model with the run's
+config as its arguments; each sample line also carries evalkit's columns of its requests under the key ``evalkit``
+(one entry per repeat: tokens kept, bytes, timings, as in the samples table), beside lm-eval's keys."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+from pathlib import Path
+
+from evalkit.errors import one_line
+from evalkit.scoring import all_responses
+
+from .rows import BYTE_COLUMNS, STAT_COLUMNS, sample_row
+
+FOLDER = "lm_eval"
+MODEL = "evalkit"  # the lm-eval model name evalkit registers (lm_eval --model evalkit)
+REQUEST_COLUMNS = ("repeat", *STAT_COLUMNS, *BYTE_COLUMNS, "over_budget", "reasoning")
+
+
+def write(spec, run_id: str, results: dict, stats: dict, reasoning: dict | None, tokenizer) -> Path | None:
+    """Write the run's lm-eval files (``results``: what ``simple_evaluate`` returned, with its samples; ``stats``: the
+    adapter's per-request statistics) and return their folder. A failure is one line on stderr and None: the run's
+    tables, written before, stay as they are."""
+    try:
+        return _write(spec, Path(spec.results_dir) / FOLDER / run_id, results, stats, reasoning, tokenizer)
+    except Exception as error:  # noqa: BLE001 (whatever went wrong, the run itself is complete)
+        print(f"evalkit: WARNING: lm-eval's result files were not written: {one_line(error)}", file=sys.stderr,
+              flush=True)
+        return None
+
+
+def _write(spec, folder: Path, results: dict, stats: dict, reasoning: dict | None, tokenizer) -> Path:
+    from lm_eval.loggers import EvaluationTracker
+
+    tracker = EvaluationTracker(output_path=str(folder))
+    general = tracker.general_config_tracker
+    model_args = {"pretrained": spec.pretrained,
+                  **{key: value for key, value in spec.flat_config().items() if key != "model_pretrained"}}
+    template = getattr(tokenizer, "chat_template", None) if spec.apply_chat_template else None
+    general.log_experiment_args(model_source=MODEL, model_args=model_args, chat_template=template,
+                                system_instruction=spec.task_options.get("system_instruction"),
+                                fewshot_as_multiturn=False)
+    general.start_time -= time.time() - float(results.get("date") or time.time())  # since lm-eval started evaluating
+    aggregated = {key: value for key, value in results.items() if key != "samples"}
+    aggregated["config"] = {**(results.get("config") or {}), "model": MODEL, "model_args": model_args}
+    samples = {task: [with_requests(sample, task, stats, reasoning) for sample in logged]
+               for task, logged in results["samples"].items()}
+    written = folder / general.model_name_sanitized
+    written.mkdir(parents=True, exist_ok=True)  # a folder that cannot be made says so here, in its own words
+    with tracker_failures() as failures:  # the tracker logs what went wrong instead of raising it
+        tracker.save_results_aggregated(results=aggregated, samples=samples)
+        if not hasattr(tracker, "date_id"):
+            raise OSError(f"lm-eval's EvaluationTracker did not write its results file in {written}: {failures}")
+        for task in (task for task in aggregated["configs"] if task in samples):
+            tracker.save_results_samples(task_name=task, samples=samples[task])
+            if not (written / f"samples_{task}_{tracker.date_id}.jsonl").is_file():
+                raise OSError(f"lm-eval's EvaluationTracker did not write the samples of {task} in {written}: {failures}")
+    return written
+
+
+@contextlib.contextmanager
+def tracker_failures():
+    """What lm-eval's EvaluationTracker logs meanwhile, kept (off the terminal): its last message is why it failed."""
+    logger = logging.getLogger("lm_eval.loggers.evaluation_tracker")
+    kept = _Kept()
+    propagate, level = logger.propagate, logger.level
+    logger.addHandler(kept)
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    try:
+        yield kept
+    finally:
+        logger.removeHandler(kept)
+        logger.propagate = propagate
+        logger.setLevel(level)
+
+
+class _Kept(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __str__(self) -> str:
+        return self.messages[-1] if self.messages else "no reason given"
+
+
+def with_requests(sample: dict, task: str, stats: dict, reasoning: dict | None) -> dict:
+    """lm-eval's logged ``sample`` (a copy) with evalkit's columns of each of its requests under ``evalkit``."""
+    responses = all_responses(sample.get("filtered_resps") or sample.get("resps") or [])
+    rows = [sample_row(sample, repeat, response, None, None, stats.get((task, sample.get("doc_id"), repeat), {}),
+                       reasoning) for repeat, response in enumerate(responses)]
+    return {**sample, "evalkit": [{column: row[column] for column in REQUEST_COLUMNS} for row in rows]}

@@ -7,10 +7,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging.config
 import os
 import signal
 import sys
+from pathlib import Path
 
 INTERRUPTED_EARLY = "evalkit: interrupted before the run started; nothing written"
 # Hydra's `stdout` job logging (conf/config.yaml selects it), for a single run evaluated without @hydra.main.
@@ -47,7 +49,9 @@ try:
     from hydra.types import RunMode
     from omegaconf import DictConfig, OmegaConf
 
+    from evalkit import console
     from evalkit.config import normalize_overrides
+    from evalkit.console import say
     from evalkit.errors import ConfigError, Interrupted, RunError
     from evalkit.paths import conf_dir
     from evalkit.run.spec import precheck
@@ -65,6 +69,7 @@ def evaluate(cfg: DictConfig, overrides: list[str], sweeping: bool = False) -> N
     """One job. A mistake is one line on stderr and exit status 2 with nothing written; in a sweep the job is
     skipped with that line instead, so one bad pairing never stops the others. Ctrl-C exits 130, keeping what was
     generated for the next start to resume."""
+    log, made = None, []
     try:
         plain = OmegaConf.to_container(cfg, resolve=True)
         _stop_if_interrupted()
@@ -74,9 +79,14 @@ def evaluate(cfg: DictConfig, overrides: list[str], sweeping: bool = False) -> N
         spec = runner.validate(plain, method_explicit=explicit, checked=checked)
         shared = _sweep_share() if sweeping else None
         before = (shared.store.hits, shared.store.misses, shared.loads) if shared else None
-        result = runner.run(spec, shared=shared)
+        log = run_log(spec)
+        made = [folder for folder in [log.parent, *log.parents] if not folder.exists()]  # deepest first
+        say(header(spec, log))
+        with console.libraries_to_log(log, verbose=bool(plain.get("verbose"))):
+            result = runner.run(spec, shared=shared)
     except (ConfigError, RunError) as error:
         kind = "config error" if isinstance(error, ConfigError) else "error"
+        _discard(log, made)  # a mistake writes nothing
         if sweeping:
             print(f"evalkit: skipped in this sweep: {error}", flush=True)
             return
@@ -90,15 +100,39 @@ def evaluate(cfg: DictConfig, overrides: list[str], sweeping: bool = False) -> N
         sys.exit(130)
     if result is None:
         done = runner.completed_runs(spec.results_dir, spec)
-        print(f"skipped: this config already has results ({done[-1]}); resume=false runs it again")
+        say(f"skipped: this config already has results ({done[-1]}); resume=false runs it again")
         return
-    print(runner.summary(result, spec))
+    say(runner.summary(result, spec))
     if shared is not None:
         hits, misses, loads = (now - then for now, then in zip((shared.store.hits, shared.store.misses, shared.loads),
                                                                 before))
         reused = "loaded it" if loads else "reused the sweep's model"
-        print(f"this job {reused} and replayed {hits} of {hits + misses} prompt prefills recorded by earlier jobs",
-              flush=True)
+        say(f"this job {reused} and replayed {hits} of {hits + misses} prompt prefills recorded by earlier jobs")
+
+
+def header(spec, log) -> str:
+    """The run's first lines: what runs, where, and where its results and its libraries' log go."""
+    budget = f" {spec.budget} (cache {spec.policy.cache_capacity()} of {spec.max_context} tokens)" if spec.budget else \
+        " (full cache)"
+    return (f"evalkit: {spec.model_name} · task {spec.task} · {spec.method}{budget} · device {spec.device}\n"
+            f"  results: {spec.results_dir}/ (libraries' log: {log})")
+
+
+def _discard(log: Path | None, made: list[Path]) -> None:
+    """The run's log removed, and the folders it made (``made``, deepest first) where nothing else is in them."""
+    if log is not None:
+        log.unlink(missing_ok=True)
+    for folder in made:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
+
+def run_log(spec) -> Path:
+    """Where the run's libraries' output goes: ``<results_dir>/logs/<time>-<task>-<method>-<budget>.log``."""
+    import datetime as dt
+
+    stamp = dt.datetime.now().strftime("%Y%m%dT%H%M%S")
+    return Path(spec.results_dir) / "logs" / f"{stamp}-{spec.task}-{spec.method}-{spec.budget or 'full'}.log"
 
 
 _SWEEP: list = []  # this process's SweepShare, made by its first sweep job
@@ -128,7 +162,10 @@ def _runner():
 @hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")
 def _main(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
-    evaluate(cfg, list(hydra_cfg.overrides.task), sweeping=hydra_cfg.mode == RunMode.MULTIRUN)
+    sweeping = hydra_cfg.mode == RunMode.MULTIRUN
+    if sweeping and "group" in cfg.get("logger", {}) and cfg.logger.group is None:
+        cfg.logger.group = Path(str(hydra_cfg.sweep.dir)).name  # a tracker groups the sweep's jobs under its name
+    evaluate(cfg, list(hydra_cfg.overrides.task), sweeping=sweeping)
 
 
 def single_run(argv: list[str]) -> tuple[DictConfig | None, list[str], str | None]:
@@ -241,8 +278,15 @@ def ray_cluster_overrides(argv: list[str]) -> list[str]:
     return [*argv, "+hydra.launcher.ray.init.object_store_memory=null"]
 
 
+def verbose_flag(argv: list[str]) -> list[str]:
+    """``-v``/``--verbose`` as the override ``verbose=true``."""
+    flags = ("-v", "--verbose")
+    return [a for a in argv if a not in flags] + (["verbose=true"] if any(a in flags for a in argv) else [])
+
+
 def main() -> None:
     try:
+        sys.argv[1:] = verbose_flag(sys.argv[1:])
         sys.argv[1:] = normalize_overrides(sys.argv[1:])
         missing = missing_launcher(sys.argv[1:])
         if missing:

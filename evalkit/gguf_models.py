@@ -17,6 +17,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from evalkit.console import say
 from evalkit.identity import cache_dir, fingerprint
 
 PREFIX = "gguf:"
@@ -50,7 +51,7 @@ def converted(name: str) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"evalkit: converting {source.name} to a float checkpoint in {target} (once)", flush=True)
+    say(f"  convert: {source.name} to a float checkpoint in {target} (once)")
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
     # Dequantized, the weights are plain floats: save them as an ordinary checkpoint, not as a GGUF-quantized model.

@@ -86,6 +86,8 @@ def fingerprint(paths: list[str | os.PathLike], skip_suffixes: tuple[str, ...] =
     files ending in ``skip_suffixes`` are left out)."""
     from tqdm import tqdm
 
+    from evalkit.console import stream
+
     cache = _HashCache()
     named = []
     for root in sorted(Path(p).expanduser() for p in paths):
@@ -97,7 +99,8 @@ def fingerprint(paths: list[str | os.PathLike], skip_suffixes: tuple[str, ...] =
         named += [(file.name if file == root else str(file.relative_to(root)), file) for file in files]
     unread = sum(file.stat().st_size for _, file in named if cache.key(file) not in cache.entries)
     digest = hashlib.sha256()
-    with tqdm(total=unread, unit="B", unit_scale=True, desc="fingerprint", disable=unread < PROGRESS_BYTES) as bar:
+    with tqdm(total=unread, unit="B", unit_scale=True, desc="  fingerprint", file=stream(),
+              disable=unread < PROGRESS_BYTES) as bar:
         for name, file in named:
             digest.update(f"{name}\0{cache.file_hash(file, bar)}\n".encode())
     cache.save()

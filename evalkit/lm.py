@@ -17,6 +17,7 @@ from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
 import evalkit.compression as ec
+from evalkit.console import PhaseBar, stream
 from evalkit.lm_requests import GenerationOptions, model_arguments
 from evalkit.measure import Throughput
 from evalkit.method_config import policy_from_config
@@ -129,7 +130,7 @@ class EvalkitLM(LM):
         prepared = [self._prepare(*requests[i].args[:2], keys[i], self._question(requests[i])) for i in todo]
         meter = self.throughput
         meter.start(self.device)
-        with tqdm(total=len(requests), initial=len(requests) - len(todo), desc="generate", disable=disable_tqdm) as bar:
+        with PhaseBar(len(requests), len(requests) - len(todo), disable=disable_tqdm) as bar:
 
             def finish(completion: ec.Completion) -> None:
                 index = todo[completion.index]
@@ -139,11 +140,10 @@ class EvalkitLM(LM):
                 if self.progress is not None:
                     self.progress.add([{"key": keys[index], "text": text, "stats": stats}])
                 meter.add(stats)
-                bar.set_postfix_str(meter.describe(), refresh=False)
                 bar.update(1)
 
             try:
-                self.engine.run([item["request"] for item in prepared], on_finish=finish)
+                self.engine.run([item["request"] for item in prepared], on_finish=finish, on_step=bar.step)
             finally:
                 meter.stop(self._engine, self.model)
         return outputs
@@ -219,7 +219,7 @@ class EvalkitLM(LM):
     # -- log-likelihood --------------------------------------------------------------------------------------------
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         results = []
-        for request, owner in zip(tqdm(requests, desc="loglikelihood", disable=disable_tqdm), stats_keys(requests)):
+        for request, owner in zip(tqdm(requests, desc="loglikelihood", file=stream(), disable=disable_tqdm), stats_keys(requests)):
             ids, split = self.prompts.encode_pair(*request.args)
             value, greedy, self.request_stats[owner] = ec.score_continuation(self.model, self.policy, ids, split)
             results.append((value, greedy))

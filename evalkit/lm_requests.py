@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from evalkit.console import warn
+
 
 @dataclasses.dataclass
 class GenerationOptions:
@@ -43,8 +45,8 @@ def model_arguments(arg_string: str, additional_config: dict | None, cuda_availa
     args = simple_parse_args_string(arg_string)
     extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k in ("batch_size", "device")}
     if str(extra.get("device", "")).startswith("cuda") and "device" not in args and not cuda_available:
-        print(f"evalkit: lm-eval's device {extra['device']} is not available here; running on the CPU "
-              "(pass --device cpu to silence this)", flush=True)
+        warn(f"lm-eval's device {extra['device']} is not available here; running on the CPU "
+             "(pass --device cpu to silence this)")
         extra["device"] = "auto"
     if str(extra.get("batch_size", "")).startswith("auto"):
         extra.pop("batch_size")

@@ -101,11 +101,6 @@ class Throughput:
         decoded = self.generated_tokens - self.requests  # each request's first token comes from its prefill
         return decoded / decode_seconds if decode_seconds > 0 and decoded > 0 else None
 
-    def describe(self) -> str:
-        prefill, decode = self.prefill_rate(), self.decode_rate()
-        return (f"prefill {prefill:,.0f} tok/s" if prefill else "prefill -") + " | " + (
-            f"decode {decode:,.1f} tok/s" if decode else "decode -")
-
     def rows(self) -> list[dict]:
         """Metrics rows of what this process measured (none when every generation was resumed)."""
         if not self.requests:

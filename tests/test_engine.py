@@ -337,3 +337,23 @@ def test_adapter_repeats_sample_differently_and_reproducibly(random_model_dir):
     assert second[2:] + second[:2] == first
     stats = list(lm.request_stats.values())
     assert len(stats) == 6 and all(s["generated_tokens"] >= 1 and s["reserved_cache_tokens"] > 0 for s in stats)
+
+
+def test_the_engine_reports_each_phase_as_it_begins_and_ends(model):
+    """``on_step``: every admission (prefill) and decode round announced as it begins, then its tokens and seconds;
+    the first round is the warm-up; the prompt tokens read add up to the stream's."""
+    requests = stream(count=6, seed=3)
+    heard = []
+    completions = ec.Engine(model, ec.SnapStream(capacity=48), slots=2, sync_every=4).run(
+        requests, on_step=lambda phase, tokens, seconds: heard.append((phase, tokens, seconds)))
+    begins, ends = heard[0::2], heard[1::2]
+    assert all(tokens == 0 and seconds == 0.0 for _, tokens, seconds in begins)
+    assert [phase for phase, _, _ in begins] == [phase for phase, _, _ in ends]
+    assert all(tokens > 0 and seconds > 0 for _, tokens, seconds in ends)
+    phases = [phase for phase, _, _ in ends]
+    assert phases[0] == "prefill" and phases.count("warm-up") == 1
+    assert phases.index("warm-up") < phases.index("decode")
+    read = sum(tokens for phase, tokens, _ in ends if phase == "prefill")
+    assert read == sum(r.input_ids.numel() for r in requests)
+    decoded = sum(tokens for phase, tokens, _ in ends if phase in ("warm-up", "decode"))
+    assert decoded >= sum(len(c.tokens) for c in completions) - len(requests)  # each first token is the prefill's

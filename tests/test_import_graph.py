@@ -1,4 +1,4 @@
-"""evalkit's import graph, as the README's architecture section draws it: its parts (the top-level modules and
+"""evalkit's import graph, as docs/architecture.md draws it: its parts (the top-level modules and
 packages of evalkit/) import only parts below them in LAYERS, so the graph has no cycle."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "evalkit"
 LAYERS = ["cli", "lm_eval_plugin", "train_tiny", "config", "run", "lm", "lm_requests", "request_cost", "parallel",
           "measure",
           "memory", "results", "models", "gguf_models", "prompts", "progress", "task", "tasks", "scoring", "sandbox", "synthetic", "method_config",
-          "compression", "method_schema", "method_settings", "identity", "attention_shape", "budget", "errors", "paths",
+          "compression", "method_schema", "method_settings", "identity", "attention_shape", "budget", "console", "errors", "paths",
           "assets"]
 
 

@@ -16,13 +16,13 @@ import dataclasses
 import logging
 import os
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable
 
 from evalkit.compression.engine.request import Completion, Request
 from evalkit.compression.engine.slot_pool import slots_needed
+from evalkit.console import say
 from evalkit.errors import RunError
 from evalkit.measure import Throughput
 
@@ -68,9 +68,13 @@ class ReplicaPool:
             cpus = cluster.get("CPU", os.cpu_count() or 1) / self.settings.replicas if not gpus else 1
         return cpus, gpus
 
-    def run(self, requests: list[Request], on_finish: Callable[[Completion], None] | None = None) -> list[Completion]:
+    def run(self, requests: list[Request], on_finish: Callable[[Completion], None] | None = None,
+            on_step: Callable[[str, int, float], None] | None = None) -> list[Completion]:
         """Generate every request on the replicas (request ``i`` on replica ``i % replicas`` first); ``on_finish``
-        is called here with each completion as it arrives, once per request."""
+        is called here with each completion as it arrives, once per request; ``on_step`` hears the one phase seen
+        from here (``replicas``), as an engine's phases."""
+        if on_step is not None:
+            on_step(f"{len(self.actors)} replicas", 0, 0.0)
         # A growing policy's slots are sized for the whole stream, as one engine sizes them (same reserved bytes).
         slot_tokens = max(slots_needed(self.model_config, self.policy, r) for r in requests) if requests else None
         done: dict[int, Completion] = {}
@@ -106,9 +110,9 @@ class ReplicaPool:
                                    f"; {len(done)} of {len(requests)} generations are kept: run the same command again "
                                    "to resume")
                 if unfinished[replica]:  # Ray restarts the actor; the call waits for it
-                    print(f"evalkit: replica {replica} died ({_first_line(payload)}); restarted, it takes its "
-                          f"{len(unfinished[replica])} unfinished requests again (death {self.deaths[replica]} of "
-                          f"{self.settings.max_restarts} allowed)", file=sys.stderr, flush=True)
+                    say(f"evalkit: replica {replica} died ({_first_line(payload)}); restarted, it takes its "
+                        f"{len(unfinished[replica])} unfinished requests again (death {self.deaths[replica]} of "
+                        f"{self.settings.max_restarts} allowed)", err=True)
                     stream(replica, sorted(unfinished[replica]), restarted=True)
                     continue
                 streaming -= 1

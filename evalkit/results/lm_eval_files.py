@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 import time
 from pathlib import Path
 
+from evalkit.console import warn
 from evalkit.errors import one_line
 from evalkit.scoring import all_responses
 
@@ -31,8 +31,7 @@ def write(spec, run_id: str, results: dict, stats: dict, reasoning: dict | None,
     try:
         return _write(spec, Path(spec.results_dir) / FOLDER / run_id, results, stats, reasoning, tokenizer)
     except Exception as error:  # noqa: BLE001 (whatever went wrong, the run itself is complete)
-        print(f"evalkit: WARNING: lm-eval's result files were not written: {one_line(error)}", file=sys.stderr,
-              flush=True)
+        warn(f"lm-eval's result files were not written: {one_line(error)}")
         return None
 
 

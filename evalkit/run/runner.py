@@ -13,16 +13,17 @@ import fcntl
 import functools
 import os
 import socket
-import sys
+import time
 import uuid
 from pathlib import Path
 
 import pandas as pd
 
 from evalkit.compression.prefill_store import sharing_prefills
+from evalkit.console import say, warn
 from evalkit.errors import Interrupted, RunError, model_unavailable, one_line
 from evalkit.progress import Progress
-from evalkit.results import lm_eval_files, metrics_table, samples_table, write_table
+from evalkit.results import lm_eval_files, metrics_table, samples_table, trackers, write_table
 from evalkit.results.rows import group_rows, tidy_rows
 from evalkit.task import task_of
 
@@ -55,7 +56,7 @@ def budget_check(spec: RunSpec, samples: list[dict]) -> list[dict]:
                    "full effect")
         if spec.strict_budget:
             raise RunError(f"strict_budget: {message}")
-        print(f"evalkit: WARNING: {message}", file=sys.stderr, flush=True)
+        warn(message)
     return [{"subset": "all", "metric": "over_budget", "value": float(over), "stderr": None, "n": len(flags)}]
 
 
@@ -130,7 +131,7 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None, shared=None) ->
         progress_path.unlink(missing_ok=True)
     progress = Progress(progress_path)
     if progress.resumed:
-        print(f"resuming: {progress.resumed} generations already done ({progress_path})", flush=True)
+        say(f"resuming: {progress.resumed} generations already done ({progress_path})")
     started = dt.datetime.now(dt.timezone.utc)
     run_id = run_id_for(spec, started)
     task = task_of(spec.task, spec.task_options)
@@ -142,7 +143,9 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None, shared=None) ->
         import torch
 
         torch.set_num_threads(spec.threads)
+    loading = time.perf_counter()
     lm = load_lm(spec, progress, model, tokenizer, shared)
+    say(f"  load: {spec.model_name} on {lm.device} in {time.perf_counter() - loading:.1f} s")
     flow = task.generation_flow()  # the task's own passes (LongBench-v2's chain of thought), if it has them
     evaluate = _evaluator(spec, lm)
     try:
@@ -161,6 +164,7 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None, shared=None) ->
     samples_path = write_table(samples_table(samples, config), spec.results_dir, "samples", run_id)
     paths = [write_table(metrics_table(metrics, config), spec.results_dir, "metrics", run_id), samples_path]
     lm_eval_files.write(spec, run_id, results, stats, reasoning, lm.tokenizer)  # lm-eval's own files, after them
+    trackers.log_run(spec, run_id, *paths)  # logger=trackio | wandb: what the tables hold, to the tracker
     progress.remove()
     for kept in progress_path.parent.glob(f"{digest}-*"):  # what the task's own passes kept meanwhile
         kept.unlink()
@@ -250,9 +254,9 @@ def context_check(spec: RunSpec, unmarked: int, requests: int) -> list[dict]:
     if spec.compression_scope != "context":
         return []
     if unmarked:
-        print(f"evalkit: WARNING: compression_scope=context, but {unmarked} of {requests} requests of task {spec.task} "
-              "do not mark where their context ends: they were compressed whole, as with compression_scope=prompt "
-              "(the README's compression scope section lists the tasks that mark it)", file=sys.stderr, flush=True)
+        warn(f"compression_scope=context, but {unmarked} of {requests} requests of task {spec.task} "
+             "do not say where their context ends: they were compressed whole, as with compression_scope=prompt "
+             "(a task says it with its doc_to_question hook)")
     return [{"subset": "all", "metric": "context_unmarked", "value": float(unmarked), "stderr": None, "n": requests}]
 
 

@@ -17,6 +17,7 @@ from evalkit.task import LM_EVAL, task_of
 if TYPE_CHECKING:  # torch and the compression code load with the first validate(), not with this module
     import evalkit.compression as ec
     from evalkit import memory
+    from evalkit.results.trackers import LoggerSettings
 
 
 # conf/task/<name>.yaml beyond its name: `dataset` (arguments of the task's loader: hub id or path, release, ...),
@@ -66,6 +67,9 @@ class RunSpec:
     # parallel=ray: the requests sharded over Ray replicas (None: one process). Not part of the config: the tables of
     # a run are the same however many replicas made them, and one run resumes another.
     parallel: ParallelSettings | None = None
+    # logger=trackio | wandb: the finished run also logged to that tracker (None: none). Not part of the config
+    # either: logging does not change what a run writes.
+    logger: LoggerSettings | None = None
 
     def flat_config(self) -> dict:
         params = self.policy.settings()
@@ -113,7 +117,7 @@ class RunSpec:
 RUN_KEYS = ("model", "method", "task", "hardware", "deployment", "budget", "results_dir", "seed", "limit", "batch_size",
             "compile", "fidelity_tokens", "resume", "strict_budget", "threads", "device", "bad_rows", "compression_scope",
             "prefill_chunk", "prefill_chunk_mode", "memory", "kv_bits", "kv_group_size", "kv_residual",
-            "parallel")
+            "parallel", "verbose", "logger")
 
 
 MODEL_KEYS = ("name", "pretrained", "max_context", "dtype", "apply_chat_template", "revision", "device_map",
@@ -215,7 +219,17 @@ def _checked_run_settings(cfg: dict) -> dict:
         "resume": _require_bool(cfg.get("resume", True), "resume"),
         "strict_budget": _require_bool(cfg.get("strict_budget", False), "strict_budget"),
         "parallel": parallel_settings(cfg.get("parallel")),
+        "logger": _logger_settings(cfg.get("logger")),
     }
+
+
+def _logger_settings(section: dict | None) -> LoggerSettings | None:
+    """The ``logger`` section checked (None: no tracker; then nothing of the trackers' code is imported)."""
+    if (section or {}).get("name", "none") == "none":
+        return None
+    from evalkit.results.trackers import logger_settings
+
+    return logger_settings(section)
 
 
 def _require_count(value, name: str, kind: str, low: int, optional: bool = True) -> None:
@@ -279,6 +293,7 @@ def validate(cfg: dict, method_explicit: bool = True, checked: dict | None = Non
         compile=compile_with,
         own_deployment=model.get("deployment"),
         parallel=checked["parallel"],
+        logger=checked["logger"],
     )
 
 

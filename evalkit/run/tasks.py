@@ -19,9 +19,7 @@ def task_manager():
 
 def task_object(config: dict):
     """The lm-eval task built from its config dict (dataset loaded)."""
-    from lm_eval.tasks import get_task_dict
-
-    (task,) = get_task_dict([config], task_manager()).values()
+    (task,) = task_manager().load([config])["tasks"].values()
     return task
 
 

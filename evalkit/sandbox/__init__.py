@@ -41,6 +41,8 @@ import sys
 import tempfile
 import time
 
+from evalkit.console import warn
+
 log = logging.getLogger(__name__)
 
 STATUSES = ("ok", "timeout", "memory", "error", "killed")
@@ -106,7 +108,7 @@ def isolation() -> dict:
         message = (f"sandbox: Linux namespaces unavailable ({why}); generated code runs with rlimits, a process group "
                    "and a scrubbed environment only: it can reach the network, other processes and the user's files")
         log.warning(message)
-        print(f"evalkit: WARNING: {message}", file=sys.stderr, flush=True)
+        warn(message)
     return {"rlimits": True, "process_group": True, "scrubbed_env": True, "namespaces": namespaces,
             "network_blocked": namespaces, "read_only_filesystem": namespaces, "pid_isolation": namespaces}
 

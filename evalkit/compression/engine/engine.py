@@ -19,6 +19,8 @@ into Gumbel noise), so a sampled request gets the same tokens whatever its neigh
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable, Iterable
 
 from ..methods.base import Policy
@@ -91,19 +93,27 @@ class Engine:
         return self.accounting.utilization()
 
     def run(self, requests: Iterable[Request], on_finish: Callable[[Completion], None] | None = None,
-            slot_tokens: int | None = None) -> list[Completion]:
+            slot_tokens: int | None = None, on_step: Callable[[str, int, float], None] | None = None) -> list[Completion]:
         """Generate every request; return the completions in request order. ``on_finish`` is called with each
         completion as soon as it is done (in finishing order), before the next requests are admitted.
         ``slot_tokens``: the slot size of a growing policy for this stream (default: the engine's ``slot_tokens``,
-        else what its largest request needs; a replica given part of a run's stream reserves what the whole needs)."""
+        else what its largest request needs; a replica given part of a run's stream reserves what the whole needs).
+        ``on_step(phase, tokens, seconds)``: called as each phase begins (``tokens`` 0) and ends: ``prefill`` (an
+        admission: the prompt tokens it read), ``warm-up`` (the first decode round: compilation, first kernels) and
+        ``decode`` (a round: the tokens it generated), for a progress display."""
         stream = list(requests)
         for request in stream:
             if not isinstance(request, Request):
                 raise TypeError(f"requests must be evalkit.compression.engine.Request, got {type(request).__name__}")
         self.pool.prepare(stream, slot_tokens or self.requested_slot_tokens)
         scheduler = Scheduler(stream, self.pool, self.stops, self.eos, self.sync_every)
+        step = _timed(on_step)
+        rounds = 0
         while scheduler.busy:
-            if scheduler.admit():  # done at their first token (EOS, or one new token asked for)
+            with step("prefill", scheduler.can_admit) as read:
+                ended_at_once = scheduler.admit()
+                read(scheduler.admitted_tokens)
+            if ended_at_once:  # done at their first token (EOS, or one new token asked for)
                 scheduler.collect(self.accounting.complete, on_finish)
             residents = scheduler.residents
             if not residents:
@@ -112,7 +122,28 @@ class Engine:
                 self.pool.make_room(residents, self.sync_every)
             greedy_only = not any(r.request.do_sample for r in residents.values())
             use_top_p = any(r.request.top_p is not None for r in residents.values())
-            self.runner.run(self.sync_every, greedy_only, use_top_p)
+            with step("decode" if rounds else "warm-up") as generated:
+                self.runner.run(self.sync_every, greedy_only, use_top_p)
+                generated(self.sync_every * len(residents))
+            rounds += 1
             self.accounting.count(self.sync_every, len(residents))
             scheduler.collect(self.accounting.complete, on_finish)
         return scheduler.completions()
+
+
+def _timed(on_step: Callable[[str, int, float], None] | None):
+    """``step(phase, begins)``: a context that, where ``begins``, calls ``on_step(phase, 0, 0.0)`` as it begins and
+    ``on_step(phase, tokens, seconds)`` as it ends, ``tokens`` as counted within it (by the callable it yields)."""
+
+    @contextlib.contextmanager
+    def step(phase: str, begins: bool = True):
+        counted = [0]
+        if on_step is None or not begins:
+            yield counted.append
+            return
+        on_step(phase, 0, 0.0)
+        started = time.perf_counter()
+        yield counted.append
+        on_step(phase, counted[-1], time.perf_counter() - started)
+
+    return step

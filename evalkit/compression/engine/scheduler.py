@@ -24,15 +24,21 @@ class Scheduler:
         self.residents: dict[int, Resident] = {}
         self.done: dict[int, Completion] = {}
         self.started = time.perf_counter()
+        self.admitted_tokens = 0
 
     @property
     def busy(self) -> bool:
         return bool(self.waiting or self.residents)
 
+    @property
+    def can_admit(self) -> bool:
+        """Whether a request waits and a slot is free for it."""
+        return bool(self.waiting) and len(self.residents) < self.pool.slots
+
     def admit(self) -> bool:
         """Fill the free slots from the queue; return whether a request ended at its first token (EOS, or one new
-        token asked for)."""
-        ended_at_once = False
+        token asked for). ``admitted_tokens``: the prompt tokens this call admitted."""
+        ended_at_once, self.admitted_tokens = False, 0
         for slot in range(self.pool.slots):
             if slot not in self.residents and self.waiting:
                 index, request = self.waiting.popleft()
@@ -42,6 +48,7 @@ class Scheduler:
                 resident.admitted_at = time.perf_counter()
                 resident.stats["time_to_first_token_s"] = resident.admitted_at - self.started
                 ended_at_once |= resident.ended_at_once
+                self.admitted_tokens += request.input_ids.numel()
         return ended_at_once
 
     def collect(self, complete: Callable[[int, Resident], Completion],

@@ -43,8 +43,8 @@ def test_every_file_the_checklists_name_exists_for_their_examples():
 
 def test_every_task_folder_says_its_source_official_code_and_deviations():
     """Each task's README names its data, its official code (with the commit checked, where one exists) and its
-    deviations, and the main README points to it."""
-    readme = (ROOT / "README.md").read_text()
+    deviations, and the documentation's tasks page points to it."""
+    readme = (ROOT / "docs" / "tasks.md").read_text()
     folders = sorted(p for p in (ROOT / "tasks").iterdir() if (p / f"{p.name}.yaml").exists())
     assert len(folders) >= 5
     for folder in folders:

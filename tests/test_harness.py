@@ -178,7 +178,7 @@ def adapter_parts(random_model_dir):
 
 @pytest.mark.slow
 def test_lm_eval_cli_runs_the_documented_command(tmp_path):
-    """The README's `lm_eval --model evalkit ...` as written (plus --limit), through lm-eval's own CLI, on the CPU."""
+    """docs/running.md's `lm_eval --model evalkit ...` as written (plus --limit), through lm-eval's own CLI, on the CPU."""
     import os
     import shutil
     import subprocess

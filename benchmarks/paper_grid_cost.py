@@ -3,7 +3,7 @@ budgets) with DeepSeek-R1-Distill-Llama-8B, one engine replica per H100, from th
 
     python benchmarks/paper_grid_cost.py [--mean-trace 12000] [--gpus 64]
 
-Per-replica throughput comes from what the H100 rows measured (README, "On a GPU", 2026-11-23): the compiled engine's
+Per-replica throughput comes from what the H100 rows measured (docs/benchmarks.md, "On a GPU", 2026-11-23): the compiled engine's
 decode step reads the weights and its whole static cache (attention reads every reserved slot) at an effective
 bandwidth of bytes / step time, 2.42 TB/s (SnapStream 4x, 64 x 2048 tokens, 13.71 ms) and 2.48 TB/s (Full,
 16 x 8192, 13.39 ms). A configuration's step reads 16.06 GB of bf16 weights plus its slots' reservations (a growing

@@ -19,6 +19,7 @@ from transformers import (
 
 import evalkit.compression as ec
 from evalkit import memory
+from evalkit.compression.model_spec import cache_kwargs
 
 KV_LORA_RANK, ROPE = 16, 8
 
@@ -109,7 +110,7 @@ def test_snapkv_keeps_the_latents_of_the_tokens_all_heads_score_best():
     _RECORD.clear()
     full = DynamicCache(config=model.config)
     try:
-        model(input_ids=prompt, past_key_values=full, use_cache=True)
+        model(input_ids=prompt, **cache_kwargs(model, full), use_cache=True)
         records = {layer: (_RECORD["queries"][layer][0], _RECORD["keys"][layer][0]) for layer in _RECORD["queries"]}
     finally:
         model.config._attn_implementation = original

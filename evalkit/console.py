@@ -1,6 +1,6 @@
 """The terminal's one voice. While a run works (:func:`libraries_to_log`), what libraries print, log or warn (lm-eval,
 transformers, datasets, their progress bars) goes to the run's log file, and only evalkit's own lines reach the
-terminal: :func:`say` for its messages, :func:`warn` for what concerns the user's configuration (once each), and
+terminal: :func:`say` for its messages, :func:`warn` for what concerns the user's configuration, and
 :func:`stream` for its progress bar. With ``verbose`` the libraries' output reaches the terminal too."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import warnings
 from pathlib import Path
 
 _terminal: list = []  # (stdout, stderr) of the terminal while libraries_to_log redirects sys.stdout and sys.stderr
-_warned: set[str] = set()
 
 
 def stream(err: bool = True):
@@ -28,10 +27,9 @@ def say(text: str, err: bool = False) -> None:
 
 
 def warn(message: str) -> None:
-    """A warning about the user's run, on the terminal's stderr as ``evalkit: WARNING: ...``, once per message."""
-    if message not in _warned:
-        _warned.add(message)
-        say(f"evalkit: WARNING: {message}", err=True)
+    """A warning about the user's run, on the terminal's stderr as ``evalkit: WARNING: ...`` (each is said once per
+    run by its caller; a later run in the same process, a sweep's next job, says its own again)."""
+    say(f"evalkit: WARNING: {message}", err=True)
 
 
 class _LazyFile:

@@ -121,7 +121,8 @@ def header(spec, log) -> str:
 def _discard(log: Path | None, made: list[Path]) -> None:
     """The run's log removed, and the folders it made (``made``, deepest first) where nothing else is in them."""
     if log is not None:
-        log.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # e.g. results_dir lies under a file: there is nothing to remove
+            log.unlink(missing_ok=True)
     for folder in made:
         with contextlib.suppress(OSError):
             folder.rmdir()

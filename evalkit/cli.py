@@ -12,6 +12,7 @@ import logging.config
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 INTERRUPTED_EARLY = "evalkit: interrupted before the run started; nothing written"
@@ -55,6 +56,7 @@ try:
     from evalkit.errors import ConfigError, Interrupted, RunError
     from evalkit.paths import conf_dir
     from evalkit.run.spec import precheck
+    from evalkit.sweep_progress import job_done, job_label
 except KeyboardInterrupt:
     _INTERRUPTED = True
 _stop_if_interrupted()
@@ -65,11 +67,12 @@ def method_was_chosen(overrides: list[str]) -> bool:
     return any(o.lstrip("+~").split("=", 1)[0] in ("method", "method.name") for o in overrides)
 
 
-def evaluate(cfg: DictConfig, overrides: list[str], sweeping: bool = False) -> None:
+def evaluate(cfg: DictConfig, overrides: list[str], sweeping: bool = False, job_number: int = 0) -> None:
     """One job. A mistake is one line on stderr and exit status 2 with nothing written; in a sweep the job is
     skipped with that line instead, so one bad pairing never stops the others. Ctrl-C exits 130, keeping what was
-    generated for the next start to resume."""
+    generated for the next start to resume. A sweep's job (``job_number``: Hydra's) says one line when it ends."""
     log, made = None, []
+    label, started = job_label(overrides, job_number) if sweeping else None, time.perf_counter()
     try:
         plain = OmegaConf.to_container(cfg, resolve=True)
         _stop_if_interrupted()
@@ -81,14 +84,15 @@ def evaluate(cfg: DictConfig, overrides: list[str], sweeping: bool = False) -> N
         before = (shared.store.hits, shared.store.misses, shared.loads) if shared else None
         log = run_log(spec)
         made = [folder for folder in [log.parent, *log.parents] if not folder.exists()]  # deepest first
-        say(header(spec, log))
-        with console.libraries_to_log(log, verbose=bool(plain.get("verbose"))):
+        if not sweeping:
+            say(header(spec, log))
+        with console.libraries_to_log(log, verbose=bool(plain.get("verbose")), quiet=sweeping):
             result = runner.run(spec, shared=shared)
     except (ConfigError, RunError) as error:
         kind = "config error" if isinstance(error, ConfigError) else "error"
         _discard(log, made)  # a mistake writes nothing
         if sweeping:
-            print(f"evalkit: skipped in this sweep: {error}", flush=True)
+            job_done(label, "skipped", f"skipped in this sweep: {error}")
             return
         print(f"evalkit: {kind}: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
@@ -100,14 +104,19 @@ def evaluate(cfg: DictConfig, overrides: list[str], sweeping: bool = False) -> N
         sys.exit(130)
     if result is None:
         done = runner.completed_runs(spec.results_dir, spec)
-        say(f"skipped: this config already has results ({done[-1]}); resume=false runs it again")
+        if sweeping:
+            job_done(label, "already done", f"already has results ({done[-1]}); resume=false runs it again")
+        else:
+            say(f"skipped: this config already has results ({done[-1]}); resume=false runs it again")
         return
-    say(runner.summary(result, spec))
-    if shared is not None:
-        hits, misses, loads = (now - then for now, then in zip((shared.store.hits, shared.store.misses, shared.loads),
-                                                                before))
-        reused = "loaded it" if loads else "reused the sweep's model"
-        say(f"this job {reused} and replayed {hits} of {hits + misses} prompt prefills recorded by earlier jobs")
+    if not sweeping:
+        say(runner.summary(result, spec))
+        return
+    hits, misses, loads = (now - then for now, then in zip((shared.store.hits, shared.store.misses, shared.loads),
+                                                            before))
+    model = "model loaded" if loads else "model shared"
+    job_done(label, "ran", f"{runner.job_line(result, spec)} · {time.perf_counter() - started:.1f} s · {model}, "
+                           f"{hits} of {hits + misses} prompt prefills replayed")
 
 
 def header(spec, log) -> str:
@@ -166,7 +175,7 @@ def _main(cfg: DictConfig) -> None:
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
     if sweeping and "group" in cfg.get("logger", {}) and cfg.logger.group is None:
         cfg.logger.group = Path(str(hydra_cfg.sweep.dir)).name  # a tracker groups the sweep's jobs under its name
-    evaluate(cfg, list(hydra_cfg.overrides.task), sweeping=sweeping)
+    evaluate(cfg, list(hydra_cfg.overrides.task), sweeping=sweeping, job_number=hydra_cfg.job.get("num") or 0)
 
 
 def single_run(argv: list[str]) -> tuple[DictConfig | None, list[str], str | None]:

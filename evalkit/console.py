@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 _terminal: list = []  # (stdout, stderr) of the terminal while libraries_to_log redirects sys.stdout and sys.stderr
+_quiet: list[bool] = []  # per libraries_to_log block: whether evalkit's own lines go to the log as well (a sweep's job)
 
 
 def stream(err: bool = True):
@@ -22,8 +23,12 @@ def stream(err: bool = True):
 
 
 def say(text: str, err: bool = False) -> None:
-    """One of evalkit's own lines, on the terminal."""
-    print(text, file=stream(err), flush=True)
+    """One of evalkit's own lines, on the terminal above any progress bar (in a sweep's job: in the job's log)."""
+    from tqdm import tqdm
+
+    target = sys.stdout if _quiet and _quiet[-1] and not err else stream(err)
+    tqdm.write(text, file=target)
+    target.flush()
 
 
 def warn(message: str) -> None:
@@ -76,10 +81,12 @@ class _Tee:
 
 
 @contextlib.contextmanager
-def libraries_to_log(log_path: Path, verbose: bool = False):
+def libraries_to_log(log_path: Path, verbose: bool = False, quiet: bool = False):
     """Within the block, everything but evalkit's own lines goes to ``log_path`` (appended): ``sys.stdout`` and
     ``sys.stderr`` (prints, progress bars), the logging tree (every handler that wrote to the terminal) and Python
-    warnings (through logging). ``verbose``: to the terminal as well. Everything is restored on the way out."""
+    warnings (through logging). ``verbose``: to the terminal as well. ``quiet``: evalkit's own lines too, but its
+    warnings and progress bar (a sweep's job, whose one line the sweep prints). Everything is restored on the way
+    out."""
     terminal = (sys.stdout, sys.stderr)
     with contextlib.closing(_LazyFile(log_path)) as log:
         out = _Tee(log, terminal[1]) if verbose else log
@@ -94,6 +101,7 @@ def libraries_to_log(log_path: Path, verbose: bool = False):
         root.handlers, root.level = [handler], logging.INFO
         logging.captureWarnings(True)
         _terminal.append(terminal)
+        _quiet.append(quiet)
         sys.stdout = sys.stderr = out
         try:
             with warnings.catch_warnings():
@@ -102,6 +110,7 @@ def libraries_to_log(log_path: Path, verbose: bool = False):
         finally:
             sys.stdout, sys.stderr = terminal
             _terminal.pop()
+            _quiet.pop()
             logging.captureWarnings(False)
             root.handlers, root.level = saved_root
             for moved_handler, previous in moved:
@@ -150,13 +159,14 @@ def _library_bars(enable: bool):
 
 class PhaseBar:
     """The run's progress bar: requests done of all, the phase running now (``prefill``, ``warm-up``, ``decode``) and
-    each phase's tokens per second once it has run a second. ``step`` is the engine's ``on_step``."""
+    each phase's tokens per second once it has run a second. ``step`` is the engine's ``on_step``. In a sweep's job it
+    shows under the sweep's bar while the job runs, and then goes."""
 
     def __init__(self, total: int, initial: int = 0, disable: bool = False):
         from tqdm import tqdm
 
         self.bar = tqdm(total=total, initial=initial, desc="generate", unit="req", file=stream(), disable=disable,
-                        dynamic_ncols=True)
+                        dynamic_ncols=True, leave=not (_quiet and _quiet[-1]))
         self.tokens: dict[str, int] = {}
         self.seconds: dict[str, float] = {}
         self.phase, self.shown = None, 0.0

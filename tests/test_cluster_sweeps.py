@@ -120,8 +120,9 @@ def test_a_sweep_on_slurm_writes_the_rows_of_a_local_sweep(slurm, tmp_path, rand
     done = evalkit(*slurm_sweep([*SWEEP, f"model.pretrained={random_model_dir}"], results, tmp_path / "sweep"),
                    cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "Submitit 'slurm' sweep output dir" in done.stdout + done.stderr  # the jobs went through SLURM
-    assert job_logs(tmp_path / "sweep").count("written (CSV copies under csv/)") == 2
+    assert f"evalkit: sweep of 2 jobs over budget on SlurmLauncher; each job's output under {tmp_path / 'sweep'}/" \
+        in done.stdout  # the jobs went through SLURM
+    assert job_logs(tmp_path / "sweep").count(" prompt prefills replayed") == 2  # each job's one line
     assert_same_rows(results, local_sweep, samples_per_job=4)
 
 
@@ -163,8 +164,10 @@ def test_a_slurm_job_cancelled_mid_run_resumes_when_the_sweep_is_submitted_again
                                  tmp_path / "sweep2"), cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     logs = job_logs(tmp_path / "sweep2")
-    assert f"resuming: {len(kept)} generations already done" in logs, logs[-3000:]
-    assert logs.count("skipped: this config already has results") == 1, logs[-3000:]
+    assert logs.count(" · already has results (") == 1, logs[-3000:]  # the finished job's line
+    assert logs.count(" prompt prefills replayed") == 1, logs[-3000:]  # the resumed one's
+    job_log = "\n".join(path.read_text() for path in (results / "logs").glob("*.log"))  # its own lines, in its log
+    assert f"resuming: {len(kept)} generations already done" in job_log, job_log[-3000:]
     assert not list((results / ".progress").glob("*.jsonl"))
     assert_same_rows(results, reference, samples_per_job=24)
     predictions = set(read_table(results, "samples")["prediction"])
@@ -280,7 +283,7 @@ def test_a_sweep_on_ray_writes_the_rows_of_a_local_sweep(cluster, request, tmp_p
     output = done.stdout + done.stderr
     assert ("Connecting to existing Ray cluster at address: " + address if join else "Started a local Ray instance") \
         in output, output[-3000:]
-    assert output.count("written (CSV copies under csv/)") == 2  # the jobs' output, relayed by Ray
+    assert output.count(" prompt prefills replayed") == 2  # each job's one line, relayed by Ray
     assert_same_rows(results, local_sweep, samples_per_job=4)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "evalkit"
 # Top first: each part may import the parts after it, never one before it.
-LAYERS = ["cli", "lm_eval_plugin", "train_tiny", "config", "run", "lm", "lm_requests", "request_cost", "parallel",
+LAYERS = ["cli", "sweep_progress", "lm_eval_plugin", "train_tiny", "config", "run", "lm", "lm_requests", "request_cost", "parallel",
           "measure",
           "memory", "results", "models", "gguf_models", "prompts", "progress", "task", "tasks", "scoring", "sandbox", "synthetic", "method_config",
           "compression", "method_schema", "method_settings", "identity", "attention_shape", "budget", "console", "errors", "paths",

@@ -25,8 +25,7 @@ def test_a_sweep_loads_the_model_once_replays_the_prefills_and_writes_the_rows_o
         assert result.returncode == 0, result.stderr[-2000:]
     result = evalkit("-m", *common, "method=knorm,h2o", "budget=2x", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
-    shared = [line for line in result.stdout.splitlines() if line.startswith("this job ")]
-    assert shared == ["this job loaded it and replayed 0 of 3 prompt prefills recorded by earlier jobs",
-                      "this job reused the sweep's model and replayed 3 of 3 prompt prefills recorded by earlier jobs"]
+    shared = [line.rsplit(" · ", 1)[1] for line in result.stdout.splitlines() if line.startswith("[")]
+    assert shared == ["model loaded, 0 of 3 prompt prefills replayed", "model shared, 3 of 3 prompt prefills replayed"]
     ours, theirs = samples(tmp_path / "results"), samples(alone / "results")
     assert len(ours) == 6 and ours.equals(theirs)

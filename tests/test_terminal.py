@@ -89,3 +89,41 @@ def test_verbose_shows_the_libraries_output_and_a_mistake_leaves_no_log(random_m
                                 f"results_dir={bad}"], tmp_path)
     assert code == 2 and err[-1][1].startswith("evalkit: ")
     assert not (bad / "logs").exists()
+
+
+def _visible(line: str) -> str:
+    """A terminal line without tqdm's cursor moves (a bar under another bar)."""
+    return re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", line).strip()
+
+
+def test_a_sweep_prints_a_header_one_line_per_job_and_an_overall_bar(random_model_dir, tmp_path):
+    results = tmp_path / "results"
+    argv = ["-m", "task=kv_retrieval", f"model.pretrained={random_model_dir}", "limit=2", "+budget=none,4x",
+            "method=full,snapkv", f"results_dir={results}"]
+    code, out, err = timed_run(argv, tmp_path)
+    text = [line for _, line in out]
+    assert code == 0, "\n".join(line for _, line in err[-20:])
+    assert text[:2] == ["evalkit: sweep of 4 jobs over budget, method",
+                        f"  results: {results}/ (each job's libraries' log under logs/ there)"]
+    jobs = text[2:-1]
+    assert [job.split(" · ")[0] for job in jobs] == ["[1/4] budget=none method=full", "[2/4] budget=none method=snapkv",
+                                                     "[3/4] budget=4x method=full", "[4/4] budget=4x method=snapkv"]
+    assert re.fullmatch(r"\[1/4\] budget=none method=full · exact_match \d\.\d{4} ± \d\.\d{4} · full cache · "
+                        r"[\d.]+ s · model loaded, 0 of 2 prompt prefills replayed", jobs[0]), jobs[0]
+    assert "skipped in this sweep: method=snapkv needs a budget" in jobs[1]
+    assert "skipped in this sweep: method=full takes no budget" in jobs[2]
+    ratio = re.search(r" · KV (\d+\.\d\d)x smaller · [\d.]+ s · model shared, 2 of 2 prompt prefills replayed$", jobs[3])
+    assert ratio and float(ratio.group(1)) > 1.5, jobs[3]  # compressed, and said so
+    assert text[-1] == f"sweep done: 4 of 4 jobs (2 ran, 2 skipped); compare them: evalkit-report {results}"
+    shown = [_visible(line) for _, line in err]
+    assert all(line.startswith(("sweep:", "generate")) for line in shown if line), [
+        line for line in shown if line and not line.startswith(("sweep:", "generate"))]
+    assert any(line.startswith("sweep: 100%") and "4/4" in line for line in shown)
+    for line in text + shown:
+        assert not any(marker in line for marker in (*FOREIGN, "[HYDRA]", "Launching")), line
+    assert len(list((results / "logs").glob("*.log"))) == 2  # each job's own lines and libraries' output: its log
+
+    code, out, _ = timed_run(argv, tmp_path)  # again: the configs that ran say they have results
+    text = [line for _, line in out]
+    assert code == 0 and text[-1].startswith("sweep done: 4 of 4 jobs (2 already done, 2 skipped)"), text
+    assert "already has results" in text[2] and "already has results" in text[5]

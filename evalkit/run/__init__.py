@@ -16,7 +16,7 @@ _HOMES = {
                          "precheck", "validate"),
     f"{__name__}.digest": ("completed_runs", "config_digest", "identify"),
     f"{__name__}.pricing": ("deployed_capacity", "memory_rows"),
-    f"{__name__}.runner": ("RunResult", "remove_unfinished_tables", "run", "summary"),
+    f"{__name__}.runner": ("RunResult", "job_line", "remove_unfinished_tables", "run", "summary"),
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 __all__ = sorted(_HOME_OF)

@@ -300,6 +300,19 @@ def _check_writable(results_dir: Path) -> None:
                 folder.rmdir()
 
 
+def job_line(result: RunResult, spec: RunSpec) -> str:
+    """A finished run in a line (a sweep's job): its primary metric overall and its cache against the full one."""
+    overall = result.metrics[result.metrics["subset"] == "all"]
+    declared = task_of(spec.task, spec.task_options).primary_metric()
+    first = overall[overall["metric"] == declared] if declared in set(overall["metric"]) else overall.head(1)
+    name, value, stderr = first.iloc[0][["metric", "value", "stderr"]]
+    error = f" ± {stderr:.4f}" if pd.notna(stderr) else ""
+    measured = overall.set_index("metric")["value"]
+    ratio = measured.get("memory_ratio_mean")
+    cache = f"KV {ratio:.2f}x smaller" if spec.budget and pd.notna(ratio) else "full cache"
+    return f"{name} {value:.4f}{error} · {cache}"
+
+
 def summary(result: RunResult, spec: RunSpec) -> str:
     """A short table for the terminal."""
     head = (f"run {result.run_id}\nmodel={spec.model_name} task={spec.task} method={spec.method} "

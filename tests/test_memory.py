@@ -149,10 +149,19 @@ def test_evalkit_mem_prints_and_writes_the_table(tmp_path):
                             capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "llama31_8b_tp1_128k on h200_141g" in result.stdout and "assumptions:" in result.stdout
+    lines = result.stdout.splitlines()
+    assert lines[1].split() == ["budget", "batch", "capacity", "hbm_used_GiB", "hbm_free_GiB", "ddr_used_GiB",
+                                "working_set_on_chip", "fits", "max_batch", "onchip_ratio", "decode_tokens_per_s"]
+    shown = [line.split() for line in lines[2:12]]  # a row per budget and batch, the tiers side by side
+    assert [row[:2] for row in shown] == [[b, n] for b in ("full", "2x", "4x", "8x", "16x") for n in ("1", "2")]
+    assert not lines[12].strip()
     from evalkit.results import read_table
 
     frame = read_table(tmp_path, "memory")
     assert len(frame) == 5 * 2 * 3 and set(frame["budget"]) == {"full", "2x", "4x", "8x", "16x"}
+    hbm = frame[frame["tier"] == "hbm"].set_index(["budget", "batch"])
+    assert all(float(row[3]) == round(hbm.loc[(row[0], int(row[1])), "used_bytes"] / 2**30, 3) for row in shown)
+    assert all(row[7] == str(hbm.loc[(row[0], int(row[1])), "fits"]) for row in shown)
     assert (frame["hardware"] == "h200_141g").all()
 
 
@@ -166,6 +175,8 @@ def test_a_sweep_over_deployments_is_a_hydra_multirun(tmp_path):
                             capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.count("skipped in this sweep: tp=16 needs more sockets") == 1
+    assert "[HYDRA]" not in result.stdout + result.stderr  # each job's title instead of Hydra's launcher lines
+    assert sum(line.startswith("[#") for line in result.stdout.splitlines()) == 4
     from evalkit.results import read_table
 
     frame = read_table(tmp_path, "memory")

@@ -98,6 +98,22 @@ def test_report_writes_markdown_csv_and_a_plot(results_dir):
     assert paths["plot"].stat().st_size > 10_000 and paths["plot"].read_bytes()[:4] == b"\x89PNG"
 
 
+def test_the_command_prints_a_line_per_configuration_and_where_the_report_went(results_dir, capsys):
+    from evalkit.results.report import main
+
+    main([str(results_dir), "--bootstrap", "200"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"evalkit-report: 7 configurations in {results_dir}"
+    assert lines[1].split() == ["task", "model", "method", "budget", "window", "metric", "value", "vs", "full",
+                                "(95%", "CI)", "KV", "smaller"]
+    rows = {tuple(line.split()[2:5]): line for line in lines[2:9]}
+    assert len(rows) == 7 and all(len(line) <= 120 for line in lines[1:9])  # a terminal's width, not report.md's
+    assert "0.8000 ± 0.0500 -0.1000 [" in rows[("snapkv", "4x", "32")] and rows[("snapkv", "4x", "32")].endswith("4.00x")
+    assert rows[("full", "full", "-")].endswith("0.9000 ± 0.0500                        -      1.00x")
+    assert lines[9].startswith(f"written to {results_dir / 'report'}/: summary.csv, report.md, accuracy_vs_budget.png")
+    assert len(lines) == 10
+
+
 def test_runs_differing_in_any_config_column_are_never_averaged(tmp_path):
     # Two snapkv 4x runs that differ only in `limit` (and their baselines): two rows, two cells, two lines.
     for limit in (10, 20):

@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 import hydra
+import pandas as pd
 import pyarrow as pa
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -25,8 +26,18 @@ from evalkit.memory import ASSUMPTIONS, load_deployment, sweep, throughput_table
 from evalkit.paths import conf_dir
 from evalkit.results import write_table
 
-SHOWN = ["budget", "batch", "capacity", "tier", "used_bytes", "available_bytes", "headroom_bytes", "tier_fits", "fits", "max_batch",
-         "onchip_ratio", "decode_tokens_per_s"]
+
+def per_socket(frame):
+    """One row per budget and batch: HBM (the weights' first tier and the KV cache) used of free, the weights spilled
+    to DDR, whether one layer's working set fits on chip, and the verdict; each tier's own row is in the table
+    written."""
+    sram, hbm, ddr = (frame[frame["tier"] == tier].reset_index(drop=True) for tier in ("sram", "hbm", "ddr"))
+    return pd.DataFrame({
+        "budget": hbm["budget"], "batch": hbm["batch"], "capacity": hbm["capacity"],
+        "hbm_used_GiB": (hbm["used_bytes"] / 2**30).round(3), "hbm_free_GiB": (hbm["available_bytes"] / 2**30).round(3),
+        "ddr_used_GiB": (ddr["used_bytes"] / 2**30).round(3), "working_set_on_chip": sram["tier_fits"],
+        "fits": hbm["fits"], "max_batch": hbm["max_batch"], "onchip_ratio": hbm["onchip_ratio"],
+        "decode_tokens_per_s": hbm["decode_tokens_per_s"]})
 
 
 def table(cfg: dict):
@@ -51,7 +62,8 @@ def throughput_grid(frame) -> str:
     text = grid.apply(lambda column: column.map(lambda v: "-" if v != v else f"{v:,.0f}"))
     best = frame.groupby("budget", sort=False).first()
     footer = "\n".join(f"  {b}: {r.best_tokens_per_s:,.0f} tok/s at batch {r.best_batch} (largest that fits: "
-                        f"{r.max_batch})" for b, r in best.iterrows())
+                        f"{r.max_batch})" if r.max_batch else f"  {b}: does not fit, not even a batch of 1"
+                        for b, r in best.iterrows())
     return f"{text.to_string()}\nbest per budget:\n{footer}"
 
 
@@ -86,10 +98,14 @@ def plot_throughput(frame, deployment, path):
 @hydra.main(config_path=str(conf_dir()), config_name="memory", version_base="1.3")
 def _main(cfg: DictConfig) -> None:
     plain = OmegaConf.to_container(cfg, resolve=True)
+    hydra_cfg = HydraConfig.get()
+    sweeping = hydra_cfg.mode == RunMode.MULTIRUN
+    if sweeping:  # each job's tables under its own title (Hydra's launcher lines are quiet)
+        print(f"\n[#{hydra_cfg.job.num}] {' '.join(hydra_cfg.overrides.task)}")
     try:
         deployment, frame = table(plain)
     except ValueError as error:
-        if HydraConfig.get().mode == RunMode.MULTIRUN:  # one impossible pairing must not end the sweep
+        if sweeping:  # one impossible pairing must not end the sweep
             print(f"evalkit-mem: skipped in this sweep: {error}")
             return
         print(f"evalkit-mem: config error: {error}", file=sys.stderr)
@@ -97,13 +113,9 @@ def _main(cfg: DictConfig) -> None:
     run_id = f"{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%S}-{deployment.name}-{deployment.hardware.name}-{uuid.uuid4().hex[:6]}"
     frame.insert(0, "run_id", run_id)
     path = write_table(pa.Table.from_pandas(frame, preserve_index=False), plain["results_dir"], "memory", run_id)
-    shown = frame[SHOWN].copy()
-    for column in ("used_bytes", "available_bytes", "headroom_bytes"):
-        shown[column] = (shown[column] / 2**30).round(3)
-    shown = shown.rename(columns={"used_bytes": "used_GiB", "available_bytes": "avail_GiB", "headroom_bytes": "headroom_GiB"})
     print(f"{deployment.name} on {deployment.hardware.name}: model {deployment.model.name}, tp={deployment.tp}, "
           f"context={deployment.context}, weights {deployment.weight_dtype}, KV {kv_storage(deployment)}; per socket")
-    print(shown.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    print(per_socket(frame).to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     speed = throughput_table(deployment, budgets=[str(b) for b in plain["budgets"]])
     speed.insert(0, "run_id", run_id)
     speed_path = write_table(pa.Table.from_pandas(speed, preserve_index=False), plain["results_dir"], "throughput",

@@ -23,7 +23,7 @@ import pandas as pd
 from evalkit import budget as budget_grammar
 from evalkit.task import Task, task_names, task_of
 
-from . import html_page, hub, kvpress_export
+from . import html_page, hub, kvpress_export, terminal_report
 from .tables import CONFIG_COLUMNS, read_table
 from .trace_costs import TRACE, against_full, point_label, trace_costs
 
@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"{args.results_dir} has no metrics/ folder: not an evalkit results directory")
     paths = write_report(args.results_dir, args.out, args.bootstrap)
     paths |= {"html": html_page.write_page(args.results_dir, paths)} if args.html else {}
-    print(paths["markdown"].read_text(), "written: " + ", ".join(str(p) for p in paths.values()), sep="\n")
+    print(terminal_report.summary(args.results_dir, paths))
 
 
 if __name__ == "__main__":

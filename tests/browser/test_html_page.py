@@ -71,7 +71,8 @@ def test_the_report_command_writes_the_page_with_html(results_dir):
                              "--bootstrap", "100"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     assert (results_dir / "report" / "report.html").stat().st_size > 50_000
-    assert str(results_dir / "report" / "report.html") in result.stdout.splitlines()[-1]
+    written = result.stdout.splitlines()[-1]
+    assert written.startswith(f"written to {results_dir / 'report'}/: ") and ", report.html " in written
 
 
 def _browser():

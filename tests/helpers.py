@@ -9,10 +9,23 @@ import sys
 import time
 from pathlib import Path
 
+_ZYGOTE: list = []  # the cli_zygote.Zygote of the session's environment, once started
+
 
 def evalkit(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run the `evalkit` CLI offline in ``cwd``."""
+    """Run the `evalkit` CLI offline in ``cwd``: a process of its own, forked from one that has imported the
+    libraries (:mod:`cli_zygote`; imported again where a test changed the environment since), or a fresh interpreter
+    with EVALKIT_TESTS_FRESH_PROCESS=1."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if os.environ.get("EVALKIT_TESTS_FRESH_PROCESS") != "1":
+        from cli_zygote import Zygote
+
+        own = {key: value for key, value in env.items() if key != "PYTEST_CURRENT_TEST"}  # pytest's, set per test
+        if _ZYGOTE and _ZYGOTE[0].env != own:  # a test changed the environment: libraries import again in it
+            _ZYGOTE.pop().close()
+        if not _ZYGOTE:
+            _ZYGOTE.append(Zygote(own))
+        return _ZYGOTE[0].run(list(args), cwd, timeout)
     return subprocess.run(
         [sys.executable, "-m", "evalkit.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )

@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                         log, env=env) if sweep.returncode == 0 else sweep
         times["joblib_s"] = round(time.monotonic() - started, 1)
     joblib_ok = (read_back.returncode == 0 and "['2x', '4x']" in read_back.stdout
-                 and "Joblib.Parallel(n_jobs=2" in sweep.stdout)
+                 and "sweep of 2 jobs over budget on JoblibLauncher" in sweep.stdout)
     counts = summarize(tests.stdout)
     # The constraints pin the floors, so uv installed them or failed; a difference is a floor spelled unlike a release.
     off_floor = {name: [floor, versions[name]] for name, floor in floors(dependencies).items()

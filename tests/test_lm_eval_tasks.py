@@ -223,3 +223,23 @@ def test_lm_evals_index_is_built_once_and_then_read_from_disk(tmp_path, monkeypa
         assert not list((tmp_path / "lm_eval_index").glob("*.tmp"))
     finally:
         registry.index.cache_clear()
+
+
+def test_two_installs_of_the_same_lm_eval_keep_their_own_index(tmp_path, monkeypatch):
+    """The index holds its tasks' file paths: a second environment with the same release and the same files (a wheel
+    keeps their times) has its own, not one whose paths point into the first, which may be gone."""
+    import os
+
+    from evalkit.task import registry
+
+    monkeypatch.setenv("EVALKIT_CACHE", str(tmp_path / "cache"))
+    for env in ("one", "two"):
+        task = tmp_path / env / "lm_eval" / "tasks" / "gsm8k" / "gsm8k.yaml"
+        task.parent.mkdir(parents=True)
+        task.write_text("task: gsm8k\n")
+        os.utime(task, ns=(1_700_000_000_000_000_000,) * 2)
+    first, second = (registry.index_file(tmp_path / env / "lm_eval" / "tasks", "0.4.13") for env in ("one", "two"))
+    assert first != second and first.parent == second.parent == tmp_path / "cache" / "lm_eval_index"
+    assert registry.index_file(tmp_path / "one" / "lm_eval" / "tasks", "0.4.13") == first  # the same install: kept
+    (tmp_path / "one" / "lm_eval" / "tasks" / "gsm8k" / "gsm8k.yaml").write_text("task: gsm8k  \n")
+    assert registry.index_file(tmp_path / "one" / "lm_eval" / "tasks", "0.4.13") != first  # a changed file: built again

@@ -136,9 +136,8 @@ def family_hooks(folder: str) -> dict:
 @functools.lru_cache(maxsize=1)
 def index():
     """lm-eval's whole task index (thousands of tasks: ten seconds to build, so only when a run asks for one of them).
-    Built once per installed lm-eval and kept on disk (``$EVALKIT_CACHE/lm_eval_index/``), keyed by lm-eval's version
-    and the names, sizes and modification times of its task files: a later run loads it in about a second, and any
-    change to lm-eval's tasks builds it again."""
+    Built once per installed lm-eval and kept on disk (``$EVALKIT_CACHE/lm_eval_index/``, :func:`index_file`): a later
+    run loads it in about a second, and any change to lm-eval's tasks builds it again."""
     import os
     import pickle
     import tempfile
@@ -146,15 +145,7 @@ def index():
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from evalkit.identity import cache_dir
-
-    root = Path(lm_eval.__file__).parent / "tasks"
-    listing = hashlib.sha256(lm_eval.__version__.encode())
-    for folder, _, files in sorted(os.walk(root)):
-        for name in sorted(files):
-            stat = (Path(folder) / name).stat()
-            listing.update(f"{Path(folder, name).relative_to(root)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
-    path = cache_dir() / "lm_eval_index" / f"{listing.hexdigest()[:24]}.pkl"
+    path = index_file(Path(lm_eval.__file__).parent / "tasks", lm_eval.__version__)
     if path.is_file():
         try:
             with path.open("rb") as handle:
@@ -173,6 +164,22 @@ def index():
         if temporary is not None:
             temporary.unlink(missing_ok=True)
     return manager
+
+
+def index_file(root: Path, version: str) -> Path:
+    """Where the index of the lm-eval (``version``) whose tasks are in ``root`` is kept: keyed by the version, the
+    folder (the index holds its files' paths: another environment's install of the same release has its own) and
+    the names, sizes and modification times of its task files."""
+    import os
+
+    from evalkit.identity import cache_dir
+
+    listing = hashlib.sha256(f"{version}\0{root.resolve()}\n".encode())
+    for folder, _, files in sorted(os.walk(root)):
+        for name in sorted(files):
+            stat = (Path(folder) / name).stat()
+            listing.update(f"{Path(folder, name).relative_to(root)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return cache_dir() / "lm_eval_index" / f"{listing.hexdigest()[:24]}.pkl"
 
 
 def registry_entry(task: str):

@@ -23,8 +23,10 @@ def summary(results_dir: Path, paths: dict[str, Path]) -> str:
 def terminal_table(table: pd.DataFrame) -> str:
     """A configuration per line (the keys in which runs differ), its primary metric, its delta against the full cache
     with the 95% interval, and how much smaller its KV cache was."""
+    from .report import _label  # a cell as report.md writes it ("-" for missing, whole floats as integers)
+
     keys = [c for c in table.columns[:table.columns.get_loc("metric")] if c not in NOT_ON_THE_TERMINAL]
-    shown = table[keys].map(_cell)
+    shown = table[keys].map(_label)
     shown["metric"] = table["metric"]
     shown["value"] = [f"{v:.4f}" + (f" ± {e:.4f}" if pd.notna(e) else "") for v, e in zip(table["value"], table["stderr"])]
     if "delta" in table:
@@ -34,9 +36,3 @@ def terminal_table(table: pd.DataFrame) -> str:
         shown["KV smaller"] = [f"{r:.2f}x" if pd.notna(r) else "-" for r in table["memory_ratio"]]
     return shown.to_string(index=False)
 
-
-def _cell(value) -> str:
-    """Missing values as "-", whole floats as integers (a window of 32, not 32.0)."""
-    if value is None or (isinstance(value, float) and value != value):
-        return "-"
-    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)

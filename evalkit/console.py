@@ -11,6 +11,8 @@ import sys
 import warnings
 from pathlib import Path
 
+from evalkit.paths import naming
+
 _terminal: list = []  # (stdout, stderr) of the terminal while libraries_to_log redirects sys.stdout and sys.stderr
 _quiet: list[bool] = []  # per libraries_to_log block: whether evalkit's own lines go to the log as well (a sweep's job)
 
@@ -44,14 +46,16 @@ class _LazyFile:
         self.path, self.file = path, None
 
     def write(self, text: str) -> int:
-        if self.file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(self.path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 (closed by close())
-        return self.file.write(text)
+        with naming(self.path):  # a full disk names the log it stopped
+            if self.file is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self.file = open(self.path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 (closed by close())
+            return self.file.write(text)
 
     def flush(self) -> None:
         if self.file is not None:
-            self.file.flush()
+            with naming(self.path):
+                self.file.flush()
 
     def isatty(self) -> bool:
         return False

@@ -302,13 +302,14 @@ def _check_writable(results_dir: Path) -> None:
 
 def job_line(result: RunResult, spec: RunSpec) -> str:
     """A finished run in a line (a sweep's job): its primary metric overall and its cache against the full one."""
-    overall = result.metrics[result.metrics["subset"] == "all"]
-    declared = task_of(spec.task, spec.task_options).primary_metric()
-    first = overall[overall["metric"] == declared] if declared in set(overall["metric"]) else overall.head(1)
-    name, value, stderr = first.iloc[0][["metric", "value", "stderr"]]
+    from evalkit.results.report import primary_metric  # the metric the report pivots on
+
+    overall = result.metrics[result.metrics["subset"] == "all"].set_index("metric")
+    name = primary_metric(spec.task, result.metrics, spec.flat_config()["task_options"])
+    name = name if name in overall.index else overall.index[0]
+    value, stderr = overall.loc[[name], ["value", "stderr"]].iloc[0]
     error = f" ± {stderr:.4f}" if pd.notna(stderr) else ""
-    measured = overall.set_index("metric")["value"]
-    ratio = measured.get("memory_ratio_mean")
+    ratio = overall["value"].get("memory_ratio_mean")
     cache = f"KV {ratio:.2f}x smaller" if spec.budget and pd.notna(ratio) else "full cache"
     return f"{name} {value:.4f}{error} · {cache}"
 

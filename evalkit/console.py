@@ -6,6 +6,7 @@ terminal: :func:`say` for its messages, :func:`warn` for what concerns the user'
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import sys
 import warnings
@@ -60,6 +61,9 @@ class _LazyFile:
     def isatty(self) -> bool:
         return False
 
+    def fileno(self) -> int:
+        raise io.UnsupportedOperation("fileno")  # as any stream with no descriptor: callers (Ray) fall back
+
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
@@ -82,6 +86,9 @@ class _Tee:
 
     def isatty(self) -> bool:
         return False
+
+    def fileno(self) -> int:
+        raise io.UnsupportedOperation("fileno")
 
 
 @contextlib.contextmanager
@@ -183,15 +190,21 @@ class PhaseBar:
         changed = phase != self.phase
         if changed or time.monotonic() - self.shown >= 1.0:
             self.phase, self.shown = phase, time.monotonic()
-            rates = [f"{name} {self.tokens[name] / self.seconds[name]:,.1f} tok/s" for name in ("prefill", "decode")
-                     if self.seconds.get(name, 0.0) >= 1.0]
-            self.bar.set_description_str(f"generate · {phase}", refresh=False)
-            self.bar.set_postfix_str(" | ".join(rates), refresh=True)
+            self._show(min_seconds=1.0)
+
+    def _show(self, min_seconds: float) -> None:
+        """The phase and the rate of each phase that has run ``min_seconds``."""
+        rates = [f"{name} {self.tokens[name] / self.seconds[name]:,.1f} tok/s" for name in ("prefill", "decode")
+                 if self.seconds.get(name, 0.0) > 0 and self.seconds[name] >= min_seconds]
+        self.bar.set_description_str(f"generate · {self.phase}", refresh=False)
+        self.bar.set_postfix_str(" | ".join(rates), refresh=True)
 
     def update(self, done: int = 1) -> None:
         self.bar.update(done)
 
     def close(self) -> None:
+        if self.phase is not None:
+            self._show(min_seconds=0.0)  # the bar's last line: each phase's rate, however short it ran
         self.bar.close()
 
     def __enter__(self):

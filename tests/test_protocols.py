@@ -217,6 +217,27 @@ def test_aime_extraction_is_open_r1s_math_verify_configuration():
     assert not aime.parse_answer("<think>\\boxed{204}</think> I am not sure", "r1_final_box")  # only after </think>
 
 
+def test_aime_final_answer_is_chosen_as_open_r1s_math_verify_chooses_it():
+    """open-r1 pins math-verify 0.5.2, whose latex2sympy2-extended 1.0.6 joins a box to the last one only across
+    "and", "or" or a comma; later releases also across fewer than 10 characters or a separator word within 70 (and
+    read the first two below as 100,204 and 7,204). evalkit hands math-verify 0.5.2's choice alone, with each part's
+    boxes as the one box 0.5.2 read from them (expected values: math-verify 0.5.2's own reading of each text, see
+    OPEN_R1_PIN_CASES in test_official.py)."""
+    assert aime.final_answer_052("So \\boxed{100} and then \\boxed{204}") == "\\boxed{204}"
+    assert aime.final_answer_052("<think>\\boxed{7}</think> \\boxed{204}") == "\\boxed{204}"
+    assert aime.final_answer_052("\\boxed{100} and \\boxed{204}") == "\\boxed{100,204}"  # one answer for 0.5.2 too
+    assert aime.final_answer_052("$\\boxed{5} = \\boxed{5}$") == "$\\boxed{5,5}$"  # 1.11 would drop the repeat
+    assert aime.final_answer_052("$\\boxed{100}$ and $\\boxed{204}$") == "$\\boxed{100}$ and $\\boxed{204}$"
+    assert aime.final_answer_052("\\boxed{5}\\boxed{}") == "\\boxed{ }"  # the last box is empty: no answer
+    assert aime.final_answer_052("Therefore, the final answer is: $\\boxed{204}$. I hope it is correct") == (
+        "final answer is: $\\boxed{204}$. I hope")
+    assert aime.final_answer_052("the answer is 204") is None and aime.parse_answer("the answer is 204") == []
+    gold = aime.parse_gold("204")
+    for response in ("So \\boxed{100} and then \\boxed{204}", "<think>\\boxed{7}</think> \\boxed{204}"):
+        assert aime.equivalent(gold, aime.parse_answer(response))
+        assert aime.score({"answer": "204"}, [response] * 2) == {"pass@1": 1.0, "cons@n": 1.0, "extraction_failed": 0.0}
+
+
 def test_aime_cons_at_n_votes_over_equivalent_answers():
     responses = ["\\boxed{204}", "\\boxed{\\text{204}}", "\\boxed{204.0}", "\\boxed{13}", "\\boxed{13}"]
     # By raw string, "13" (2 votes) would win over three different spellings of 204.

@@ -6,10 +6,15 @@ lighteval computes). Three answer extraction profiles (``extraction``): ``open_r
 ``accuracy_reward``, src/open_r1/rewards.py, over the whole completion), ``lighteval`` (its aime24 ``math_pass@1``
 metric at open-r1's pin: expressions and LaTeX, unboxed final answers too) and ``r1_final_box`` (the last
 ``\\boxed{}`` after the last ``</think>`` only).
+
+The ``open_r1`` and ``r1_final_box`` profiles pick a completion's final answer as math-verify 0.5.2 (open-r1's pin)
+does (:func:`final_answer_052`) and let the installed math-verify read only that, so a completion that boxes more
+than once scores as open-r1 scored it whatever math-verify release is installed.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 
@@ -97,6 +102,8 @@ def parse_answer(response: str, extraction: str = "open_r1") -> list:
     - ``lighteval``: the stripped completion through :func:`lighteval_extraction`, no fallback, any match (an empty
       completion has no answer);
     - ``r1_final_box``: the last ``\\boxed{}`` after any ``</think>``, parsed with open-r1's configuration.
+
+    Under ``open_r1`` and ``r1_final_box`` math-verify reads only :func:`final_answer_052`'s choice.
     """
     from math_verify import parse
 
@@ -112,7 +119,10 @@ def parse_answer(response: str, extraction: str = "open_r1") -> list:
         if boxed is None:
             return []
         response = f"\\boxed{{{boxed}}}"
-    return parse(response, extraction_config=open_r1_extraction(), extraction_mode="first_match",
+    chosen = final_answer_052(response)
+    if chosen is None:
+        return []
+    return parse(chosen, extraction_config=open_r1_extraction(), extraction_mode="first_match",
                  parsing_timeout=_timeout())
 
 
@@ -126,6 +136,107 @@ def open_r1_extraction() -> list:
         normalization_config=NormalizationConfig(nits=False, malformed_operators=False, basic_latex=True,
                                                  equations=True, boxed="all", units=True),
         boxed_match_priority=0, try_extract_without_anchor=False)]
+
+
+# -- The final answer as math-verify 0.5.2 picks it ----------------------------------------------------------------
+# open-r1 pins math-verify 0.5.2, which pins latex2sympy2-extended 1.0.6 and so antlr4-python3-runtime 4.13.2, while
+# hydra-core needs antlr4 4.9: the pin cannot be installed beside evalkit. Later releases choose another final answer
+# when a completion boxes more than once. Both read the span from the first ``\boxed{`` to the last ``}`` and keep the
+# last box of it, with the boxes just before it that are part of the same answer; 1.0.6 counts a box as part of it
+# only when nothing but "and", "or" or a comma (and spaces) stands between, latex2sympy2-extended 1.10 and later also
+# when fewer than 10 characters stand between or a separator word within 70 does (``<think>\boxed{7}</think>
+# \boxed{204}`` reads 7,204; ``So \boxed{100} and then \boxed{204}`` 100,204), and 1.11 drops a repeated box. So the
+# match is chosen here with 0.5.2's patterns (math_verify/parser.py ``lazy_latex_regex`` for open-r1's configuration:
+# boxed first, nothing without an anchor) and 1.0.6's box selection (math_normalization.py ``extract_boxed_content``),
+# and the installed math-verify reads that match alone, each of its boxed parts given as the one box 0.5.2 read.
+_ENV_CONTENTS = {  # 0.5.2's make_latex_env_pattern: each LaTeX environment, its delimiters and what it may contain
+    "latexDisplayDollar": (r"(?<!\\)\$\$", r"(?:[^$]|\$(?!\$))", r"(?<!\\)\$\$"),
+    "latexDisplayBracket": (r"(?<!\\)\\\[", r"(?:[^\\]|\\(?!\]))", r"(?<!\\)\\\]"),
+    "latexInlineDollar": (r"(?<!\\|\d)\$", r"(?:\\[$]|[^\n$])", r"(?<!\\)\$"),
+    "latexInlineParenthesis": (r"(?<!\\)\\\(", r"(?:[^\\\n]|\\(?!\)))", r"(?<!\\)\\\)"),
+    "latexInlineBracket": (r"\s\[", r"[^\n\]\[]", r"\]\s"),
+}
+_SEPARATOR_052 = re.compile(r"^\s*(?:and|or|,)\s*$")  # latex2sympy2-extended 1.0.6's VALID_SEPARATOR_PATTERN
+
+
+def _environments_052(prefix: str, boxed: bool) -> str:
+    """0.5.2's ``make_latex_env_pattern``: any one LaTeX environment (holding a ``\\boxed{}`` where ``boxed``), an
+    optional percent sign after it."""
+    patterns = []
+    for name, (start, body, end) in _ENV_CONTENTS.items():
+        content = rf"{body}*?\\boxed{{{body}+?}}{body}*?" if boxed else rf"{body}+?"
+        patterns.append(rf"{start}(?P<{prefix}{name}>{content}){end}")
+    if not boxed:
+        number = r"-?\d+(?:[.,]\d+)?"
+        patterns.append(rf"(?P<{prefix}latexFraction>-?\\frac{{{number}}}{{{number}}})")
+    return rf"(?:(?:{'|'.join(patterns)})\s*(?P<{prefix}percent>(?:\\?%|[Pp]ercent|[Pp]ercentage|[Pp]ct))?)"
+
+
+@functools.lru_cache(maxsize=1)
+def _patterns_052() -> list[tuple[int, re.Pattern]]:
+    """0.5.2's ``lazy_latex_regex`` for open-r1's configuration, as (priority, pattern) in its order: up to six
+    environments joined by "and", "or" or commas after a final-answer or answer anchor, or holding boxes, or the span
+    from the first ``\\boxed{`` to the last ``}``."""
+    def chain(boxed: bool) -> str:
+        return _environments_052("first_", boxed) + "".join(
+            rf"(?:\s*(?:and|or|,)\s*{_environments_052(f'next{index}_', boxed)})?" for index in range(1, 6))
+
+    latex = f"(?:{chain(False)})"
+    patterns = [(0, rf"(?i:final answer is)\:?\s*{latex}\.?\s?I hope"),
+                (50, rf"(?i:final answer.{{0,100}}?)\s+is\:?\s*{latex}"),
+                (100, rf"(?i:answer):.{{0,50}}?{latex}"), (200, rf"(?i:answer).{{0,50}}?{latex}"),
+                (0, chain(True)), (0, r"(?P<first_latexBoxed>\\boxed{.+})")]
+    return [(priority, re.compile(pattern, re.DOTALL)) for priority, pattern in patterns]
+
+
+def _closing_brace(text: str, opening: int, end: int) -> int | None:
+    depth = 1
+    for index in range(opening + 1, end):
+        depth += {"{": 1, "}": -1}.get(text[index], 0)
+        if depth == 0:
+            return index
+    return None
+
+
+def _boxes_052(text: str, last: bool) -> str | None:
+    """latex2sympy2-extended 1.0.6's ``extract_boxed_content``: the contents of the boxes of ``text`` joined by commas
+    (``last``: only the last box and those joined to it by nothing but "and", "or" or a comma), read from the right.
+    None where 1.0.6 returns something else (no box, or the last box unclosed or not followed by ``{``): there the
+    later releases return the same thing, since they read the last box as 1.0.6 does and stop there."""
+    contents, end, right = [], len(text), len(text)
+    while (start := max(text.rfind("\\boxed", 0, right), text.rfind("\\fbox", 0, right))) >= 0:
+        opening = start + (6 if text.startswith("\\boxed", start) else 5)
+        while opening < end and text[opening].isspace():
+            opening += 1
+        closing = _closing_brace(text, opening, end) if opening < end and text[opening] == "{" else None
+        if closing is None:
+            return None if not contents else ",".join(reversed(contents))
+        if last and contents and not _SEPARATOR_052.match(text[closing + 1:end]):
+            break
+        contents.append(text[opening + 1:closing].strip())
+        end = right = start
+    return ",".join(reversed(contents)) if contents else None
+
+
+def final_answer_052(response: str) -> str | None:
+    """The part of ``response`` that math-verify 0.5.2 reads under open-r1's configuration, each LaTeX part that holds
+    boxes given as the one box of what 0.5.2 takes from them; None where 0.5.2 finds nothing. math-verify from 0.8 on
+    reads the result as 0.5.2 read the response (``first_match``: the match ending last among the first priority that
+    has any, the earliest-starting one on a tie)."""
+    patterns = _patterns_052()
+    for priority in sorted({priority for priority, _ in patterns}):
+        matches = [match for level, pattern in patterns if level == priority for match in pattern.finditer(response)]
+        if matches:
+            break
+    else:
+        return None
+    match = max(matches, key=lambda found: (found.end(), -found.start()))
+    pieces, cursor = [], match.start()
+    for name, value in match.groupdict().items():
+        if value and "_latex" in name and (boxes := _boxes_052(value, name.endswith("_latexBoxed"))) is not None:
+            pieces += [response[cursor:match.start(name)], f"\\boxed{{{boxes or ' '}}}"]  # math-verify matches no {}
+            cursor = match.end(name)
+    return "".join(pieces) + response[cursor:match.end()]
 
 
 def lighteval_extraction() -> list:

@@ -19,7 +19,7 @@ import pandas as pd
 
 from evalkit import budget as budget_grammar
 
-from .tables import CONFIG_COLUMNS, read_table
+from .tables import CONFIG_COLUMNS, read_runs
 
 SAMPLE_COLUMNS = ["doc_id", "subset", "repeat", "prediction", "target", "score", "prompt_tokens", "generated_tokens",
                   "compression_ratio", "kv_bytes_peak"]
@@ -207,7 +207,7 @@ def write_page(results_dir: str | Path, paths: dict[str, Path]) -> Path:
     pivot = pd.read_csv(paths["pivot"], dtype=str, keep_default_na=False).replace("", None)
     pivot = pivot.apply(lambda column: pd.to_numeric(column) if column.name.startswith(("budget ", "full"))
                         else column)
-    metrics, samples = read_table(results_dir, "metrics"), read_table(results_dir, "samples")
+    metrics, samples = read_runs(results_dir)
     configs = metrics.drop_duplicates("run_id", keep="last").set_index("run_id")
     config_columns = [c for c in CONFIG_COLUMNS if c in configs and c != "run_id"]
     runs, classes = runs_table(summary)

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from .tables import CONFIG_COLUMNS, read_table
+from .outputs import refusing, writing_into
+from .tables import CONFIG_COLUMNS, read_runs
 
 TAGS = ["evalkit", "kv-cache-compression", "long-context", "llm-evaluation"]
 SHOWN = ["task", "model", "method", "budget", "metric", "value", "baseline", "delta", "realized_ratio"]
@@ -69,15 +70,23 @@ def card(repo: str, metrics: pd.DataFrame, samples: pd.DataFrame, summary: pd.Da
 
 
 def build(results_dir: str | Path, folder: str | Path, repo: str, license: str = "other") -> Path:
-    """The dataset's folder, ready to upload: tables, configs, report and card."""
+    """The dataset's folder, ready to upload: tables, configs, report and card. A damaged table or a ``folder`` that
+    cannot be written is a :class:`~evalkit.results.tables.ResultsError` before anything is copied; a build that
+    fails part way removes what it wrote."""
+    results_dir = Path(results_dir)
+    metrics, samples = read_runs(results_dir)
+    with writing_into(folder) as folder:
+        for table in ("metrics", "samples"):
+            shutil.copytree(results_dir / table, folder / table, dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns(".*", "_*"))  # hidden: half-written temporaries
+        _write_dataset(folder, repo, license, metrics, samples)
+    return folder
+
+
+def _write_dataset(folder: Path, repo: str, license: str, metrics: pd.DataFrame, samples: pd.DataFrame) -> None:
+    """Beside the copied tables: each run's config, the report and the card."""
     from .report import write_report
 
-    results_dir, folder = Path(results_dir), Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    for table in ("metrics", "samples"):
-        shutil.copytree(results_dir / table, folder / table, dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns(".*"))  # hidden: half-written temporaries
-    metrics, samples = read_table(folder, "metrics"), read_table(folder, "samples")
     (folder / "configs").mkdir(exist_ok=True)
     columns = [c for c in CONFIG_COLUMNS if c in metrics]
     for run in metrics.drop_duplicates("run_id")[columns].to_dict("records"):
@@ -87,7 +96,6 @@ def build(results_dir: str | Path, folder: str | Path, repo: str, license: str =
     plots = sorted(path.name for path in paths.values() if Path(path).suffix == ".png")
     summary = pd.read_csv(paths["summary"])
     card(repo, metrics, samples, summary, plots, license).save(folder / "README.md")
-    return folder
 
 
 def upload(folder: Path, repo: str, private: bool, token: str) -> str:
@@ -110,10 +118,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--license", default="other", help="the card's license id (default: other)")
     parser.add_argument("--dry-run", type=Path, metavar="DIR", help="write the dataset's folder to DIR, upload nothing")
     args = parser.parse_args(argv)
-    if not (args.results / "metrics").is_dir():
-        parser.error(f"{args.results} has no metrics/ folder: not an evalkit results directory")
     if args.dry_run is not None:
-        print(f"written: {build(args.results, args.dry_run, args.repo, args.license)} (not uploaded)")
+        with refusing("evalkit-report push"):  # no runs, a damaged table, a DIR that cannot be written
+            folder = build(args.results, args.dry_run, args.repo, args.license)
+        print(f"written: {folder} (not uploaded)")
         return
     from huggingface_hub import get_token
 
@@ -121,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     if token is None:
         sys.exit("evalkit-report push: not logged in to the Hugging Face Hub: run `hf auth login` (or set HF_TOKEN)")
     with tempfile.TemporaryDirectory(prefix="evalkit-push-") as scratch:
-        folder = build(args.results, Path(scratch) / "dataset", args.repo, args.license)
+        with refusing("evalkit-report push"):
+            folder = build(args.results, Path(scratch) / "dataset", args.repo, args.license)
         try:
             url = upload(folder, args.repo, args.private, token)
         except Exception as error:  # HTTP, network or permission: one line, not a traceback

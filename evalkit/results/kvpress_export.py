@@ -43,7 +43,8 @@ import pandas as pd
 
 from evalkit import budget as budget_grammar
 
-from .tables import CONFIG_COLUMNS, read_table
+from .outputs import refusing, writing_into
+from .tables import CONFIG_COLUMNS, read_runs
 
 # evalkit method -> kvpress' PRESS_REGISTRY name (evaluation/evaluate_registry.py), where the registry's press is the
 # same method; the wrapping ones (WRAPPING) only over their default SnapKV scorer.
@@ -357,13 +358,17 @@ def export_run(run: pd.Series, metrics: pd.DataFrame, samples: pd.DataFrame, out
 
 
 def export(results_dir: str | Path, out: str | Path) -> list[Path]:
-    """Every run of ``results_dir`` (its newest run of each configuration) as kvpress folders under ``out``."""
-    metrics, samples = read_table(results_dir, "metrics"), read_table(results_dir, "samples")
+    """Every run of ``results_dir`` (its newest run of each configuration) as kvpress folders under ``out`` (made
+    where missing; the folder it goes in must exist). A damaged table or an ``out`` that cannot be written is a
+    :class:`~evalkit.results.tables.ResultsError` before anything is written; an export that fails part way removes
+    what it wrote."""
+    metrics, samples = read_runs(results_dir)
     runs = metrics.sort_values("started_at").drop_duplicates("run_id")
     if "config_digest" in runs:
         runs = runs[runs["config_digest"].isna() | ~runs.duplicated("config_digest", keep="last")]
-    out, taken = Path(out), set()
-    return [folder for _, run in runs.iterrows() for folder in export_run(run, metrics, samples, out, taken)]
+    with writing_into(out, parents=False) as out:
+        taken: set[Path] = set()
+        return [folder for _, run in runs.iterrows() for folder in export_run(run, metrics, samples, out, taken)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -372,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("results_dir", type=Path)
     parser.add_argument("--out", type=Path, required=True, help="the folder that receives one folder per run")
     args = parser.parse_args(argv)
-    if not (args.results_dir / "metrics").is_dir():
-        parser.error(f"{args.results_dir} has no metrics/ folder: not an evalkit results directory")
-    for folder in export(args.results_dir, args.out):
+    with refusing("evalkit-report export"):  # no runs, a damaged table, an --out that cannot be written
+        folders = export(args.results_dir, args.out)
+    for folder in folders:
         print(folder)

@@ -24,7 +24,8 @@ from evalkit import budget as budget_grammar
 from evalkit.task import Task, task_names, task_of
 
 from . import html_page, hub, kvpress_export, terminal_report
-from .tables import CONFIG_COLUMNS, read_table
+from .outputs import output_folder, refusing
+from .tables import CONFIG_COLUMNS, read_runs
 from .trace_costs import TRACE, against_full, point_label, trace_costs
 
 SECONDARY = {"realized_ratio_mean", "extraction_failed", "rows_skipped", "wall_seconds", "prefill_tokens_per_s",
@@ -312,9 +313,9 @@ def pivot(table: pd.DataFrame) -> pd.DataFrame:
 def write_report(results_dir: str | Path, out: str | Path | None = None, iterations: int = 2000) -> dict[str, Path]:
     results_dir = Path(results_dir)
     out = Path(out) if out else results_dir / "report"
-    metrics, samples = read_table(results_dir, "metrics"), read_table(results_dir, "samples")
+    metrics, samples = read_runs(results_dir)  # a damaged table stops the report here, before anything is written
     table = summarize(metrics, samples, iterations)
-    out.mkdir(parents=True, exist_ok=True)
+    output_folder(out)
     paths = {"summary": out / "summary.csv", "markdown": out / "report.md", "plot": out / "accuracy_vs_budget.png"}
     table.to_csv(paths["summary"], index=False)
     pivot_table = pivot(table)
@@ -439,10 +440,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the delta intervals")
     parser.add_argument("--html", action="store_true", help="also write report.html: the report as one page")
     args = parser.parse_args(argv)
-    if not (args.results_dir / "metrics").is_dir():
-        parser.error(f"{args.results_dir} has no metrics/ folder: not an evalkit results directory")
-    paths = write_report(args.results_dir, args.out, args.bootstrap)
-    paths |= {"html": html_page.write_page(args.results_dir, paths)} if args.html else {}
+    with refusing("evalkit-report"):  # no results directory, a damaged table, an --out that cannot be written
+        paths = write_report(args.results_dir, args.out, args.bootstrap)
+        paths |= {"html": html_page.write_page(args.results_dir, paths)} if args.html else {}
     print(terminal_report.summary(args.results_dir, paths))
 
 

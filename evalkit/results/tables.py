@@ -9,17 +9,23 @@ Layout under ``results_dir``::
 ``pandas.read_parquet(f"{results_dir}/metrics")`` reads every run of a sweep at once. Each file is written to a
 hidden temporary name in the same folder and renamed into place, so a reader never sees half a file and parallel
 jobs (distinct run ids) never write the same file. Every row carries the run id and the flattened run config.
+
+:func:`read_table` reads a folder file by file and tells a damaged file (cut short, overwritten, another program's
+table) from a run's table: :class:`DamagedTable` names it and says what is wrong, where pandas would raise on the
+folder or read the file's rows as rows of no run.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from evalkit.errors import one_line
 from evalkit.paths import naming
 
 # Fixed types, so that runs whose configs leave different fields empty still read back as one table.
@@ -169,6 +175,110 @@ def write_table(table: pa.Table, results_dir: str | os.PathLike, name: str, run_
     return parquet
 
 
+# The columns every evalkit table of that name has had since the first release (later ones may be missing from old runs).
+REQUIRED = {"metrics": ["run_id", "model", "task", "method", "budget", "started_at", *METRIC_COLUMNS],
+            "samples": ["run_id", "doc_id", "sample_id", "subset", "repeat", "prediction", "target", "score"]}
+DAMAGED = "damaged"  # <results_dir>/damaged/: where a rerun moves the tables of a run that did not read back
+
+
+class ResultsError(ValueError):
+    """A results directory that cannot be read as one, or an output that cannot be written; one line for the user."""
+
+
+class DamagedTable(ResultsError):
+    """A table file that does not read back as a table evalkit wrote: ``path`` and what is wrong (``reason``)."""
+
+    def __init__(self, path: Path, reason: str, more: int = 0):
+        self.path, self.reason = Path(path), reason
+        others = f" (and {more} more damaged file{'s' if more > 1 else ''} in {self.path.parent.name}/)" if more else ""
+        remedy = f"move it out of {self.path.parent.name}/"
+        if re.search(r"-[0-9a-f]{12}-[0-9a-f]{6}$", self.path.stem):  # a run's table: its config can run again
+            remedy = (f"run its config again (evalkit moves the run's tables to {self.path.parent.parent / DAMAGED}/ "
+                      f"and redoes the run), or {remedy}")
+        super().__init__(f"{self.path} is damaged ({reason}){others}: {remedy}")
+
+
+def load_table(path: str | os.PathLike, name: str) -> pa.Table:
+    """One table file, checked: it reads as Parquet and, for ``metrics`` and ``samples``, has the columns evalkit's
+    tables have and a run id on every row; else :class:`DamagedTable`."""
+    path = Path(path)
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as error:
+        raise DamagedTable(path, _unreadable(path, error)) from None
+    missing = [column for column in REQUIRED.get(name, []) if column not in table.column_names]
+    if missing:
+        plural = "s" if len(missing) > 1 else ""
+        raise DamagedTable(path, f"not an evalkit {name} table: no column{plural} {', '.join(missing)}")
+    declared = {**CONFIG_COLUMNS, **{"metrics": METRIC_COLUMNS, "samples": SAMPLE_COLUMNS}[name]} if (
+        name in REQUIRED) else {}
+    for field in table.schema:
+        if field.name in declared and _kind(field.type) not in (_kind(declared[field.name]), "null"):
+            raise DamagedTable(path, f"not an evalkit {name} table: its column {field.name} holds {field.type}, "
+                                     f"not {declared[field.name]}")
+    if name in REQUIRED and table["run_id"].null_count:
+        raise DamagedTable(path, f"{table['run_id'].null_count} of its {len(table)} rows have no run_id")
+    return table
+
+
+def _kind(kind: pa.DataType) -> str:
+    """What a column's type holds, as far as reading runs together goes: an int64 column of an older release joins a
+    float64 one (kept_prompt_tokens), text joins no number."""
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind) or str(kind) == "string_view":
+        return "text"
+    if pa.types.is_integer(kind) or pa.types.is_floating(kind):
+        return "number"
+    return "bool" if pa.types.is_boolean(kind) else "null" if pa.types.is_null(kind) else str(kind)
+
+
+def _unreadable(path: Path, error: Exception) -> str:
+    if path.stat().st_size == 0:
+        return "an empty file, not a Parquet table"
+    text = one_line(error).split(f"{path}': ")[-1]  # pyarrow's message repeats the path
+    if "magic bytes not found" in text:
+        return "no Parquet footer: cut short, or not a Parquet file"
+    return f"not a readable Parquet table: {text}"
+
+
+def table_files(folder: Path) -> list[Path]:
+    """The files of a table's folder that pandas and pyarrow read as the table (hidden ones and ``_*`` left out)."""
+    return sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith((".", "_")))
+
+
 def read_table(results_dir: str | os.PathLike, name: str = "metrics") -> pd.DataFrame:
-    """Every run's rows of table ``name`` under ``results_dir``, as one DataFrame."""
-    return pd.read_parquet(Path(results_dir) / name)
+    """Every run's rows of table ``name`` under ``results_dir``, as one DataFrame (columns a run lacks are empty in
+    its rows). A file that does not read back whole is :class:`DamagedTable`, the first one named; a missing folder
+    :class:`ResultsError`."""
+    folder = Path(results_dir) / name
+    if not folder.is_dir():
+        raise ResultsError(f"{Path(results_dir)} has no {name}/ folder: not an evalkit results directory")
+    tables, damaged = [], []
+    for path in table_files(folder):
+        try:
+            tables.append((path, load_table(path, name)))
+        except DamagedTable as error:
+            damaged.append(error)
+    if damaged:
+        raise DamagedTable(damaged[0].path, damaged[0].reason, len(damaged) - 1)
+    if not tables:
+        columns = {"metrics": METRIC_COLUMNS, "samples": SAMPLE_COLUMNS}.get(name)
+        return _table([], {}, columns).to_pandas() if columns else pd.DataFrame()
+    try:
+        return pa.concat_tables([t for _, t in tables], promote_options="permissive").to_pandas()
+    except (pa.ArrowTypeError, pa.ArrowInvalid):  # a column whose type no other file's joins: name that file
+        for end in range(2, len(tables) + 1):
+            try:
+                pa.concat_tables([t for _, t in tables[:end]], promote_options="permissive")
+            except (pa.ArrowTypeError, pa.ArrowInvalid) as error:
+                raise DamagedTable(tables[end - 1][0], f"a column's type clashes with the other files': "
+                                   f"{one_line(error)}") from None
+        raise
+
+
+def read_runs(results_dir: str | os.PathLike) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The metrics and samples tables of ``results_dir``, both checked (:func:`read_table`); a results directory
+    without a run is :class:`ResultsError`."""
+    metrics, samples = read_table(results_dir, "metrics"), read_table(results_dir, "samples")
+    if metrics.empty:
+        raise ResultsError(f"{Path(results_dir) / 'metrics'} holds no runs")
+    return metrics, samples

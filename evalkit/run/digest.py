@@ -99,11 +99,6 @@ def run_id_for(spec: RunSpec, started: dt.datetime) -> str:
     return f"{started:%Y%m%dT%H%M%S}-{spec.task}-{spec.method}-{budget}-{config_digest(spec)}-{uuid.uuid4().hex[:6]}"
 
 
-def completed_runs(results_dir: Path, spec: RunSpec) -> list[Path]:
-    """Metrics files of earlier runs with this exact config (a metrics file is written last, only when complete)."""
-    return sorted((Path(results_dir) / "metrics").glob(f"*-{config_digest(spec)}-*.parquet"))
-
-
 def git_output(*args: str, cwd: Path | None = None) -> str | None:
     """What ``git ARGS`` prints in ``cwd`` (default: the working folder), or None; git's complaints stay off the
     terminal."""

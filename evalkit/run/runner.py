@@ -9,12 +9,9 @@ import contextlib
 import dataclasses
 import datetime as dt
 import errno
-import fcntl
 import functools
 import os
-import socket
 import time
-import uuid
 from pathlib import Path
 
 import pandas as pd
@@ -27,8 +24,9 @@ from evalkit.results import lm_eval_files, metrics_table, samples_table, tracker
 from evalkit.results.rows import group_rows, tidy_rows
 from evalkit.task import task_of
 
-from .digest import chat_template_sha, completed_runs, config_digest, git_output, identify, run_id_for, versions
+from .digest import chat_template_sha, config_digest, git_output, identify, run_id_for, versions
 from .pricing import memory_rows
+from .results_dir import check_writable, completed_runs, hold, remove_unfinished_tables
 from .spec import RunSpec
 from .tasks import load_task, task_manager, task_object
 
@@ -64,32 +62,23 @@ def run(spec: RunSpec, model=None, tokenizer=None, shared=None) -> RunResult | N
     """Evaluate ``spec`` (a loaded model/tokenizer may be passed in; ``shared``: what the jobs of a sweep share,
     :class:`~evalkit.run.sweep_share.SweepShare`) and write its tables.
 
-    With ``spec.resume`` (the default) a config whose tables exist is skipped (None is returned) and an interrupted
-    one continues from its progress file. Everything that can be checked before the model loads is checked first:
+    With ``spec.resume`` (the default) a config whose tables read back whole is skipped (None is returned), one whose
+    tables do not runs again (they are moved to ``damaged/``, see :mod:`.results_dir`) and an interrupted one
+    continues from its progress file. Everything that can be checked before the model loads is checked first:
     the model and data sources, the results directory, the data rows. Ctrl-C raises :class:`Interrupted`. One
     process at a time runs a config in a results directory: a second one started beside it is refused (a lock on
     the config's progress file), and tables an interrupted attempt left without its metrics table go first.
     """
     if spec.resume and completed_runs(spec.results_dir, spec):
         return None
-    _check_writable(spec.results_dir)
+    check_writable(spec.results_dir)
     digest = config_digest(spec)
     progress_dir = spec.results_dir / ".progress"
     created = [path for path in (spec.results_dir, progress_dir) if not path.exists()]
     progress_dir.mkdir(parents=True, exist_ok=True)
     lock_path = progress_dir / f"{digest}.lock"
     with open(lock_path, "a+", encoding="utf-8") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.seek(0)
-            holder = lock.read().strip() or "another process"
-            raise RunError(f"this config is already running in {spec.results_dir} ({holder}); wait for it to finish "
-                           "(its tables then make this run a skip) or use another results_dir") from None
-        lock.seek(0)
-        lock.truncate()
-        lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
-        lock.flush()
+        hold(lock, spec.results_dir)
         try:
             if spec.resume and completed_runs(spec.results_dir, spec):  # finished while this one waited to start
                 return None
@@ -112,17 +101,6 @@ def run(spec: RunSpec, model=None, tokenizer=None, shared=None) -> RunResult | N
 
 
 _NO_ROOM = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
-
-
-def remove_unfinished_tables(results_dir: Path, digest: str) -> None:
-    """Tables of config ``digest`` whose run never wrote its metrics table (written last: the mark of a complete
-    run), and temporary files of an interrupted write: an attempt cut short while writing. They go before a rerun
-    writes its own tables, so that no sample is counted twice."""
-    complete = {p.stem for p in (results_dir / "metrics").glob(f"*-{digest}-*.parquet")}
-    for folder in ("samples", "metrics", "csv/samples", "csv/metrics"):
-        for path in (results_dir / folder).glob(f"*-{digest}-*"):
-            if path.name.startswith(".") or path.stem not in complete:
-                path.unlink(missing_ok=True)
 
 
 def _run(spec: RunSpec, digest: str, model=None, tokenizer=None, shared=None) -> RunResult:
@@ -281,23 +259,6 @@ def model_path(pretrained: str) -> str:
         return resolve_pretrained(pretrained)
     except (OSError, ValueError) as error:
         raise RunError(model_unavailable(pretrained, error)) from None
-
-
-def _check_writable(results_dir: Path) -> None:
-    """The results directory can take the tables: checked before the model loads, so a bad path costs nothing. The
-    check leaves nothing behind (folders it made are removed again)."""
-    made = [p for p in [results_dir, *results_dir.parents] if not p.exists()]
-    try:
-        results_dir.mkdir(parents=True, exist_ok=True)
-        probe = results_dir / f".write-check-{uuid.uuid4().hex[:8]}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as error:
-        raise RunError(f"results_dir {results_dir} is not writable: {error.strerror or error}") from None
-    finally:
-        for folder in made:  # deepest first
-            with contextlib.suppress(OSError):
-                folder.rmdir()
 
 
 def job_line(result: RunResult, spec: RunSpec) -> str:

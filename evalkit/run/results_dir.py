@@ -1,0 +1,114 @@
+"""What a run finds in its results directory before it starts: whether the directory can take its tables, another
+process running its config (refused), the finished runs of its config (the run is skipped), the tables of runs that
+do not read back (moved aside into ``damaged/``, never deleted: the config runs again) and what an attempt cut short
+left (removed)."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket
+import uuid
+from pathlib import Path
+
+from evalkit.console import warn
+from evalkit.errors import RunError
+from evalkit.results.tables import DAMAGED, DamagedTable, load_table
+
+from .digest import config_digest
+from .spec import RunSpec
+
+TABLE_FOLDERS = {"metrics": ".parquet", "samples": ".parquet", "csv/metrics": ".csv", "csv/samples": ".csv"}
+
+
+def completed_runs(results_dir: Path, spec: RunSpec) -> list[Path]:
+    """Metrics files of earlier runs with this exact config (a metrics file is written last, only when complete)
+    whose metrics and samples tables read back whole; the tables of a run that do not are set aside first
+    (:func:`set_aside_damaged`)."""
+    return set_aside_damaged(Path(results_dir), config_digest(spec))
+
+
+def set_aside_damaged(results_dir: Path, digest: str) -> list[Path]:
+    """The metrics files of config ``digest``'s finished runs. A run whose metrics or samples table does not read
+    back (cut short, overwritten, another program's table: :func:`~evalkit.results.tables.load_table`) is no finished
+    run: its tables (Parquet and CSV) move to ``<results_dir>/damaged/``, as they were, and a warning names the
+    damaged file and what is wrong with it."""
+    finished, damaged = [], []
+    for path in sorted((results_dir / "metrics").glob(f"*-{digest}-*.parquet")):
+        samples = results_dir / "samples" / path.name
+        try:
+            load_table(path, "metrics")
+            if samples.exists():
+                load_table(samples, "samples")
+            finished.append(path)
+        except DamagedTable as error:
+            damaged.append(error)
+            _move_aside(results_dir, path.stem, error)
+    for error in damaged:
+        again = "" if finished else "; the config runs again"
+        warn(f"{error.path} is damaged ({error.reason}); its run's tables are moved to {results_dir / DAMAGED}/"
+             f"{again}")
+    return finished
+
+
+def _move_aside(results_dir: Path, run_id: str, error: DamagedTable) -> None:
+    for folder, suffix in TABLE_FOLDERS.items():
+        source = results_dir / folder / f"{run_id}{suffix}"
+        target = results_dir / DAMAGED / folder / source.name
+        try:
+            if not source.exists():
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            while target.exists():  # a file of that name set aside before: kept too
+                target = target.with_name(f"{target.stem}.{uuid.uuid4().hex[:6]}{target.suffix}")
+            os.rename(source, target)
+        except FileNotFoundError:  # another process of this config moved it meanwhile
+            continue
+        except OSError as moving:
+            raise RunError(f"{error}; moving it aside failed: {target}: {moving.strerror or moving}") from None
+
+
+def remove_unfinished_tables(results_dir: Path, digest: str) -> None:
+    """Tables of config ``digest`` whose run never wrote its metrics table (written last: the mark of a complete
+    run), and temporary files of an interrupted write: an attempt cut short while writing. They go before a rerun
+    writes its own tables, so that no sample is counted twice. Runs whose tables do not read back are moved aside
+    first (:func:`set_aside_damaged`): their tables are kept."""
+    complete = {p.stem for p in set_aside_damaged(results_dir, digest)}
+    for folder in ("samples", "metrics", "csv/samples", "csv/metrics"):
+        for path in (results_dir / folder).glob(f"*-{digest}-*"):
+            if path.name.startswith(".") or path.stem not in complete:
+                path.unlink(missing_ok=True)
+
+
+def check_writable(results_dir: Path) -> None:
+    """The results directory can take the tables: checked before the model loads, so a bad path costs nothing. The
+    check leaves nothing behind (folders it made are removed again)."""
+    made = [p for p in [results_dir, *results_dir.parents] if not p.exists()]
+    try:
+        results_dir.mkdir(parents=True, exist_ok=True)
+        probe = results_dir / f".write-check-{uuid.uuid4().hex[:8]}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise RunError(f"results_dir {results_dir} is not writable: {error.strerror or error}") from None
+    finally:
+        for folder in made:  # deepest first
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
+def hold(lock, results_dir: Path) -> None:
+    """Take the config's lock (its open lock file ``lock``) and write who holds it into it; a config another process
+    is running is a RunError naming that process."""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        raise RunError(f"this config is already running in {results_dir} ({holder}); wait for it to finish "
+                       "(its tables then make this run a skip) or use another results_dir") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
+    lock.flush()

@@ -27,12 +27,15 @@ def sketch(layer_idx: int, kv_heads: int, dim: int, size: int, seed: int) -> tor
 
 def leverage_scores(keys: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
     """kvpress' ``compute_leverage_scores`` of one prompt's pre-RoPE keys ``[1, H, n, D]``: the diagonal of the hat
-    matrix of the centred, sketched keys (Cholesky with growing jitter), clamped at 0."""
+    matrix of the centred, sketched keys (Cholesky with growing jitter), clamped at 0. In float64: a prompt's
+    repeated tokens have keys equal but for rounding, so their scores tie but for rounding, and float32's differs
+    with the keys' memory layout (a chunked prefill's cache against a whole one's) and the CPU's vector kernels."""
+    keys = keys.double()
     centred = keys - keys.mean(dim=-2, keepdim=True)
-    sketched = (centred @ projection.to(keys.device, keys.dtype)).float()  # [1, H, n, k]
+    sketched = centred @ projection.to(keys.device, keys.dtype)  # [1, H, n, k]
     gram = sketched.transpose(-2, -1) @ sketched
     gram = 0.5 * (gram + gram.transpose(-2, -1))
-    identity = torch.eye(gram.shape[-1], device=gram.device)
+    identity = torch.eye(gram.shape[-1], device=gram.device, dtype=gram.dtype)
     jitter = 1e-2
     for _ in range(5):
         lower, info = torch.linalg.cholesky_ex(gram + jitter * identity, upper=False)
@@ -57,8 +60,9 @@ class LeverageScore(PromptScoring):
     prompt's heads and tokens (kvpress ``LeverageScorePress``).
 
     The projection is drawn per layer from a generator seeded ``seed`` (see :func:`sketch`): kvpress draws from the
-    global generator, so its kept tokens equal these for a float32 model on the CPU seeded alike. Computed in
-    float32 (kvpress: the keys' dtype). Each row scored alone.
+    global generator, so its kept tokens equal these for a float32 model on the CPU seeded alike, but where float32
+    rounding decides between near-equal scores. Computed in float64 (kvpress: the keys' dtype; see
+    :func:`leverage_scores`), ties broken towards the earlier position. Each row scored alone.
     """
 
     name: ClassVar[str] = "leverage"

@@ -88,6 +88,25 @@ def kept_knorm(run, capacity):
     return {layer: [top((-k.norm(dim=-1)).tolist(), capacity) for k in r["key"]] for layer, r in run.items()}
 
 
+# KNorm ranks by float32 key norms, each within about 1e-6 (relative) of the exact norm of a 16-dimensional key
+# whatever order the CPU's kernels sum in: a cut between two norms closer than this would hang on rounding.
+NORM_TOLERANCE = 1e-5
+
+
+def smallest_norms(keys: torch.Tensor, candidates, count: int) -> set[int]:
+    """The ``count`` of the positions ``candidates`` whose ``keys`` have the smallest norms (ties to the earlier
+    position). The test's inputs must not put two norms within ``NORM_TOLERANCE`` at the cut: it says so if they
+    do (a repeated token's keys, RoPE-rotated copies of one vector, have equal norms but for rounding)."""
+    norms = {j: float(keys[j].norm()) for j in candidates}
+    order = sorted(norms, key=lambda j: (norms[j], j))
+    if 0 < count < len(order):
+        inside, outside = order[count - 1], order[count]
+        assert norms[outside] - norms[inside] > NORM_TOLERANCE * norms[outside], (
+            f"positions {inside} and {outside}: key norms {norms[inside]} and {norms[outside]} tie up to rounding at "
+            "the cut, where the kept set would hang on the CPU's float kernels")
+    return set(order[:count])
+
+
 def kept_random(run, capacity, seed):
     kept = {}
     for layer, r in run.items():
@@ -392,8 +411,8 @@ def _evict(policy, layer, per_head, query, keys, position, steps, scaling, sums,
             if len(order) <= target:
                 continue
             forced = set(order[:sink]) | set(order[len(order) - window:] if window else ())
-            others = sorted((j for j in order if j not in forced), key=lambda j: (float(keys[h][j].norm()), j))
-            heads.intersection_update(forced | set(others[: target - len(forced)]))  # the smallest key norms
+            others = smallest_norms(keys[h], [j for j in order if j not in forced], target - len(forced))
+            heads.intersection_update(forced | others)
     else:  # DecodingSnapKV
         windows[layer] = (windows[layer] + [(position, query)])[-policy.window :]
         if steps % policy.interval:

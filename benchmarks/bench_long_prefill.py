@@ -9,7 +9,9 @@ a warm-up prefill of a short prompt, then the measured one: prefill of ``length`
 under ``policy_from_budget(method, budget, length)``. Prefill seconds come from the run's own statistics (time to the
 first token); peak memory is above the model and what the warm-up left: ``torch.cuda.max_memory_allocated`` on a GPU,
 the process's RSS high-water mark on CPU. A cell that runs out of memory or past ``--cell-timeout`` says so.
-``--chunks``: each method also prefilled that many tokens at a time (0: at once; ``--chunk-mode exact`` keeps the
+``--blockwise-too``: each attention-sum method (H2O, ObservedAttention, ...) also with its blockwise PyTorch sums
+instead of the Triton kernels it uses on CUDA (the row ``<method>/blockwise``; ``same`` compares its tokens with the
+fused row's). ``--chunks``: each method also prefilled that many tokens at a time (0: at once; ``--chunk-mode exact`` keeps the
 kept tokens and outputs of the unchunked prefill, which the table checks: ``same`` compares the generated tokens).
 """
 
@@ -57,6 +59,9 @@ def peak_since(device: str, mark: int) -> int:
 
 def cell(args) -> dict:
     """One measurement, in this process."""
+    if args.blockwise:  # the PyTorch reference path of the attention sums, not the Triton kernels
+        from evalkit.compression import kernels
+        kernels._triton = lambda *_, **__: None
     model = build_model(args.shape, args.device, model_dtype(args))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, model.config.vocab_size, (1, args.length), generator=g).to(args.device)
@@ -72,7 +77,8 @@ def cell(args) -> dict:
     peak = peak_since(args.device, mark)
     stats = out.stats[0]
     kept = stats["kept_prompt_tokens"]
-    return dict(method=args.method, length=args.length, chunk=args.chunk, status="ok", prefill_s=stats["prefill_seconds"],
+    label = args.method + ("/blockwise" if args.blockwise else "")
+    return dict(method=label, length=args.length, chunk=args.chunk, status="ok", prefill_s=stats["prefill_seconds"],
                 total_s=seconds, peak_bytes=peak, kept=sum(kept) / len(kept),
                 tokens=out.sequences[0, args.length:].tolist())
 
@@ -88,11 +94,14 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=8)
     parser.add_argument("--chunks", type=int, nargs="+", default=[0], help="prefill chunk sizes (0: at once)")
     parser.add_argument("--chunk-mode", choices=list(ec.CHUNK_MODES), default="exact")
+    parser.add_argument("--blockwise-too", action="store_true",
+                        help="attention-sum methods also with their blockwise PyTorch sums (the Triton kernels' reference)")
     parser.add_argument("--cell-timeout", type=float, default=1800.0)
     parser.add_argument("--json", default=None, help="write the rows here")
     parser.add_argument("--method", help=argparse.SUPPRESS)
     parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--chunk", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--blockwise", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.method:  # a cell, run by the parent below
         try:
@@ -109,14 +118,18 @@ def main() -> None:
     print(f"{device_name}: random Llama {args.shape}; prefill of each length + {args.new} new tokens; "
           f"every method at {args.budget} (Full: the whole prompt)")
     rows = []
+    cells = [(method, False) for method in args.methods]
+    if args.blockwise_too:
+        cells += [(method, True) for method in args.methods if ec.POLICIES[method].sums_attention]
     for length in args.lengths:
-        for method in args.methods:
+        for method, blockwise in cells:
             for chunk in args.chunks:
                 command = [sys.executable, __file__, "--method", method, "--length", str(length), "--device",
                            args.device, "--shape", args.shape, "--budget", args.budget, "--new", str(args.new),
-                           "--chunk", str(chunk), "--chunk-mode", args.chunk_mode]
+                           "--chunk", str(chunk), "--chunk-mode", args.chunk_mode] + ["--blockwise"] * blockwise
                 if args.dtype:
                     command += ["--dtype", args.dtype]
+                method = method + "/blockwise" * blockwise
                 try:
                     done = subprocess.run(command, capture_output=True, text=True, timeout=args.cell_timeout)
                     lines = [line for line in done.stdout.splitlines() if line.startswith("CELL ")]
@@ -138,8 +151,8 @@ def main() -> None:
             if r["status"] != "ok":
                 print(f"{length:>8} {r['method']:<20}{r['chunk'] or '-':>7}  {r['status']}")
                 continue
-            whole = next((w for w in rows if w["length"] == length and w["method"] == r["method"] and not w["chunk"]
-                          and w["status"] == "ok"), None)
+            whole = next((w for w in rows if w["length"] == length and w["method"] == r["method"].split("/")[0]
+                          and not w["chunk"] and w["status"] == "ok"), None)
             time_ratio = r["prefill_s"] / full["prefill_s"] if full else math.nan
             memory_ratio = r["peak_bytes"] / full["peak_bytes"] if full and full["peak_bytes"] else math.nan
             own_ratio = r["peak_bytes"] / whole["peak_bytes"] if whole and whole["peak_bytes"] else math.nan

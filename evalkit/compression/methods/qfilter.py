@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from ..learned_weights import safetensors_tensor
+from ..learned_weights import bad_file, safetensors_tensor, weights_file
 from ..views import PrefillView
 from .base import PromptScoring
 
@@ -26,28 +26,37 @@ class QFilter(PromptScoring):
     latent_refusal: ClassVar[str] = "its filters are learned against per-head keys"
     filters: str | None = None
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.filters:  # what the file says alone is checked as the method is built, before any model loads
+            self._filters()
+
     def prefill_queries(self) -> int:
         return 0
 
     def check_layers(self, num_layers: int) -> None:
         filters = self._filters()
         if filters.shape[0] != num_layers:
-            raise ValueError(f"QFilter.filters {self.filters} has filters for {filters.shape[0]} layers, the model "
-                             f"has {num_layers}")
+            raise bad_file("qfilter", self._file(), f"has filters for {filters.shape[0]} layers, the model has "
+                                                    f"{num_layers}")
+
+    def _file(self) -> str:
+        return str(weights_file(self.filters, "model.safetensors", "qfilter"))
 
     def _filters(self) -> torch.Tensor:
         if not self.filters:
             raise ValueError("qfilter needs its learned filters: set method.filters to their Hub repository "
                              "(nthngdy/<model>_qfilt, e.g. nthngdy/Llama-3.1-8B-Instruct_qfilt) or a local folder")
         filters = safetensors_tensor(self.filters, "model.safetensors", "q_filters", "qfilter")
-        if filters.dim() != 3:
-            raise ValueError(f"QFilter.filters {self.filters}: q_filters must be [layers, kv_heads, head_dim], got "
-                             f"{list(filters.shape)}")
+        if filters.dim() != 3 or 0 in filters.shape:
+            raise bad_file("qfilter", self._file(), f"q_filters must be [layers, kv_heads, head_dim], got "
+                                                    f"{list(filters.shape)}")
         return filters
 
     def score(self, view: PrefillView) -> torch.Tensor:
         layer = self._filters()[view.layer_idx]
         if layer.shape != (view.keys.shape[1], view.keys.shape[3]):
-            raise ValueError(f"QFilter.filters {self.filters}: layer {view.layer_idx} has filters "
-                             f"{list(layer.shape)}, the model's keys are [{view.keys.shape[1]}, {view.keys.shape[3]}]")
+            raise bad_file("qfilter", self._file(), f"layer {view.layer_idx} has filters {list(layer.shape)} "
+                                                    f"([kv_heads, head_dim]), the model's keys are "
+                                                    f"[{view.keys.shape[1]}, {view.keys.shape[3]}]")
         return -(layer.to(view.keys.device, view.keys.dtype)[None, :, None] * view.keys).sum(dim=-1).float()

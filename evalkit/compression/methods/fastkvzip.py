@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+from pathlib import Path
 from typing import ClassVar
 
 import torch
 
 from evalkit.method_settings import setting
 
-from ..learned_weights import weights_file
+from ..learned_weights import LearnedFileError, bad_file, checked_tensor, weights_file
 from ..views import PrefillView
 from .adakv import pooled_counts
 from .base import PromptScoring
@@ -41,13 +42,18 @@ class FastKVzip(PromptScoring):
     def prefill_queries(self) -> int:
         return 0
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.gates:  # what the file says alone is checked as the method is built, before any model loads
+            _gates(self.gates)
+
     def prompt_slots(self, n: int, kv_heads: int) -> int:
         return min(n, kv_heads * self.capacity)  # one head may take its layer's whole budget
 
     def check_layers(self, num_layers: int) -> None:
         layers = len(_gates(self._source()))
         if layers != num_layers:
-            raise ValueError(f"FastKVzip.gates {self.gates} has gates for {layers} layers, the model has {num_layers}")
+            raise bad_file("fastkvzip", self.gates, f"has gates for {layers} layers, the model has {num_layers}")
 
     def _source(self) -> str:
         if not self.gates:
@@ -57,10 +63,12 @@ class FastKVzip(PromptScoring):
 
     def score(self, view: PrefillView) -> torch.Tensor:
         gate = _gates(self._source())[view.layer_idx]
+        heads, features = gate["k_base"].shape[0], gate["k_proj.weight"].shape[1]
+        if (heads, features) != (view.keys.shape[1], view.hidden.shape[-1]):
+            raise bad_file("fastkvzip", self.gates, f"gates map {features} features to {heads} KV heads, the model "
+                                                    f"has {view.hidden.shape[-1]} features and {view.keys.shape[1]} "
+                                                    "KV heads")
         scores = _gate_scores(gate, view.hidden.float())
-        if scores.shape[1] != view.keys.shape[1]:
-            raise ValueError(f"FastKVzip.gates {self.gates} scores {scores.shape[1]} KV heads, the model has "
-                             f"{view.keys.shape[1]}")
         # kvpress' window, scored 1.0 (above any gate's score): each row's last max(1, int(n * window_ratio)) tokens
         real = view.key_valid.sum(dim=1, keepdim=True)
         rank = view.key_valid.long().cumsum(dim=1) - 1
@@ -90,24 +98,84 @@ def _gate_scores(gate: dict, hidden: torch.Tensor) -> torch.Tensor:
     return score.mean(-1).transpose(1, 2)
 
 
+GATE_KEYS = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "q_norm.weight", "k_norm.weight", "k_base", "b")
+GATE_SIZES = {"G": "query group", "w": "gate width", "S": "sink", "H": "KV heads", "d": "features"}
+
+
 @functools.lru_cache(maxsize=4)
 def _gates(source: str) -> list[dict]:
+    """The gates of ``source`` (``REPO:FILE`` or a path), checked: one state dict per layer with exactly
+    ``FastKVzipGate``'s tensors, floating point and finite, of shapes that agree (``k_base [H, 1, S, w]``, ``b [H, 1,
+    G]``, ``q_proj [H G w, d]`` with its bias, ``k_proj [H w, d]``, the norms ``[w]``), the same ``H`` and ``d`` in
+    every layer, and ``G``, ``w`` and ``S`` as the file's name gives them (``q<G>_dim<w>_sink<S>.pt``)."""
     import numpy as np
 
     repo, _, filename = source.partition(":") if ":" in source and not source.startswith(("/", ".")) else ("", "", "")
-    path = weights_file(repo, filename, "fastkvzip") if repo else source
+    path = weights_file(repo, filename, "fastkvzip") if repo else Path(source).expanduser()
+    if not path.is_file():
+        raise LearnedFileError(f"fastkvzip: no gate file {source}" + (" (it is a folder)" if path.is_dir() else ""))
     # What the released files pickle besides tensors (numpy arrays), as kvpress allows them.
     allowed = [(np._core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype,
                np.dtypes.Float64DType, np.dtypes.Float32DType]
     with torch.serialization.safe_globals(allowed):
         try:
             loaded = torch.load(str(path), weights_only=True, map_location="cpu")
-        except FileNotFoundError:
-            raise FileNotFoundError(f"fastkvzip: no gate file {source}") from None
+        except Exception as error:  # a damaged file fails in many ways (unpickling, zip reading, EOF, OS)
+            raise bad_file("fastkvzip", source, f"does not read as a torch.save file ({_load_failure(error)})") \
+                from None
     if not isinstance(loaded, dict) or not isinstance(loaded.get("module"), list):
-        raise ValueError(f"fastkvzip: {source} is not a Fast-KVzip gate file (a dict with a 'module' list)")
-    sink = re.search(r"sink(\d+)", str(source))
-    for gate in loaded["module"]:
-        if sink and gate["k_base"].shape[2] != int(sink.group(1)):
-            raise ValueError(f"fastkvzip: {source} names sink {sink.group(1)}, its k_base has {gate['k_base'].shape[2]}")
+        raise bad_file("fastkvzip", source, "is not a Fast-KVzip gate file (a dict with a 'module' list)")
+    if not loaded["module"]:
+        raise bad_file("fastkvzip", source, "has gates for no layer (its 'module' list is empty)")
+    named = {key: int(match.group(1)) for key, prefix in (("G", "q"), ("w", "dim"), ("S", "sink"))
+             if (match := re.search(rf"(?:^|_){prefix}(\d+)(?:_|\.)", path.name))}  # q<G>_dim<w>_sink<S>.pt
+    first = {}
+    for layer, gate in enumerate(loaded["module"]):
+        if not isinstance(gate, dict):
+            raise bad_file("fastkvzip", source, f"module[{layer}] is a {type(gate).__name__}, not a state dict")
+        absent = [key for key in GATE_KEYS if key not in gate]
+        if absent:
+            raise bad_file("fastkvzip", source, f"module[{layer}] has no {absent[0]} (a FastKVzipGate has "
+                                                f"{list(GATE_KEYS)})")
+        extra = sorted(set(gate) - set(GATE_KEYS))
+        if extra:
+            raise bad_file("fastkvzip", source, f"module[{layer}] holds {extra[:3]}, which a FastKVzipGate does not")
+        for key in GATE_KEYS:
+            checked_tensor(gate[key], f"module[{layer}].{key}", source, "fastkvzip")
+        base, bias, k_proj = gate["k_base"], gate["b"], gate["k_proj.weight"]
+        if base.dim() != 4 or base.shape[1] != 1 or bias.dim() != 3 or bias.shape[1] != 1 or k_proj.dim() != 2:
+            raise bad_file("fastkvzip", source, f"module[{layer}]: k_base {list(base.shape)}, b {list(bias.shape)} "
+                                                f"and k_proj.weight {list(k_proj.shape)} must be [H, 1, sink, w], "
+                                                "[H, 1, G] and [H w, d]")
+        heads, _, sink, width = base.shape
+        group, features = bias.shape[2], k_proj.shape[1]
+        expected = {"q_proj.weight": (heads * group * width, features), "q_proj.bias": (heads * group * width,),
+                    "k_proj.weight": (heads * width, features), "q_norm.weight": (width,),
+                    "k_norm.weight": (width,)}
+        for key, shape in expected.items():
+            if tuple(gate[key].shape) != shape:
+                raise bad_file("fastkvzip", source, f"module[{layer}].{key} has shape {list(gate[key].shape)}; its "
+                                                    f"k_base [{heads}, 1, {sink}, {width}] and b [{heads}, 1, "
+                                                    f"{group}] make it {list(shape)}")
+        found = {"G": group, "w": width, "S": sink, "H": heads, "d": features}
+        empty = [GATE_SIZES[key] for key, size in found.items() if size == 0]
+        if empty:  # sink 0 would score every token 1, whatever its hidden state
+            raise bad_file("fastkvzip", source, f"module[{layer}] has {empty[0]} 0: its gates score nothing")
+        for given, reference in ((named, "its name gives"), (first, "module[0] has")):
+            for key, size in given.items():
+                if found[key] != size:
+                    raise bad_file("fastkvzip", source, f"module[{layer}] has {GATE_SIZES[key]} {found[key]}, "
+                                                        f"{reference} {size}")
+        first = first or found
     return loaded["module"]
+
+
+def _load_failure(error: BaseException) -> str:
+    """Why ``torch.load`` failed, in one short line: the weights-only unpickler's reason (not its advice), or the
+    first sentence of what the reader said."""
+    text = " ".join(str(error).split())
+    if "WeightsUnpickler error:" in text:
+        reason = re.split(r" Check the documentation| Please use", text.split("WeightsUnpickler error:", 1)[1])[0]
+        return f"the weights-only unpickler refused it: {reason.strip()}"
+    first = re.split(r"(?<=\.) ", text, maxsplit=1)[0] if text else "no data"
+    return f"cut short or damaged: {type(error).__name__}: {first}"

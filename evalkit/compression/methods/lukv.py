@@ -11,6 +11,7 @@ import torch
 
 from evalkit.method_settings import setting
 
+from ..learned_weights import LearnedFileError, bad_file
 from .wrapper import Wrapper
 
 CURVE_POINTS = 99  # the published curves: one row per compression ratio 0.01 .. 0.99
@@ -37,6 +38,11 @@ class LUKV(Wrapper):
     sink: int = setting(4, low=0)
     window: int = setting(1, low=0)
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.curve:  # what the file says alone is checked as the method is built, before any model loads
+            _curve(self.curve)
+
     def prompt_capacity(self) -> int:
         return self.capacity
 
@@ -51,9 +57,9 @@ class LUKV(Wrapper):
 
     def check_layers(self, num_layers: int) -> None:
         curve = _curve(self._source())
-        if curve.dim() != 3 or curve.shape[:2] != (CURVE_POINTS, num_layers):
-            raise ValueError(f"LUKV.curve {self.curve} has shape {list(curve.shape)}; the model needs "
-                             f"[{CURVE_POINTS}, {num_layers}, kv_heads]")
+        if curve.shape[1] != num_layers:
+            raise bad_file("lukv", self.curve, f"has shape {list(curve.shape)}; the model needs "
+                                               f"[{CURVE_POINTS}, {num_layers}, kv_heads]")
         super().check_layers(num_layers)
 
     def _source(self) -> str:
@@ -66,7 +72,7 @@ class LUKV(Wrapper):
         curve = _curve(self._source())[:, layer_idx]  # [99, kv_heads]
         batch, kv_heads, _ = scores.shape
         if curve.shape[1] != kv_heads:
-            raise ValueError(f"LUKV.curve {self.curve} has {curve.shape[1]} KV heads per layer, the model {kv_heads}")
+            raise bad_file("lukv", self.curve, f"has {curve.shape[1]} KV heads per layer, the model has {kv_heads}")
         real = (scores > float("-inf")).sum(dim=-1).amax(dim=1).tolist()  # [B] each row's tokens
         counts = []
         for row, n in enumerate(real):
@@ -86,9 +92,32 @@ class LUKV(Wrapper):
 
 @functools.lru_cache(maxsize=4)
 def _curve(source: str) -> torch.Tensor:
+    """The curve of ``source``, checked: a ``.npy`` array of real numbers ``[99, layers, kv_heads]``, every prune
+    ratio in [0, 1]."""
     import numpy as np
 
     path = Path(source).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"lukv: no curve file {source} (LU-KV's .npy, [99, layers, kv_heads])")
-    return torch.from_numpy(np.load(path, allow_pickle=False)).float()
+        raise LearnedFileError(f"lukv: no curve file {source} (LU-KV's .npy, [99, layers, kv_heads])")
+    with open(path, "rb") as handle:
+        magic = handle.read(6)
+    if magic != b"\x93NUMPY":
+        what = "a .npz archive" if magic.startswith(b"PK") else "no .npy file (its first bytes are not numpy's)"
+        raise bad_file("lukv", source, f"is {what}; an LU-KV curve is a .npy array")
+    try:
+        curve = np.load(path, allow_pickle=False)
+    except (ValueError, EOFError, OSError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else "cut short"
+        raise bad_file("lukv", source, f"does not read as a .npy array ({first})") from None
+    if curve.dtype.kind not in "iuf":
+        raise bad_file("lukv", source, f"holds {curve.dtype}, not real numbers")
+    if curve.ndim != 3 or curve.shape[0] != CURVE_POINTS or 0 in curve.shape:
+        raise bad_file("lukv", source, f"has shape {list(curve.shape)}; an LU-KV curve is [{CURVE_POINTS}, layers, "
+                                       "kv_heads]")
+    wrong = ~np.isfinite(curve) | (curve < 0) | (curve > 1)
+    if wrong.any():
+        where = [int(i) for i in np.argwhere(wrong)[0]]
+        raise bad_file("lukv", source, f"holds {curve[tuple(where)].item()} at {where} (ratio "
+                                       f"{(where[0] + 1) / 100:.2f}, layer {where[1]}, head {where[2]}); prune "
+                                       "ratios are in [0, 1]")
+    return torch.from_numpy(curve).float()

@@ -96,3 +96,16 @@ def fastkvzip_gates(layers: int = 2, input_dim: int = 64, kv_heads: int = 2, gro
                   for _ in range(layers)]
         torch.save({"module": module}, path)
     return path
+
+
+def copy_of(source: Path) -> Path:
+    """A copy of a learned file or folder in a folder of its own (same name), to damage without touching the
+    original that other tests read."""
+    import shutil
+
+    target = Path(tempfile.mkdtemp(prefix="copy-", dir=ROOT)) / source.name
+    if source.is_dir():
+        shutil.copytree(source, target)
+    else:
+        shutil.copy(source, target)
+    return target

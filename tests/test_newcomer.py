@@ -69,3 +69,16 @@ def test_the_quick_grid_jobs_are_the_method_budget_pairs_with_their_digests():
                            f"budget={budget or 'none'}"]) for method, budget in sorted(QUICK_PAIRS, key=str)]
     assert len(jobs) == 7 and {(method, budget) for method, budget, _ in listed} == QUICK_PAIRS
     assert sorted(listed, key=str) == sorted(product, key=str)
+
+
+def test_evalkit_mem_prints_no_line_of_matplotlibs_on_its_first_run(tmp_path):
+    """A first run builds matplotlib's font cache (a fresh MPLCONFIGDIR here): its INFO line "generated new
+    fontManager" stays off the terminal (its logger is held at WARNING: its warnings and errors would print)."""
+    config = tmp_path / "matplotlib"
+    result = _run(["-m", "evalkit.memory.cli", f"results_dir={tmp_path / 'results'}"], tmp_path,
+                  MPLCONFIGDIR=str(config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert list(config.glob("fontlist-*.json"))  # the cache was built in this run
+    said = (result.stdout + result.stderr).splitlines()
+    assert not [line for line in said if "fontManager" in line or "matplotlib" in line.lower()], said
+    assert "decode tokens/s" in result.stdout and "written: " in result.stdout

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import logging
 import sys
 import uuid
 from pathlib import Path
@@ -69,6 +70,9 @@ def throughput_grid(frame) -> str:
 
 def plot_throughput(frame, deployment, path):
     """Throughput vs batch, one line per budget, each line ending at its largest batch (an x past it: does not fit)."""
+    # Hydra's job logging prints INFO records on stdout; matplotlib's are chatter ("generated new fontManager" on a
+    # first run, when it builds its font cache). Its warnings and errors still print.
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     import matplotlib
 
     matplotlib.use("Agg")

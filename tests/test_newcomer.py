@@ -4,8 +4,10 @@ evalkit-report's terminal table fits a terminal after it, and evalkit-mem prints
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -82,3 +84,22 @@ def test_evalkit_mem_prints_no_line_of_matplotlibs_on_its_first_run(tmp_path):
     said = (result.stdout + result.stderr).splitlines()
     assert not [line for line in said if "fontManager" in line or "matplotlib" in line.lower()], said
     assert "decode tokens/s" in result.stdout and "written: " in result.stdout
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_grader_ended_by_a_signal_removes_its_sandboxes_folders(tmp_path, signum):
+    """Two sandboxes running (run_many's pool); the grader gets SIGTERM (or SIGHUP): it dies of that signal as before,
+    and leaves no temporary folder behind (a kill -9 leaves them to the next start: test_hostile.py)."""
+    grader = subprocess.Popen(
+        [sys.executable, "-c", "from evalkit import sandbox\n"
+         "sandbox.run_many([{'code': 'import time; time.sleep(120)', 'timeout_s': 120}] * 2, workers=2)"],
+        env={**os.environ, "TMPDIR": str(tmp_path)}, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while len(folders := list(tmp_path.glob(f"evalkit-sandbox-{grader.pid}-*"))) < 2 or not all(
+            (folder / "stdout").exists() for folder in folders):
+        assert time.monotonic() < deadline and grader.poll() is None, "the sandboxes never started"
+        time.sleep(0.1)
+    time.sleep(0.5)  # both programs launched
+    grader.send_signal(signum)
+    assert grader.wait(timeout=30) == -signum
+    assert not list(tmp_path.glob("evalkit-sandbox-*"))

@@ -24,10 +24,18 @@ on /dev/shm), and an inner user namespace without capabilities so that it cannot
 the rlimits, process group, scrubbed environment and timeouts still hold, but network, other processes and files the
 user can write are reachable; :func:`isolation` reports which case applies, says so once on stderr when it is the
 weaker one, and every LiveCodeBench result records it.
+
+Each run's temporary folder is ``evalkit-sandbox-<grader pid>-<random>`` in the system's temporary directory
+(``$TMPDIR``, else /tmp). It is removed when the run ends, and when the grading process ends early: on exit
+(``atexit``) and on SIGTERM or SIGHUP (where the program left their default action), its running sandboxes are
+killed and their folders removed before it dies of the signal. A ``kill -9`` of the grader leaves them (its
+sandboxes die with it: ``setpriv --pdeathsig``); the next process that uses the sandbox removes the folders of graders
+that are gone (:func:`remove_stale_folders`).
 """
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import dataclasses
 import functools
@@ -39,6 +47,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from evalkit.console import warn
@@ -100,6 +109,7 @@ def isolation() -> dict:
     Probed once; the weaker case is said once, on stderr, and :func:`isolation_level` names it for the results."""
     namespaces, why = False, "unshare, prlimit or sh missing, or not Linux"
     remove_stale_folders()
+    _clean_up_on_exit()
     if all(map(shutil.which, ("unshare", "prlimit", "sh"))) and sys.platform.startswith("linux"):
         probe = _run("import sys; sys.stdout.write('ok')", "", 10.0, 256, use_namespaces=True)
         namespaces = probe.status == "ok" and probe.stdout == "ok"
@@ -235,8 +245,54 @@ def remove_stale_folders() -> list[str]:
     return removed
 
 
+# This process's running sandboxes: their temporary folder -> their process (None until it starts), what an early
+# exit removes. Only the process that made a folder removes it (a forked child inherits the dict, not the folders).
+_LIVE: dict[str, subprocess.Popen | None] = {}
+_LIVE_LOCK = threading.RLock()  # reentrant: the signal handler may run while the main thread holds it
+_ON_EXIT = []  # set once the exit cleanup is installed
+
+
+def _remove_live_folders() -> None:
+    """Kill the process group of each sandbox this process is running and remove its temporary folder."""
+    with _LIVE_LOCK:
+        live = [(path, process) for path, process in _LIVE.items()
+                if os.path.basename(path).startswith(f"{_TEMP_PREFIX}{os.getpid()}-")]
+    for path, process in live:
+        if process is not None:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _die_of(signum: int, frame) -> None:
+    """SIGTERM or SIGHUP: the sandboxes' folders removed, then the signal's default action (the exit status a
+    process killed by it has)."""
+    _remove_live_folders()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _clean_up_on_exit() -> None:
+    """Remove the running sandboxes' folders when this process exits, or is ended by SIGTERM or SIGHUP whose
+    action is still the default (a handler the program set is left alone; signals are set from the main thread
+    only)."""
+    if _ON_EXIT:
+        return
+    _ON_EXIT.append(True)
+    atexit.register(_remove_live_folders)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) is signal.SIG_DFL:
+            signal.signal(signum, _die_of)
+
+
 def _run(code: str, stdin: str, timeout_s: float, memory_mb: int, use_namespaces: bool) -> SandboxResult:
     host_dir = tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{os.getpid()}-")
+    with _LIVE_LOCK:
+        _LIVE[host_dir] = None
     try:
         paths = {name: os.path.join(host_dir, name) for name in ("main.py", "stdin", "stdout", "stderr")}
         with open(paths["main.py"], "w", encoding="utf-8") as handle:
@@ -265,17 +321,22 @@ def _run(code: str, stdin: str, timeout_s: float, memory_mb: int, use_namespaces
                 command, stdin=fin, stdout=fout, stderr=ferr, cwd=cwd, env=env, preexec_fn=preexec,  # noqa: PLW1509
                 start_new_session=True, close_fds=True,
             )
+            with _LIVE_LOCK:
+                _LIVE[host_dir] = process
             timed_out = False
             try:
                 process.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 timed_out = True
-            _kill_group(process)
+            finally:  # also when the wait is interrupted (Ctrl-C): the program does not outlive its run
+                _kill_group(process)
             duration = time.monotonic() - start
         stdout, stderr = _read(paths["stdout"]), _read(paths["stderr"])
         return SandboxResult(_status(process.returncode, stderr, timed_out), process.returncode, stdout, stderr, duration)
     finally:
         shutil.rmtree(host_dir, ignore_errors=True)
+        with _LIVE_LOCK:
+            _LIVE.pop(host_dir, None)
 
 
 def _kill_group(process: subprocess.Popen) -> None:

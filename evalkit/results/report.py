@@ -431,13 +431,33 @@ def subset_heatmaps(table: pd.DataFrame, samples: pd.DataFrame, task: str, path:
     return path
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose mistakes are one line, ``<prog>: <what is wrong>`` and exit status 2, as the
+    program's other refusals (argparse's own answer starts with the usage)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} ({self.prog} --help shows the arguments)\n")
+
+
+def resamples(text: str) -> int:
+    """``--bootstrap``'s count: a positive integer."""
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"the number of bootstrap resamples must be a positive integer, got {text!r}")
+    return count
+
+
 def main(argv: list[str] | None = None) -> None:
     if (argv := sys.argv[1:] if argv is None else argv)[:1] in (["export"], ["push"]):  # each its module's main
         return (kvpress_export if argv[0] == "export" else hub).main(argv[1:])
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="evalkit-report", description=__doc__.splitlines()[0])
     parser.add_argument("results_dir", type=Path)
     parser.add_argument("--out", type=Path, default=None, help="default: <results_dir>/report")
-    parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the delta intervals")
+    parser.add_argument("--bootstrap", type=resamples, default=2000,
+                        help="bootstrap resamples for the delta intervals (a positive integer)")
     parser.add_argument("--html", action="store_true", help="also write report.html: the report as one page")
     args = parser.parse_args(argv)
     with refusing("evalkit-report"):  # no results directory, a damaged table, an --out that cannot be written

@@ -25,16 +25,18 @@ def check_known(section: dict, known, where: str = "") -> None:
             raise ConfigError(f"unknown setting {where}{key}: {hint}")
 
 
-def method_settings(method_cfg: dict, budget: str | None, method_explicit: bool = True) -> tuple[str, dict]:
+def method_settings(method_cfg: dict, budget: str | None, method_explicit: bool = True,
+                    decoding_for: str | None = None) -> tuple[str, dict]:
     """The method a config's ``method`` section names and its settings, checked against the methods' declarations
     (names, types, bounds: :mod:`evalkit.method_schema`) without importing them: ``(method, settings)``. With
     ``method_explicit`` False, a method without a budget is the full-cache baseline (``evalkit task=X``). Rules
-    between settings and the budget's size wait for the method itself. Raises ConfigError (one line)."""
+    between settings and the budget's size wait for the method itself. ``decoding_for``: the method whose decoding
+    policy this is (spec_prefill's ``then``), named as such in the messages. Raises ConfigError (one line)."""
     method_cfg = dict(method_cfg)
     method = method_cfg.pop("name", None)
     known = schemas()
     if method == "spec_prefill":  # the draft's own settings are checked with it; here those of its decoding method
-        method, method_explicit = method_cfg.get("then") or "full", True
+        method, method_explicit, decoding_for = method_cfg.get("then") or "full", True, "spec_prefill"
         method_cfg = {key: value for key, value in method_cfg.items()
                       if method in known and key in config_settings(known[method])}
     if method not in known:
@@ -46,12 +48,19 @@ def method_settings(method_cfg: dict, budget: str | None, method_explicit: bool 
     error = known[method].problem(params)
     if error:
         raise ConfigError(error)
+    # speculative prefill's decoding method is named as such: the user did not type it as the method
+    via = f"method={decoding_for} decodes with method.then={method}, and " if decoding_for else ""
     if budget is None and known[method].takes_budget:
-        raise InvalidCombination(f"method={method} needs a budget: add +budget=4x (or 2x, 8x, 16x, tokens_N)")
+        raise InvalidCombination(f"{via}method={method} needs a budget: add +budget=4x (or 2x, 8x, 16x, tokens_N)")
     if budget is not None and method == "full":
+        if decoding_for:  # spec_prefill's default decoding: a full cache
+            raise InvalidCombination(f"method={decoding_for} decodes with method.then=full, which takes no budget; "
+                                     "drop +budget, or set method.then=snapkv (or another compressing method) to "
+                                     "compress the cache while decoding")
         raise InvalidCombination("method=full takes no budget; drop +budget or pick a compressing method")
     if budget is not None and not known[method].takes_budget:
-        raise InvalidCombination(f"method={method} sizes its cache by its own settings and takes no budget; drop +budget")
+        raise InvalidCombination(f"{via}method={method} sizes its cache by its own settings and takes no budget; "
+                                 "drop +budget")
     return method, params
 
 
@@ -63,10 +72,11 @@ def policy_from_config(method_cfg: dict, budget: str | None, max_context: int,
     False, a method without a budget is the full-cache baseline (``evalkit task=X``). Raises ConfigError (one line)."""
     import evalkit.compression as ec
 
-    method_cfg = dict(method_cfg)
+    method_cfg, decoding_for = dict(method_cfg), None
     if method_cfg.get("name") == "spec_prefill":  # what the draft's settings leave configures the decoding policy
         method_cfg["name"], method_explicit = spec_prefill_settings(method_cfg)["then"], True
-    method, params = method_settings(method_cfg, budget, method_explicit)
+        decoding_for = "spec_prefill"
+    method, params = method_settings(method_cfg, budget, method_explicit, decoding_for)
     try:
         return ec.policy_from_budget(method, budget, max_context, **params)
     except (ValueError, TypeError) as error:

@@ -57,6 +57,12 @@ class KVFormat:
         codes = (key_dim + value_dim) * self.bits / 8
         return codes + 2 * element * (value_dim / self.group_size + key_dim / self.group_size)
 
+    def quantized_tokens(self, tokens: float, heads: int) -> float:
+        """Of ``tokens`` held tokens of one layer (summed over its ``heads``), those :meth:`held_bytes` prices at
+        ``bits``: all but each head's full-precision residual (at most ``residual`` tokens). None of them where the
+        residual covers what a head holds: the bytes are then the unquantized ones."""
+        return max(0.0, tokens - heads * min(tokens / max(heads, 1), self.residual))
+
     def held_bytes(self, tokens: float, heads: int, key_dim: int, value_dim: int, element: int) -> float:
         """Bytes ``tokens`` held tokens of one layer take (summed over its ``heads``): quantized, but for each head's
         full-precision residual (at most ``residual`` tokens)."""

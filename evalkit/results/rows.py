@@ -162,8 +162,10 @@ def summary_rows(samples: list[dict]) -> list[dict]:
     return metrics
 
 
+# kv_quantized_tokens: of the tokens held at the peak, those priced at kv_bits (empty at 16 bits; see
+# evalkit.compression.engine.accounting); a sample column once the samples table declares it, a metric row always.
 BYTE_COLUMNS = ("kv_bytes_peak", "kv_bytes_reserved", "kv_bytes_full", "kv_bytes_predicted", "memory_ratio",
-                "kv_bytes_prefill_peak", "kv_byte_seconds")
+                "kv_bytes_prefill_peak", "kv_byte_seconds", "kv_quantized_tokens")
 
 
 def byte_rows(frame: pd.DataFrame) -> list[dict]:
@@ -180,6 +182,8 @@ def byte_rows(frame: pd.DataFrame) -> list[dict]:
             "memory_freed": (measured["kv_bytes_reserved"] < measured["kv_bytes_full"]).mean()}
     if "kv_bytes_prefill_peak" in measured and measured["kv_bytes_prefill_peak"].notna().any():
         rows["kv_bytes_prefill_peak_max"] = measured["kv_bytes_prefill_peak"].max()
+    if "kv_quantized_tokens" in measured and measured["kv_quantized_tokens"].notna().any():  # kv_bits < 16
+        rows["kv_quantized_tokens_mean"] = measured["kv_quantized_tokens"].mean()
     predicted = measured.dropna(subset=["kv_bytes_predicted"])
     if len(predicted):
         error = (predicted["kv_bytes_predicted"] - predicted["kv_bytes_peak"]).abs() / predicted["kv_bytes_peak"]

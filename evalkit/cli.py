@@ -77,7 +77,9 @@ def evaluate(cfg: DictConfig, overrides: list[str], sweeping: bool = False, job_
         plain = OmegaConf.to_container(cfg, resolve=True)
         _stop_if_interrupted()
         explicit = method_was_chosen(overrides)
-        checked = precheck(plain, explicit)  # a mistake in the config is answered before torch and transformers load
+        checked = precheck(plain, explicit, sweeping)  # a mistake is answered before torch and transformers load
+        for message in checked["warnings"]:
+            console.warn(message)
         runner = _runner()
         spec = runner.validate(plain, method_explicit=explicit, checked=checked)
         shared = _sweep_share() if sweeping else None
@@ -198,11 +200,21 @@ def single_run(argv: list[str]) -> tuple[DictConfig | None, list[str], str | Non
 
 
 def _one_line(error: Exception) -> str:
-    """A Hydra composition error as one line (with the available options where Hydra lists them)."""
+    """A Hydra composition error as one line (with the available options where Hydra lists them, and the nearest of
+    them to a misspelled option first: ``method=snapkvv: did you mean method=snapkv?``)."""
+    import difflib
+    import re
+
     text = str(error).split("Config search path:")[0].split("\nSee https://")[0]
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if len(lines) > 1 and lines[1].startswith("Available options in"):
-        return f"{lines[0]}; {lines[1].rstrip(':')}: {', '.join(lines[2:])}"
+        missing = re.search(r"Could not find '(?:(.+)/)?([^/']+)'", lines[0])
+        scores = {option: difflib.SequenceMatcher(None, missing[2], option).ratio() for option in lines[2:]} \
+            if missing else {}
+        best = max(scores.values(), default=0)
+        near = [f"{missing[1] or ''}={option}" for option, score in scores.items() if score == best >= 0.6]
+        hint = f"{missing[1] or ''}={missing[2]}: did you mean {' or '.join(near[:3])}? " if near else ""
+        return f"{hint}{lines[0]}; {lines[1].rstrip(':')}: {', '.join(lines[2:])}"
     return " ".join(lines)
 
 
@@ -235,7 +247,9 @@ def without_unknown_options(argv: list[str]) -> list[str]:
                 try:
                     compose("config", overrides=[*fixed, f"{key}={value}"])
                 except MissingConfigException as error:
-                    print(f"evalkit: skipped in this sweep: {key.lstrip('+~')}={value}: {_one_line(error)}", flush=True)
+                    line, choice = _one_line(error), f"{key.lstrip('+~')}={value}"
+                    line = line if line.startswith(f"{choice}:") else f"{choice}: {line}"
+                    print(f"evalkit: skipped in this sweep: {line}", flush=True)
                     continue
                 except Exception:  # noqa: BLE001 (anything else is the job's to report)
                     pass

@@ -27,8 +27,8 @@ from evalkit.task import task_of
 from .digest import chat_template_sha, config_digest, git_output, identify, run_id_for, versions
 from .pricing import memory_rows
 from .results_dir import check_writable, completed_runs, hold, remove_unfinished_tables
-from .spec import RunSpec
-from .tasks import load_task, task_manager, task_object
+from .spec import RunSpec, warn_unpriced_format
+from .tasks import fitting, load_task, task_manager, task_object
 
 
 @dataclasses.dataclass
@@ -110,12 +110,13 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None, shared=None) ->
     progress = Progress(progress_path)
     if progress.resumed:
         say(f"resuming: {progress.resumed} generations already done ({progress_path})")
+    warn_unpriced_format(spec)  # a KV format whose residual covers the cache is priced unquantized: said at the start
     started = dt.datetime.now(dt.timezone.utc)
     run_id = run_id_for(spec, started)
     task = task_of(spec.task, spec.task_options)
     configs = task.configs(spec.task_options, spec.bad_rows, model_path(spec.pretrained))
     seed_everything(spec.seed)  # as lm-eval seeds before it builds tasks: data built at run time (RULER) is the same
-    loaded = [load_task(config) for config in configs]  # bad data fails here, before the model loads
+    loaded = fitting(spec, configs, lambda: [load_task(config) for config in configs])  # bad data or too long a task
     built, skipped_rows = [built for built, _ in loaded], [row for _, skipped in loaded for row in skipped]
     if spec.threads:
         import torch

@@ -4,6 +4,7 @@ model loads, or raises :class:`~evalkit.errors.ConfigError` with one line."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -136,11 +137,12 @@ def _require(section: dict, key: str, where: str):
     return section[key]
 
 
-def precheck(cfg: dict, method_explicit: bool = True) -> dict:
+def precheck(cfg: dict, method_explicit: bool = True, sweeping: bool = False) -> dict:
     """Everything about a composed config that needs neither torch nor a model (keys, the budget's grammar, the
-    method's settings against their declarations, numbers, the task and its options, the device's spelling): the CLI
-    answers these mistakes at once, before the libraries load. Returns the values read, normalised; raises
-    ConfigError with one line."""
+    method's settings against their declarations, numbers, the task and its options, the device's spelling, settings
+    that would take no effect): the CLI answers these mistakes at once, before the libraries load. Returns the values
+    read, normalised, with ``warnings`` (lines to say before the run: what a sweep's job ignores, ``sweeping``);
+    raises ConfigError with one line."""
     check_known(cfg, RUN_KEYS)
     model = cfg.get("model") or {}
     check_known(model, MODEL_KEYS, "model.")
@@ -163,6 +165,7 @@ def precheck(cfg: dict, method_explicit: bool = True) -> dict:
     task_name, options = _checked_task(cfg.get("task") or {})
     return {
         "budget": budget, "max_context": max_context, "task": task_name, "options": options,
+        "warnings": _checked_kv_settings(cfg, sweeping),
         "apply_chat_template": _require_bool(model.get("apply_chat_template", False), "model.apply_chat_template"),
         **_checked_run_settings(cfg),
         "model_name": str(_require(model, "name", "model")),
@@ -218,18 +221,68 @@ def _checked_run_settings(cfg: dict) -> dict:
         "fidelity_tokens": fidelity_tokens, "bad_rows": bad_rows, "device": device, "threads": cfg.get("threads"),
         "resume": _require_bool(cfg.get("resume", True), "resume"),
         "strict_budget": _require_bool(cfg.get("strict_budget", False), "strict_budget"),
-        "parallel": parallel_settings(cfg.get("parallel")),
+        "parallel": parallel_settings(_without_unused("parallel", cfg.get("parallel"), "single", {"replicas": 1},
+                                                      "parallel=ray to shard the run over Ray replicas",
+                                                      "one process runs the whole evaluation")),
         "logger": _logger_settings(cfg.get("logger")),
     }
+
+
+def _without_unused(group: str, section: dict | None, default: str, takes: dict, add: str, instead: str) -> dict | None:
+    """A config group's ``section``, where it names another option than ``default`` or sets nothing beyond ``takes``
+    (the default option's own values); else one line for the setting given beside the default option, which would
+    take no effect (``parallel.replicas=4`` without ``parallel=ray``, ``+logger.project=x`` without a logger):
+    ``add`` says what takes it, ``instead`` what the default option does."""
+    if (section or {}).get("name", default) != default:
+        return section
+    for key, value in (section or {}).items():
+        if key != "name" and value is not None and (key not in takes or value != takes[key]):
+            raise ConfigError(f"{group}.{key}={value} takes no effect with {group}={default} (the default: {instead}); "
+                              f"add {add}, or leave {group}.{key} out")
+    return section
 
 
 def _logger_settings(section: dict | None) -> LoggerSettings | None:
     """The ``logger`` section checked (None: no tracker; then nothing of the trackers' code is imported)."""
     if (section or {}).get("name", "none") == "none":
+        _without_unused("logger", section, "none", {}, "logger=trackio or logger=wandb to log the run",
+                        "the run is logged to no tracker")
         return None
     from evalkit.results.trackers import logger_settings
 
     return logger_settings(section)
+
+
+KV_FORMAT_KEYS = ("kv_group_size", "kv_residual")  # settings of a quantized KV format (kv_bits < 16)
+
+
+@functools.lru_cache(maxsize=1)
+def _config_defaults() -> dict:
+    """conf/config.yaml's own top-level values (the KV format's defaults among them), read as YAML."""
+    from omegaconf import OmegaConf
+
+    from evalkit.paths import conf_dir
+
+    return OmegaConf.to_container(OmegaConf.load(conf_dir() / "config.yaml"))
+
+
+def _checked_kv_settings(cfg: dict, sweeping: bool) -> list[str]:
+    """``kv_bits``, ``kv_group_size`` and ``kv_residual`` are integers whatever ``kv_bits`` is. At ``kv_bits=16`` (no
+    quantization) a group size or residual other than conf/config.yaml's would take no effect: one line, or, in a
+    sweep (where a fixed residual beside ``kv_bits=16,4`` is meant for the quantized jobs), a warning returned."""
+    _require_count(cfg.get("kv_bits", 16), "kv_bits", "a positive integer", 1, optional=False)
+    for name in KV_FORMAT_KEYS:
+        _require_count(cfg.get(name), name, "a positive integer", 1)
+    if cfg.get("kv_bits", 16) != 16:
+        return []
+    unused = [f"{name}={cfg[name]}" for name in KV_FORMAT_KEYS
+              if cfg.get(name) is not None and cfg[name] != _config_defaults().get(name)]
+    if not unused:
+        return []
+    said = f"{' and '.join(unused)} {'takes' if len(unused) == 1 else 'take'} no effect at kv_bits=16 (no quantization)"
+    if sweeping:
+        return [f"{said}: this job runs unquantized"]
+    raise ConfigError(f"{said}: add kv_bits=2, 4 or 8 to quantize the cache, or leave {' and '.join(unused)} out")
 
 
 def _require_count(value, name: str, kind: str, low: int, optional: bool = True) -> None:
@@ -304,8 +357,6 @@ def _kv_format(cfg: dict, scope: str, spec_prefill) -> ec.KVFormat | None:
     bits = cfg.get("kv_bits", 16)
     if bits == 16:
         return None
-    for name in ("kv_bits", "kv_group_size", "kv_residual"):
-        _require_count(cfg.get(name), name, "a positive integer", 1, optional=name != "kv_bits")
     if scope == "context":
         raise ConfigError("kv_bits < 16 takes compression_scope=prompt: the question prefilled on top of a compressed "
                           "context is not quantized as the format's residual rules say")
@@ -315,6 +366,23 @@ def _kv_format(cfg: dict, scope: str, spec_prefill) -> ec.KVFormat | None:
         return ec.KVFormat(bits, cfg.get("kv_group_size", 32), cfg.get("kv_residual", 128))
     except ValueError as error:
         raise ConfigError(str(error)) from None
+
+
+def warn_unpriced_format(spec: RunSpec) -> None:
+    """One warning line where the quantized KV format's full-precision residual covers what a request's cache holds
+    (``kv_residual`` >= the cache's capacity per request: a 64-slot cache with the default 128): the rows then price
+    every held token at full precision, the unquantized bytes (``kv_quantized_tokens`` 0)."""
+    fmt = spec.kv_format
+    capacity = spec.policy.cache_capacity() or spec.max_context
+    if fmt is None or fmt.residual < capacity:
+        return
+    below = (capacity - 1) // fmt.group_size * fmt.group_size
+    remedy = f"kv_residual={below}" if below else f"a kv_group_size and a kv_residual below {capacity}"
+    from evalkit.console import warn
+
+    warn(f"kv_residual={fmt.residual} covers the whole cache ({capacity} tokens per request): the rows price every "
+         f"held token as the full-precision residual, so kv_bytes_peak is the unquantized bytes and kv_quantized_tokens "
+         f"is 0 (the kept prompt is still quantized at prefill); {remedy} prices the {fmt.bits}-bit format")
 
 
 def _checked_runtime(policy, prefill_chunk: int | None, chunk_mode: str, device: str, compile_option):

@@ -4,9 +4,10 @@ and checked. What a task is (its config with the run's options, its members and 
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
-from evalkit.errors import RunError, one_line
-from evalkit.paths import tasks_dir
+from evalkit.errors import ConfigError, RunError, one_line
+from evalkit.paths import conf_dir, tasks_dir
 
 
 @functools.lru_cache(maxsize=1)
@@ -41,3 +42,64 @@ def load_task(config: dict):
                            "load it once where the hub can be reached (HF_DATASETS_CACHE sets where it is kept) or "
                            "point task.dataset.path (and task.dataset.kwargs.data_files) at local files") from None
     return task, skipped
+
+
+# lm-eval's loaders of local files (a task's dataset_path with data_files): nothing to download
+LOCAL_LOADERS = ("json", "csv", "parquet", "text", "arrow")
+
+
+def fitting(spec, configs: list[dict], load):
+    """``load()`` (the task's data: the task configs ``configs`` loaded and checked) with the task checked against
+    the model's context (:func:`check_fit`): before the data where it is downloaded or built (nothing fetched for a
+    run that cannot be), after it where it is read from local files (their own mistakes said first); always before
+    the model loads."""
+    local = all(_local_data(config) for config in configs)
+    if not local:
+        check_fit(spec, configs)
+    loaded = load()
+    if local:
+        check_fit(spec, configs)
+    return loaded
+
+
+def _local_data(config: dict) -> bool:
+    """Whether a task config reads its data from local files."""
+    kwargs = config.get("dataset_kwargs") or {}
+    if config.get("dataset_path") in LOCAL_LOADERS:
+        return True
+    path = kwargs.get("path") or config.get("dataset_path")
+    return isinstance(path, str) and Path(path).expanduser().exists()
+
+
+def check_fit(spec, configs: list[dict]) -> None:
+    """A ConfigError (one line, naming how to choose a model) where the task's prompts cannot fit the model's context
+    (``model.max_context``): the tokens it generates (its ``max_gen_toks``, where the task config gives it) leave no
+    room for a prompt, or the prompt lengths its data declares (needle's ``lengths``) exceed the room left."""
+    for config in configs:
+        if config.get("output_type", "generate_until") != "generate_until":
+            continue
+        reserve = (config.get("generation_kwargs") or {}).get("max_gen_toks")
+        reserve = reserve if isinstance(reserve, int) and not isinstance(reserve, bool) else None
+        room = spec.max_context - (reserve or 0)
+        lengths = (config.get("dataset_kwargs") or {}).get("lengths")
+        longest = max(lengths) if isinstance(lengths, list) and lengths and all(
+            isinstance(n, int | float) for n in lengths) else None
+        if reserve is not None and room < 1:
+            problem = (f"task {spec.task} generates up to {reserve} tokens (task.generation.max_gen_toks), which leaves "
+                       f"no room for a prompt in the {spec.max_context}-token context of model {spec.model_name} "
+                       "(model.max_context)")
+            lower = "lower task.generation.max_gen_toks"
+        elif longest is not None and longest > room:
+            problem = (f"task {spec.task}'s prompts of up to about {longest:g} tokens (task.dataset.lengths) do not fit "
+                       f"the {spec.max_context}-token context of model {spec.model_name} (model.max_context) with "
+                       f"{reserve or 0} tokens to generate")
+            lower = "shorten task.dataset.lengths"
+        else:
+            continue
+        if str(spec.pretrained).startswith("builtin:"):
+            models = sorted(path.stem for path in (conf_dir() / "model").glob("*.yaml") if path.stem != spec.model_name)
+            raise ConfigError(f"{problem}: {spec.model_name} is a built-in test model for task=kv_retrieval; choose "
+                              f"a model for task {spec.task} with model=NAME ({', '.join(models)}) or "
+                              "model.pretrained=PATH")
+        raise ConfigError(f"{problem}: choose a model with a longer context (model=NAME, or model.max_context where "
+                          f"the model takes more), or {lower}")

@@ -3,10 +3,11 @@
     lm_eval --model evalkit --model_args pretrained=PATH,method=snapstream,budget=4x,max_context=8192 \
         --include_path tasks/ --tasks kv_retrieval
 
-This module only adapts lm-eval's requests to evalkit's and back: prompts become ids through
-:class:`evalkit.prompts.PromptEncoder`; ``generate_until`` hands all of a task's requests to
-:class:`evalkit.compression.Engine` (continuous batching over ``batch_size`` static slots); log-likelihood is scored
-against the compressed context (:func:`evalkit.compression.score_continuation`); rolling log-likelihood is refused.
+This module only adapts lm-eval's requests to evalkit's and back (:mod:`evalkit.lm_requests` reads what lm-eval
+hands it): prompts become ids through :class:`evalkit.prompts.PromptEncoder`; ``generate_until`` hands all of a task's
+requests to :class:`evalkit.compression.Engine` (continuous batching over ``batch_size`` static slots); log-likelihood
+is scored against the compressed context (:func:`evalkit.compression.score_continuation`); rolling log-likelihood is
+refused.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from tqdm import tqdm
 
 import evalkit.compression as ec
 from evalkit.console import PhaseBar, stream
-from evalkit.lm_requests import GenerationOptions, model_arguments
+from evalkit.lm_requests import finish_request, model_arguments, prepare_request
 from evalkit.measure import Throughput
 from evalkit.method_config import policy_from_config
 from evalkit.models import load_model, load_spec_prefill
 from evalkit.progress import request_keys, stats_keys
-from evalkit.prompts import PromptEncoder, context_end
+from evalkit.prompts import PromptEncoder
 from evalkit.request_cost import RequestCost
 from evalkit.task import doc_to_question
 
@@ -61,7 +62,7 @@ class EvalkitLM(LM):
         self.prompts = PromptEncoder(tokenizer, self.max_context, compression_scope)
         self.context_unmarked = 0  # compression_scope=context: prompts whose document's end is unknown (compressed whole)
         self.stop_token_ids = ec.stop_token_ids(model, tokenizer)  # every EOS of the generation config and tokenizer
-        self._stop_token_texts = set(tokenizer.convert_ids_to_tokens(self.stop_token_ids))
+        self.stop_token_texts = set(tokenizer.convert_ids_to_tokens(self.stop_token_ids))
         # lm_eval --model evalkit --model_args method=...,budget=...: checked as the evalkit CLI checks a config
         self.policy = policy or policy_from_config({"name": method, **policy_params}, budget, self.max_context)
         self.policy.bind_tokenizer(tokenizer)
@@ -134,7 +135,7 @@ class EvalkitLM(LM):
 
             def finish(completion: ec.Completion) -> None:
                 index = todo[completion.index]
-                text, stats = self._finish(prepared[completion.index], completion)
+                text, stats = finish_request(self, prepared[completion.index], completion)
                 outputs[index] = text
                 self.request_stats[owners[index]] = stats  # by request: requests finish in any order
                 if self.progress is not None:
@@ -168,53 +169,9 @@ class EvalkitLM(LM):
         return hook(request.doc) if hook is not None else None
 
     def _prepare(self, text: str, gen_kwargs: dict, key: str, question: str | None = None) -> dict:
-        """One lm-eval request as an engine request, plus what its text and statistics need afterwards;
-        ``question``: the text that follows the prompt's document (:meth:`_question`)."""
-        options, cut = GenerationOptions.from_lm_eval(gen_kwargs), False
-        if options.truncation == "middle" and options.max_len:  # LongBench: on the raw prompt, before the template
-            text, cut = self.prompts.truncate_raw(text, options.max_len)
-        positions, spec_stats, compress_prefix = None, {}, None
-        if self.spec_prefill is not None:
-            # The draft reads the whole prompt; only the tokens it keeps reach the target, at their positions.
-            input_ids, _, positions, (spec_stats,) = self.spec_prefill.select(
-                [text], self.tokenizer, self.tokenizer.pad_token_id,
-                max_tokens=self.max_context - options.max_new_tokens, add_special_tokens=[self.prompts.add_special_tokens(text)])
-            truncated, positions = spec_stats["truncated"], positions[0]
-        else:
-            input_ids, _, (truncated,), (start,) = self.prompts.encode(
-                [text], options.max_new_tokens, options.truncation, [context_end(text, question)])
-            compress_prefix = start if self.prompts.compression_scope == "context" else None
-            self.context_unmarked += self.prompts.compression_scope == "context" and start is None
-        stop_strings = [s for s in options.until if s and s not in self._stop_token_texts]  # those end it as tokens
-        # The sampling stream comes from the request itself: reproducible whatever ran before or beside it.
-        request = ec.Request(input_ids[0].cpu(), max_new_tokens=options.max_new_tokens, do_sample=options.do_sample,
-                             temperature=options.temperature, top_p=options.top_p, stop_strings=stop_strings,
-                             seed=self.seed + int(key[:8], 16), compress_prefix=compress_prefix, position_ids=positions)
-        return {"request": request, "until": options.until, "truncated": truncated or cut, "spec": spec_stats}
-
-    def _finish(self, prepared: dict, completion: ec.Completion) -> tuple[str, dict]:
-        """The text lm-eval gets (cut at the first stop string) and the request's statistics."""
-        decoded = self.tokenizer.decode(completion.tokens, skip_special_tokens=True)
-        for stop in prepared["until"]:
-            if stop and stop in decoded:
-                decoded = decoded[: decoded.index(stop)]
-        request = prepared["request"]
-        compressed = request.compress_prefix or completion.stats["prompt_tokens"]  # the tokens compression saw
-        kept = completion.stats["kept_prompt_tokens"]
-        stats = {**completion.stats, "truncated": prepared["truncated"], "compression_scope": self.prompts.compression_scope,
-                 "kv_bytes_predicted": self.cost.predicted_bytes(request, completion.stats),
-                 "over_budget": self.cost.over_budget(completion.stats, compressed),
-                 # kvpress' compression_ratio, realized: the fraction of the compressed tokens removed
-                 "compression_ratio": 1 - sum(kept) / len(kept) / compressed if kept else None}
-        if self.fidelity_tokens:
-            ids = prepared["request"].input_ids[None].to(self.device)
-            stats |= ec.fidelity(self.model, ids, self.policy, max_new_tokens=self.fidelity_tokens,
-                                 eos_token_id=self.stop_token_ids)[0]
-        spec = prepared["spec"]
-        if spec:
-            stats |= {"prompt_tokens": spec["prompt_tokens"], "spec_kept_tokens": spec["kept_tokens"],
-                      "draft_seconds": spec["draft_seconds"]}
-        return decoded, stats
+        """One lm-eval request as an engine request (:func:`evalkit.lm_requests.prepare_request`); ``question``: the
+        text that follows the prompt's document (:meth:`_question`)."""
+        return prepare_request(self, text, gen_kwargs, key, question)
 
     # -- log-likelihood --------------------------------------------------------------------------------------------
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:

@@ -1,10 +1,15 @@
-"""What lm-eval hands the ``evalkit`` model, read as evalkit's: ``--model_args`` and a generation request's options."""
+"""What lm-eval hands the ``evalkit`` model, read as evalkit's: ``--model_args``, a generation request's options, the
+engine request built from it and the text and statistics lm-eval gets back."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from evalkit.console import warn
+
+if TYPE_CHECKING:  # torch loads with the model, not with this module
+    import evalkit.compression as ec
 
 
 @dataclasses.dataclass
@@ -51,3 +56,61 @@ def model_arguments(arg_string: str, additional_config: dict | None, cuda_availa
     if str(extra.get("batch_size", "")).startswith("auto"):
         extra.pop("batch_size")
     return {**extra, **args}
+
+
+def prepare_request(lm, text: str, gen_kwargs: dict, key: str, question: str | None = None) -> dict:
+    """One lm-eval request as an engine request of ``lm`` (:class:`evalkit.lm.EvalkitLM`), plus what its text and
+    statistics need afterwards (for :func:`finish_request`); ``question``: the text that follows the prompt's
+    document."""
+    import evalkit.compression as ec
+    from evalkit.prompts import context_end
+
+    options, cut = GenerationOptions.from_lm_eval(gen_kwargs), False
+    if options.truncation == "middle" and options.max_len:  # LongBench: on the raw prompt, before the template
+        text, cut = lm.prompts.truncate_raw(text, options.max_len)
+    positions, spec_stats, compress_prefix = None, {}, None
+    if lm.spec_prefill is not None:
+        # The draft reads the whole prompt; only the tokens it keeps reach the target, at their positions.
+        input_ids, _, positions, (spec_stats,) = lm.spec_prefill.select(
+            [text], lm.tokenizer, lm.tokenizer.pad_token_id,
+            max_tokens=lm.max_context - options.max_new_tokens, add_special_tokens=[lm.prompts.add_special_tokens(text)])
+        truncated, positions = spec_stats["truncated"], positions[0]
+    else:
+        input_ids, _, (truncated,), (start,) = lm.prompts.encode(
+            [text], options.max_new_tokens, options.truncation, [context_end(text, question)])
+        compress_prefix = start if lm.prompts.compression_scope == "context" else None
+        lm.context_unmarked += lm.prompts.compression_scope == "context" and start is None
+    stop_strings = [s for s in options.until if s and s not in lm.stop_token_texts]  # those end it as tokens
+    # The sampling stream comes from the request itself: reproducible whatever ran before or beside it.
+    request = ec.Request(input_ids[0].cpu(), max_new_tokens=options.max_new_tokens, do_sample=options.do_sample,
+                         temperature=options.temperature, top_p=options.top_p, stop_strings=stop_strings,
+                         seed=lm.seed + int(key[:8], 16), compress_prefix=compress_prefix, position_ids=positions)
+    return {"request": request, "until": options.until, "truncated": truncated or cut, "spec": spec_stats}
+
+
+def finish_request(lm, prepared: dict, completion: ec.Completion) -> tuple[str, dict]:
+    """The text lm-eval gets (cut at the first stop string) and the statistics of a request :func:`prepare_request`
+    made, once the engine has finished it."""
+    import evalkit.compression as ec
+
+    decoded = lm.tokenizer.decode(completion.tokens, skip_special_tokens=True)
+    for stop in prepared["until"]:
+        if stop and stop in decoded:
+            decoded = decoded[: decoded.index(stop)]
+    request = prepared["request"]
+    compressed = request.compress_prefix or completion.stats["prompt_tokens"]  # the tokens compression saw
+    kept = completion.stats["kept_prompt_tokens"]
+    stats = {**completion.stats, "truncated": prepared["truncated"], "compression_scope": lm.prompts.compression_scope,
+             "kv_bytes_predicted": lm.cost.predicted_bytes(request, completion.stats),
+             "over_budget": lm.cost.over_budget(completion.stats, compressed),
+             # kvpress' compression_ratio, realized: the fraction of the compressed tokens removed
+             "compression_ratio": 1 - sum(kept) / len(kept) / compressed if kept else None}
+    if lm.fidelity_tokens:
+        ids = prepared["request"].input_ids[None].to(lm.device)
+        stats |= ec.fidelity(lm.model, ids, lm.policy, max_new_tokens=lm.fidelity_tokens,
+                             eos_token_id=lm.stop_token_ids)[0]
+    spec = prepared["spec"]
+    if spec:
+        stats |= {"prompt_tokens": spec["prompt_tokens"], "spec_kept_tokens": spec["kept_tokens"],
+                  "draft_seconds": spec["draft_seconds"]}
+    return decoded, stats

@@ -19,7 +19,8 @@ from tqdm import tqdm
 
 import evalkit.compression as ec
 from evalkit.console import PhaseBar, stream
-from evalkit.lm_requests import finish_request, model_arguments, prepare_request
+from evalkit.errors import ConfigError
+from evalkit.lm_requests import check_model_arguments, finish_request, model_arguments, prepare_request
 from evalkit.measure import Throughput
 from evalkit.method_config import policy_from_config
 from evalkit.models import load_model, load_spec_prefill
@@ -50,15 +51,15 @@ class EvalkitLM(LM):
         super().__init__()
         if model is None:
             if pretrained is None:
-                raise ValueError("give either pretrained=<hub id or path> or a loaded model")
+                raise ConfigError("give either pretrained=<hub id or path> or a loaded model")
             model, tokenizer = load_model(str(pretrained), dtype=dtype, device=device, revision=revision,
                                           device_map=device_map)
         if tokenizer is None:
-            raise ValueError("a loaded model needs its tokenizer")
+            raise ConfigError("a loaded model needs its tokenizer")
         self.model, self.tokenizer = model, tokenizer
         self.max_context = int(max_context or getattr(model.config, "max_position_embeddings", 0) or 0)
         if self.max_context < 1:
-            raise ValueError("max_context is needed when the model config has no max_position_embeddings")
+            raise ConfigError("max_context is needed when the model config has no max_position_embeddings")
         self.prompts = PromptEncoder(tokenizer, self.max_context, compression_scope)
         self.context_unmarked = 0  # compression_scope=context: prompts whose document's end is unknown (compressed whole)
         self.stop_token_ids = ec.stop_token_ids(model, tokenizer)  # every EOS of the generation config and tokenizer
@@ -91,7 +92,9 @@ class EvalkitLM(LM):
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
-        return cls(**model_arguments(arg_string, additional_config, torch.cuda.is_available()))
+        arguments = model_arguments(arg_string, additional_config, torch.cuda.is_available())
+        check_model_arguments(arguments, cls.__init__)  # a mistake is said before the model loads
+        return cls(**arguments)
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):

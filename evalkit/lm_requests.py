@@ -1,12 +1,15 @@
-"""What lm-eval hands the ``evalkit`` model, read as evalkit's: ``--model_args``, a generation request's options, the
-engine request built from it and the text and statistics lm-eval gets back."""
+"""What lm-eval hands the ``evalkit`` model, read as evalkit's: ``--model_args`` (checked before the model loads), a
+generation request's options, the engine request built from it and the text and statistics lm-eval gets back."""
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 from typing import TYPE_CHECKING
 
 from evalkit.console import warn
+from evalkit.errors import ConfigError
 
 if TYPE_CHECKING:  # torch loads with the model, not with this module
     import evalkit.compression as ec
@@ -56,6 +59,37 @@ def model_arguments(arg_string: str, additional_config: dict | None, cuda_availa
     if str(extra.get("batch_size", "")).startswith("auto"):
         extra.pop("batch_size")
     return {**extra, **args}
+
+
+PYTHON_ONLY = ("model", "tokenizer", "policy", "progress")  # the model's arguments that only Python callers pass
+
+
+def check_model_arguments(arguments: dict, model_init) -> None:
+    """``--model_args`` (as :func:`model_arguments` reads them) checked before the model loads, as the model would
+    check them after: each key is an argument of ``model_init`` (the model's ``__init__``) or a setting of the method,
+    the method's settings hold their declarations and the budget reads (:func:`evalkit.method_config.method_settings`,
+    :func:`evalkit.budget.parse`). Raises ConfigError (one line)."""
+    from evalkit import budget as budget_grammar
+    from evalkit.method_config import method_settings
+    from evalkit.method_schema import config_settings, schemas
+
+    own = [name for name, parameter in inspect.signature(model_init).parameters.items()
+           if name != "self" and parameter.kind is not parameter.VAR_KEYWORD]
+    method, budget = arguments.get("method", "full"), arguments.get("budget")
+    settings = {key: value for key, value in arguments.items() if key not in own}
+    known = schemas()
+    if method in known:  # spec_prefill: its own settings and its decoding method's, sorted out by method_settings
+        declared, named = sorted(config_settings(known[method])), sorted(set(own) - set(PYTHON_ONLY))
+        for key in [key for key in settings if key not in declared]:
+            near = difflib.get_close_matches(str(key), named + declared, n=1, cutoff=0.6)
+            hint = f"did you mean {near[0]}?" if near else \
+                f"the model's are {', '.join(named)}; method {method}'s are {', '.join(declared) or 'none'}"
+            raise ConfigError(f"--model_args {key}: evalkit's model has no such setting; {hint}")
+    method_settings({"name": method, **settings}, budget)
+    try:
+        budget_grammar.parse(budget)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def prepare_request(lm, text: str, gen_kwargs: dict, key: str, question: str | None = None) -> dict:

@@ -1,23 +1,74 @@
-"""Mistakes on evalkit's lm-eval surfaces are one line, exit status 2, nothing written: a bad `--model_args` of
-`lm_eval --model evalkit` (checked before the model loads; a mistake found after it, by evalkit's exception hook).
-lm-eval's own errors stay lm-eval's."""
+"""Mistakes on evalkit's two lm-eval surfaces are one line, exit status 2, nothing written: a task of lm-eval's registry
+whose local data file is malformed or empty (`evalkit task=lm_eval task.dataset.path=json ...`), and a bad
+`--model_args` of `lm_eval --model evalkit` (checked before the model loads; a mistake found after it, by evalkit's
+exception hook). lm-eval's own errors stay lm-eval's."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 
 import pytest
+from helpers import evalkit
 
 from evalkit.paths import tasks_dir
+
+LOCAL_FILES_WIRED = pytest.mark.xfail(
+    strict=True, reason="evalkit/run/tasks.py's load_task does not ask tasks/lm_eval/local_files.py's problem() yet")
 
 
 def one_error_line(stderr: str) -> str:
     errors = [line for line in stderr.splitlines() if line.startswith("evalkit:")]
     assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
     return errors[0]
+
+
+# -- evalkit task=lm_eval: the task's local data files ----------------------------------------------------------------
+@LOCAL_FILES_WIRED
+@pytest.mark.parametrize("text, message", [
+    ('{"question": "What is 1 plus 1?", "answer": "#### 2"}\n{"question": \n', "line 2: not valid JSON"),
+    ("", "empty: no rows"),
+])
+def test_a_malformed_or_empty_data_file_is_one_line_naming_it(tmp_path, text, message):
+    data = tmp_path / "gsm8k_test.jsonl"
+    data.write_text(text)
+    results = tmp_path / "results"
+    result = evalkit("budget=4x", "task=lm_eval", "task.name=gsm8k", "task.dataset.path=json",
+                     f"task.dataset.kwargs={{data_files:{{test:{data}}}}}", "limit=2", f"results_dir={results}",
+                     cwd=tmp_path)
+    line = one_error_line(result.stderr)
+    assert result.returncode == 2 and str(data) in line and message in line, result.stderr[-2000:]
+    assert "Loading weights" not in result.stderr and not results.exists()
+
+
+def test_the_local_file_problem_names_the_file_and_what_is_wrong(tmp_path):
+    from datasets.exceptions import DatasetGenerationError
+
+    from evalkit.tasks.lm_eval.local_files import problem
+
+    good, bad, blank = tmp_path / "good.jsonl", tmp_path / "bad.jsonl", tmp_path / "blank.jsonl"
+    good.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
+    bad.write_text(good.read_text() + "[1, 2]\n")
+    blank.write_text("\n\n")
+    assert problem({"data_files": {"train": str(good), "test": [str(bad)]}}) == \
+        f"{bad}: line 2: a row must be a JSON object, got list"
+    assert problem({"data_files": str(tmp_path / "b*.jsonl")}) == f"{bad}: line 2: a row must be a JSON object, got list"
+    assert problem({"data_files": {"test": str(blank)}}) == f"{blank}: empty: no rows"
+    # Files that read: datasets' own failure on them is its first cause, with the files; any other error is not theirs.
+    try:
+        try:
+            raise TypeError("column 'answer' changed from number to string in row 1")
+        except TypeError as cause:
+            raise DatasetGenerationError("An error occurred while generating the dataset") from cause
+    except DatasetGenerationError as error:
+        assert problem({"data_files": str(good)}, error) == \
+            f"{good}: datasets could not read them: column 'answer' changed from number to string in row 1"
+    assert problem({"data_files": str(good)}, ValueError("not the data's")) is None
+    assert problem({"data_files": str(tmp_path / "missing.jsonl")}, StopIteration()) is None  # no file here
+    assert problem(None) is None and problem({"path": "openai/gsm8k"}) is None
 
 
 # -- lm_eval --model evalkit --model_args ... --------------------------------------------------------------------------

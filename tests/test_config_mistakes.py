@@ -44,22 +44,29 @@ def test_the_defaults_given_explicitly_pass_and_a_sweeps_16_bit_job_is_warned_no
 
 # -- a quantized format whose residual covers the cache -----------------------------------------------------------
 def test_a_residual_that_covers_the_cache_is_a_warning_and_the_rows_count_the_tokens_priced_quantized(tmp_path):
-    """SnapStream 4x on the built-in task holds 64 tokens per request: KIVI's default residual of 128 prices every
-    one at full precision (the 16-bit bytes); said at the start, and kv_quantized_tokens_mean says 0. A residual of
-    32 prices the format: fewer bytes, tokens counted."""
+    """SnapStream 4x on the built-in task holds 64 tokens per request: under KIVI's default residual of 128 its
+    generated tokens are never quantized, only its kept prompt (said at the start; the rows price and count the
+    prompt quantized, below the 16-bit bytes). A residual of 32 says nothing (generated tokens beyond it are
+    quantized)."""
     results = tmp_path / "results"
     covered = evalkit("+budget=4x", "kv_bits=4", "limit=2", f"results_dir={results}", cwd=tmp_path)
     assert covered.returncode == 0, covered.stderr[-2000:]
     (line,) = error_lines(covered)
     assert line.startswith("evalkit: WARNING: kv_residual=128 covers the whole cache (64 tokens per request)"), line
-    assert "kv_bytes_peak is the unquantized bytes" in line and "kv_residual=32 prices the 4-bit format" in line
+    assert "only the kept prompt is" in line and "kv_residual=32 quantizes them too" in line
     priced = evalkit("+budget=4x", "kv_bits=4", "kv_residual=32", "limit=2", f"results_dir={results}", cwd=tmp_path)
     assert priced.returncode == 0 and error_lines(priced) == [], priced.stderr[-2000:]
     metrics = pd.read_parquet(results / "metrics")
     values = metrics[metrics["metric"].isin(["kv_quantized_tokens_mean", "kv_bytes_peak_mean"])].pivot_table(
         index="kv_residual", columns="metric", values="value")
-    assert values.loc[128, "kv_quantized_tokens_mean"] == 0 and values.loc[32, "kv_quantized_tokens_mean"] > 0
-    assert values.loc[32, "kv_bytes_peak_mean"] < values.loc[128, "kv_bytes_peak_mean"]
+    # the built-in task generates a few tokens, fewer than either residual: the same prompt quantized under both
+    assert 0 < values.loc[128, "kv_quantized_tokens_mean"] <= values.loc[32, "kv_quantized_tokens_mean"]
+    assert values.loc[32, "kv_bytes_peak_mean"] <= values.loc[128, "kv_bytes_peak_mean"]
+    sixteen = evalkit("+budget=4x", "limit=2", f"results_dir={results}", cwd=tmp_path)
+    assert sixteen.returncode == 0, sixteen.stderr[-2000:]
+    metrics = pd.read_parquet(results / "metrics")
+    peak = metrics[metrics["metric"] == "kv_bytes_peak_mean"].groupby("kv_bits", dropna=False)["value"].min()
+    assert peak.loc[4] < peak.drop(4).iloc[0]  # the quantized prompt priced below the 16-bit cache
     assert metrics.groupby("kv_residual")["config_digest"].nunique().eq(1).all()
 
 
@@ -67,10 +74,13 @@ def test_the_tokens_priced_quantized_are_those_beyond_each_heads_residual():
     import evalkit.compression as ec
 
     fmt = ec.KVFormat(4, 32, 128)
-    assert fmt.quantized_tokens(2 * 64, 2) == 0  # a 64-token cache per head: all residual
+    assert fmt.quantized_tokens(2 * 64, 2) == 0  # generated unknown: each head's last 128 held ones are the residual
     assert fmt.quantized_tokens(2 * 300, 2) == 2 * (300 - 128)
+    assert fmt.quantized_tokens(2 * 64, 2, generated=20) == 2 * 44  # the kept prompt is quantized, 20 fed back are not
+    assert fmt.quantized_tokens(2 * 300, 2, generated=200) == 2 * (300 - 128)
     full = 2 * 64 * 4  # float32 keys and values of one head, 64 wide
-    assert fmt.held_bytes(2 * 64, 2, 64, 64, 4) == 2 * 64 * full  # priced as the unquantized cache
+    assert fmt.held_bytes(2 * 64, 2, 64, 64, 4) == 2 * 64 * full  # all residual: the unquantized bytes
+    assert fmt.held_bytes(2 * 64, 2, 64, 64, 4, generated=0) == 2 * 64 * fmt.token_bytes(64, 64, 4)
 
 
 # -- misleading one-liners ----------------------------------------------------------------------------------------

@@ -130,18 +130,22 @@ def test_kv_bytes_are_what_the_format_stores():
 
 def test_the_simulator_prices_the_format_as_the_rows_do():
     """Llama-3.1-8B at a 32k-token cache of 4x: 4-bit KV (groups of 32, residual 128) holds 1/12.4 of the full cache
-    per request (1/14.5 with groups of 128: the scales and the residual are what keeps it from 1/16); the deployment
-    verdict fits a larger batch."""
+    per request once 128 generated tokens are held at full precision (1/14.5 with groups of 128: the scales and the
+    residual are what keeps it from 1/16), 1/12.8 and 1/15.1 right after prefill (the kept prompt quantized whole);
+    the deployment verdict fits a larger batch."""
     import dataclasses
 
     from evalkit import memory
 
     geometry = memory.resolve_model("llama31_8b")
     full = geometry.request_kv_bytes(32768, 1, "bf16")
-    for group, ratio in ((32, 12.4), (128, 14.5)):
-        quantized = geometry.request_kv_bytes(32768, 1, "bf16", prompt_capacity=8192,
-                                              kv_format=ec.KVFormat(4, group, 128))
-        assert full / quantized == pytest.approx(ratio, rel=0.01)
+    for group, decoding, prefilled in ((32, 12.4, 12.8), (128, 14.5, 15.06)):
+        fmt = ec.KVFormat(4, group, 128)
+        quantized = geometry.request_kv_bytes(32768, 300, "bf16", prompt_capacity=8192, cache_capacity=8192,
+                                              kv_format=fmt)
+        assert full / quantized == pytest.approx(decoding, rel=0.01)
+        quantized = geometry.request_kv_bytes(32768, 1, "bf16", prompt_capacity=8192, kv_format=fmt)
+        assert full / quantized == pytest.approx(prefilled, rel=0.01)
     deployment = memory.load_deployment("llama31_8b_tp1_128k")
     plain = memory.price(deployment, 32768)
     packed = memory.price(dataclasses.replace(deployment, kv_format=ec.KVFormat(4, 32, 128)), 32768)

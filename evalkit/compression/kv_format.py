@@ -57,19 +57,25 @@ class KVFormat:
         codes = (key_dim + value_dim) * self.bits / 8
         return codes + 2 * element * (value_dim / self.group_size + key_dim / self.group_size)
 
-    def quantized_tokens(self, tokens: float, heads: int) -> float:
-        """Of ``tokens`` held tokens of one layer (summed over its ``heads``), those :meth:`held_bytes` prices at
-        ``bits``: all but each head's full-precision residual (at most ``residual`` tokens). None of them where the
-        residual covers what a head holds: the bytes are then the unquantized ones."""
-        return max(0.0, tokens - heads * min(tokens / max(heads, 1), self.residual))
+    def residual_tokens(self, tokens: float, heads: int, generated: float | None = None) -> float:
+        """Of ``tokens`` held tokens of one layer (summed over its ``heads``), those at full precision: per head the
+        last ``residual`` generated ones (the kept prompt is quantized whole at the end of prefill), so at most the
+        ``generated`` tokens fed back; where ``generated`` is not known (a steady state), ``residual`` per head."""
+        per_head = tokens / max(heads, 1)
+        return heads * min(per_head, self.residual, per_head if generated is None else generated)
 
-    def held_bytes(self, tokens: float, heads: int, key_dim: int, value_dim: int, element: int) -> float:
-        """Bytes ``tokens`` held tokens of one layer take (summed over its ``heads``): quantized, but for each head's
-        full-precision residual (at most ``residual`` tokens)."""
+    def quantized_tokens(self, tokens: float, heads: int, generated: float | None = None) -> float:
+        """Of ``tokens`` held tokens of one layer (summed over its ``heads``), those :meth:`held_bytes` prices at
+        ``bits``: all but the full-precision residual (:meth:`residual_tokens`)."""
+        return max(0.0, tokens - self.residual_tokens(tokens, heads, generated))
+
+    def held_bytes(self, tokens: float, heads: int, key_dim: int, value_dim: int, element: int,
+                   generated: float | None = None) -> float:
+        """Bytes ``tokens`` held tokens of one layer take (summed over its ``heads``): quantized, but for the
+        full-precision residual (:meth:`residual_tokens`)."""
         full = (key_dim + value_dim) * element
-        residual = heads * min(tokens / max(heads, 1), self.residual)
-        return tokens * self.token_bytes(key_dim, value_dim, element) + residual * (full - self.token_bytes(
-            key_dim, value_dim, element))
+        quantized = self.token_bytes(key_dim, value_dim, element)
+        return tokens * quantized + self.residual_tokens(tokens, heads, generated) * (full - quantized)
 
     # -- the numerics --------------------------------------------------------------------------------------------------
     def quantized(self, x: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:

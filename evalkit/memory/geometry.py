@@ -111,7 +111,7 @@ class ModelGeometry:
         then every generated token but the last written, up to ``cache_capacity`` (None: no cap). Full-attention
         layers hold that; a hybrid model's sliding-window layers hold at most their window of all the tokens.
         ``kv_format`` (:class:`evalkit.compression.KVFormat`): the full-attention layers' tokens priced as it stores
-        them (codes, scales, minima, the full-precision residual)."""
+        them (codes, scales, minima, the full-precision residual: at most the ``decoded`` tokens written)."""
         decoded = max(generated - 1, 0)
         head = prompt - uncompressed_tail
         kept = (head if prompt_capacity is None else min(head, prompt_capacity)) + uncompressed_tail + decoded
@@ -119,7 +119,8 @@ class ModelGeometry:
         sliding = min(prompt + decoded, self.sliding_window) if self.sliding_layers else 0
         if kv_format is not None and self.attention != "mla":
             element = dtype_bytes(dtype)
-            held = kv_format.held_bytes(kept * self.kv_heads, self.kv_heads, self.head_dim, self.head_dim, element)
+            held = kv_format.held_bytes(kept * self.kv_heads, self.kv_heads, self.head_dim, self.head_dim, element,
+                                        decoded)
             return (self.layers - self.sliding_layers) * held + \
                 self.sliding_layers * sliding * self.values_per_token_per_layer() * element
         tokens = (self.layers - self.sliding_layers) * kept + self.sliding_layers * sliding

@@ -130,6 +130,7 @@ SAMPLE_COLUMNS: dict[str, pa.DataType] = {
     # the memory-time product: the prefill's peak over its seconds, then the mean bytes held per decode step over the
     # decode seconds (byte-seconds)
     "kv_byte_seconds": pa.float64(),
+    "kv_quantized_tokens": pa.float64(),  # under kv_bits < 16: of the tokens held at the peak, those held quantized
     "over_budget": pa.bool_(),  # the cache held more than the budget allows (None: no budget)
 }
 

@@ -370,8 +370,9 @@ def _kv_format(cfg: dict, scope: str, spec_prefill) -> ec.KVFormat | None:
 
 def warn_unpriced_format(spec: RunSpec) -> None:
     """One warning line where the quantized KV format's full-precision residual covers what a request's cache holds
-    (``kv_residual`` >= the cache's capacity per request: a 64-slot cache with the default 128): the rows then price
-    every held token at full precision, the unquantized bytes (``kv_quantized_tokens`` 0)."""
+    (``kv_residual`` >= the cache's capacity per request: a 64-slot cache with the default 128): the generated tokens
+    then stay at full precision for as long as the cache holds them, and only the kept prompt is quantized (what the
+    rows price; ``kv_quantized_tokens`` counts it)."""
     fmt = spec.kv_format
     capacity = spec.policy.cache_capacity() or spec.max_context
     if fmt is None or fmt.residual < capacity:
@@ -380,9 +381,9 @@ def warn_unpriced_format(spec: RunSpec) -> None:
     remedy = f"kv_residual={below}" if below else f"a kv_group_size and a kv_residual below {capacity}"
     from evalkit.console import warn
 
-    warn(f"kv_residual={fmt.residual} covers the whole cache ({capacity} tokens per request): the rows price every "
-         f"held token as the full-precision residual, so kv_bytes_peak is the unquantized bytes and kv_quantized_tokens "
-         f"is 0 (the kept prompt is still quantized at prefill); {remedy} prices the {fmt.bits}-bit format")
+    warn(f"kv_residual={fmt.residual} covers the whole cache ({capacity} tokens per request): generated tokens are "
+         f"never quantized while it holds them, only the kept prompt is (kv_quantized_tokens counts what is); "
+         f"{remedy} quantizes them too")
 
 
 def _checked_runtime(policy, prefill_chunk: int | None, chunk_mode: str, device: str, compile_option):

@@ -18,7 +18,7 @@ import pandas as pd
 
 from evalkit.compression.prefill_store import sharing_prefills
 from evalkit.console import say, warn
-from evalkit.errors import Interrupted, RunError, model_unavailable, one_line
+from evalkit.errors import ConfigError, Interrupted, RunError, model_unavailable, one_line
 from evalkit.progress import Progress
 from evalkit.results import lm_eval_files, metrics_table, samples_table, trackers, write_table
 from evalkit.results.rows import group_rows, tidy_rows
@@ -168,8 +168,8 @@ def load_lm(spec: RunSpec, progress: Progress | None = None, model=None, tokeniz
         )
     except OSError as error:
         raise RunError(model_unavailable(spec.pretrained, error)) from None
-    except ValueError as error:
-        raise RunError(f"model {spec.pretrained}: {one_line(error)}") from None
+    except ValueError as error:  # a config error (a learned file's against the model's layers) stays one
+        raise error if isinstance(error, ConfigError) else RunError(f"model {spec.pretrained}: {one_line(error)}") from None
     if spec.parallel is not None:
         from evalkit.parallel.pool import ReplicaPool
 

@@ -1,8 +1,10 @@
 """report.html: the report of a results directory as one self-contained page (``evalkit-report RESULTS --html``).
 
 Everything is inline (CSS, a small sorting script, the report's plots as base64 PNG): the file opens from disk with
-no network. Its tables, the pivot and the runs against the full cache, sort by a click on a header; each run links to
-its own section further down, which holds its config, its samples and relative links to its CSV tables.
+no network. What every run shares is said once at the top (every value one click away); the tables lead with what
+sets the runs apart and their score: the primary metric by method and budget, then the runs against the full cache
+(every column of them one click away). They sort by a click on a header; each run links to its own section further
+down, which holds its config, its samples and relative links to its CSV tables.
 """
 
 from __future__ import annotations
@@ -20,18 +22,20 @@ import pandas as pd
 from evalkit import budget as budget_grammar
 
 from .tables import CONFIG_COLUMNS, read_runs
+from .terminal_report import FOLLOW_THE_BUDGET, differing_settings, shared_settings
 
 SAMPLE_COLUMNS = ["doc_id", "subset", "repeat", "prediction", "target", "score", "prompt_tokens", "generated_tokens",
                   "compression_ratio", "kv_bytes_peak"]
 MAX_SAMPLES = 500  # per run on the page; the CSV has them all
 LEADING = ["metric", "value", "stderr", "baseline", "delta", "95% CI", "paired_docs", "realized_ratio"]
+LONG = 40  # characters: a longer cell (a fingerprint, JSON) is cut to one line, its whole text on hover
 
 STYLE = """
 :root { --ink: #1f2328; --muted: #656d76; --line: #d0d7de; --soft: #f6f8fa; --accent: #0969da; }
 * { box-sizing: border-box; }
 body { margin: 0; font: 14px/1.5 -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; color: var(--ink);
        background: #fff; }
-main { max-width: 1280px; margin: 0 auto; padding: 24px 32px 64px; }
+main { max-width: 1600px; margin: 0 auto; padding: 24px 32px 64px; }
 header { border-bottom: 1px solid var(--line); margin-bottom: 8px; }
 h1 { font-size: 26px; margin: 8px 0 4px; }
 h2 { font-size: 19px; margin: 36px 0 8px; padding-bottom: 4px; border-bottom: 1px solid var(--line); }
@@ -41,7 +45,9 @@ a { color: var(--accent); text-decoration: none; }
 a:hover { text-decoration: underline; }
 .scroll { overflow-x: auto; border: 1px solid var(--line); border-radius: 6px; }
 table { border-collapse: collapse; width: 100%; font-variant-numeric: tabular-nums; }
-th, td { padding: 5px 10px; border-bottom: 1px solid var(--line); text-align: left; vertical-align: top; }
+th, td { padding: 5px 10px; border-bottom: 1px solid var(--line); text-align: left; vertical-align: top;
+         white-space: nowrap; }
+td.long { max-width: 28ch; overflow: hidden; text-overflow: ellipsis; }
 th { background: var(--soft); font-weight: 600; white-space: nowrap; position: sticky; top: 0; }
 table.sortable th { cursor: pointer; user-select: none; }
 table.sortable th::after { content: " \\2195"; color: #afb8c1; font-size: 11px; }
@@ -65,6 +71,8 @@ dl.config { display: grid; grid-template-columns: max-content 1fr; gap: 2px 16px
 dl.config dt { color: var(--muted); }
 dl.config dd { margin: 0; font-family: ui-monospace, monospace; word-break: break-all; }
 details summary { cursor: pointer; color: var(--accent); margin: 6px 0; }
+p.shared { margin: 12px 0 0; }
+p.shared code { background: var(--soft); padding: 1px 5px; border-radius: 4px; }
 details .scroll { max-height: 480px; overflow-y: auto; }
 """
 
@@ -122,9 +130,12 @@ def _cell(column: str, value, numeric: bool, extra: str = "") -> str:
         factor = budget_grammar.factor(value) if isinstance(value, str) and value != "full" else 1.0
         return f'<td data-sort="{0 if math.isnan(factor) else factor}">{html.escape(_text(value))}</td>'
     kind = "num" if numeric or column == "95% CI" else "text" if column in ("prediction", "target") else ""
-    attributes = f' class="{" ".join(filter(None, [kind, extra]))}"' if kind or extra else ""
+    long = kind != "text" and len(_text(value)) > LONG
+    attributes = f' class="{" ".join(filter(None, [kind, "long" if long else "", extra]))}"' if kind or extra or long \
+        else ""
     sort = f' data-sort="{float(value)!r}"' if _number(value) else ""
-    return f"<td{attributes}{sort}>{html.escape(_text(value))}</td>"
+    title = f' title="{html.escape(_text(value))}"' if long else ""
+    return f"<td{attributes}{sort}{title}>{html.escape(_text(value))}</td>"
 
 
 def table(frame: pd.DataFrame, table_id: str, links: dict[int, str] | None = None, classes=None) -> str:
@@ -144,9 +155,22 @@ def table(frame: pd.DataFrame, table_id: str, links: dict[int, str] | None = Non
             f"<tbody>{''.join(rows)}</tbody></table></div>")
 
 
-def runs_table(summary: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
+def _one_metric(summary: pd.DataFrame) -> str | None:
+    """The primary metric when every run reports the same one, else None."""
+    metrics = summary["metric"].dropna().unique() if "metric" in summary else []
+    return str(metrics[0]) if len(metrics) == 1 else None
+
+
+def _differing(summary: pd.DataFrame, column: str) -> bool:
+    return summary[column].map(_text).nunique() > 1
+
+
+def runs_table(summary: pd.DataFrame, compact: bool = False) -> tuple[pd.DataFrame, dict]:
     """The summary's columns worth a reader's eye, in reading order (columns no run filled are left out), and the
-    delta cells whose 95% interval is below or above zero."""
+    delta cells whose 95% interval is below or above zero. ``compact``: what sets the runs apart (task and model
+    where they differ, method, budget, :func:`evalkit.results.terminal_report.differing_settings`) and the score
+    (the column named after the primary metric where all runs share one), its delta and how much smaller the KV
+    cache was."""
     frame = summary.copy()
     if {"delta_low", "delta_high"} <= set(frame):
         frame["95% CI"] = [f"[{low:.3f}, {high:.3f}]" if not (_missing(low) or _missing(high)) else None
@@ -156,7 +180,15 @@ def runs_table(summary: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
                                                    "run_id", "delta_low", "delta_high", "#"}]
     frame["#"] = range(1, len(frame) + 1)  # the report's order; links to the run's section
     columns = ["#", "task", "model", "method", "budget", *settings, *[c for c in LEADING if c in frame], *rest]
-    frame = frame[columns].dropna(axis=1, how="all")
+    if compact:
+        keys = [c for c in ("task", "model") if _differing(summary, c)]
+        score = ["value", "stderr"] if _one_metric(summary) else ["metric", "value", "stderr"]
+        columns = ["#", *keys, "method", "budget", *differing_settings(summary), *score, "delta", "95% CI",
+                   "memory_ratio"]
+    frame = frame[[c for c in columns if c in frame]].dropna(axis=1, how="all")
+    if compact:
+        frame = frame.rename(columns={"value": _one_metric(summary) or "value", "stderr": "±",
+                                      "memory_ratio": "KV smaller (×)"})
     classes = {}
     if "delta" in frame:
         for position, (low, high) in enumerate(zip(summary.get("delta_low", []), summary.get("delta_high", []))):
@@ -165,6 +197,33 @@ def runs_table(summary: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
             elif not _missing(low) and low > 0:
                 classes[(position, "delta")] = "better"
     return frame, classes
+
+
+def score_pivot(summary: pd.DataFrame) -> pd.DataFrame:
+    """The primary metric with the budgets as columns (the full cache first) and as rows the method, the task and
+    model where they differ, and the settings that tell apart runs of one method and budget (a swept window): the
+    settings that only follow the budget (StreamingLLM's window) share a row. Where that would put two runs in one
+    cell, the rows are report.md's pivot's (every setting that differs)."""
+    from .report import _distinguishing, pivot
+
+    settings = [c for c in _distinguishing(summary) if c not in FOLLOW_THE_BUDGET]
+    try:
+        wide = pivot(summary[["task", "model", "method", *settings, "budget", "value"]]).reset_index()
+    except ValueError:  # two runs in one cell: every setting that differs makes the rows
+        wide = pivot(summary).reset_index()
+    return wide.drop(columns=[c for c in ("task", "model") if not _differing(summary, c)])
+
+
+def shared_block(shared: dict) -> str:
+    """What every run shares, said once: the short values on a line, every value one click away."""
+    short = " · ".join(f"{html.escape(key)} <code>{html.escape(_text(value))}</code>"
+                       for key, value in shared.items() if len(_text(value)) <= LONG)
+    every = "".join(f"<dt>{html.escape(key)}</dt><dd>{html.escape(_text(value))}</dd>" for key, value in shared.items())
+    long = sum(len(_text(value)) > LONG for value in shared.values())
+    return (f'<p class="shared" id="shared">Same in every run: {short or "-"}</p>'
+            f"<details><summary>Every setting the runs share ({len(shared)}"
+            f"{f', {long} of them fingerprints or JSON' if long else ''})</summary>"
+            f'<dl class="config">{every}</dl></details>')
 
 
 def _anchor(run_id: str) -> str:
@@ -204,13 +263,12 @@ def write_page(results_dir: str | Path, paths: dict[str, Path]) -> Path:
     wrote)."""
     results_dir, out = Path(results_dir), Path(paths["markdown"]).parent
     summary = pd.read_csv(paths["summary"], keep_default_na=True)
-    pivot = pd.read_csv(paths["pivot"], dtype=str, keep_default_na=False).replace("", None)
-    pivot = pivot.apply(lambda column: pd.to_numeric(column) if column.name.startswith(("budget ", "full"))
-                        else column)
     metrics, samples = read_runs(results_dir)
     configs = metrics.drop_duplicates("run_id", keep="last").set_index("run_id")
     config_columns = [c for c in CONFIG_COLUMNS if c in configs and c != "run_id"]
-    runs, classes = runs_table(summary)
+    shared = shared_settings(metrics[metrics["run_id"].isin(summary["run_id"])])
+    runs, classes = runs_table(summary, compact=True)
+    every, _ = runs_table(summary)
     links = {position: _anchor(run_id) for position, run_id in enumerate(summary["run_id"])}
     plots = [p for p in paths.values() if Path(p).suffix == ".png"]
     sections = [run_section(run_id, configs.loc[run_id, config_columns].to_dict(),
@@ -222,15 +280,18 @@ def write_page(results_dir: str | Path, paths: dict[str, Path]) -> Path:
 <body><main>
 <header><h1>evalkit report</h1><p class="meta"><code>{html.escape(str(results_dir))}</code> · {len(summary)} runs ·
 tasks {html.escape(", ".join(sorted(summary["task"].astype(str).unique())))} · written {made}</p></header>
-<h2 id="pivot">Primary metric by task, model, method and budget</h2>
+{shared_block(shared)}
+<h2 id="pivot">{html.escape(_one_metric(summary) or "Primary metric")} by method and budget</h2>
 <p class="note">One cell per configuration; runs that differ in any config column are never averaged.
 Click a header to sort.</p>
-{table(pivot, "pivot-table")}
+{table(score_pivot(summary), "pivot-table")}
 <h2 id="runs">Runs against the full-cache baseline</h2>
 <p class="note"><code>delta</code> = value - baseline on the documents both runs scored (<code>paired_docs</code>),
 with its paired bootstrap 95% interval: red where the interval lies below zero, green above. A run's number
 links to its config and samples.</p>
 {table(runs, "runs-table", links, classes)}
+<details id="every-column"><summary>Every column of these runs ({len(every.columns)}: each setting that differs, what
+each run measured)</summary>{table(every, "runs-full-table", links, classes)}</details>
 <h2 id="plots">Plots</h2>
 <div class="plots">{"".join(figure(p) for p in plots)}</div>
 <h2 id="details">Runs: config and samples</h2>

@@ -1,5 +1,6 @@
 """What ``evalkit-report`` prints: a line per configuration and where the report went (report.md has every column
-and the plots)."""
+and the plots); and which settings tell the runs apart and which they share, for the terminal and report.html
+alike."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ from pathlib import Path
 
 import pandas as pd
 
-# Config columns left to report.md: long, or implied by the budget and the method.
-NOT_ON_THE_TERMINAL = {"policy_params", "capacity", "decode_method"}
+WIDTH = 120  # a terminal's columns
+LONGEST_CELL = 30  # a longer value (a fingerprint, JSON) is cut to this many characters on the terminal
+# What the policy records of its budget (the capacity, the decode rule, every field as JSON): implied by the method
+# and the budget, never what sets a configuration apart.
+FOLLOW_THE_BUDGET = {"policy_params", "capacity", "decode_method"}
 
 
 def summary(results_dir: Path, paths: dict[str, Path]) -> str:
@@ -20,19 +24,64 @@ def summary(results_dir: Path, paths: dict[str, Path]) -> str:
                       f"written to {out}/: {', '.join(names)} (report.md: every column, the plots)"])
 
 
-def terminal_table(table: pd.DataFrame) -> str:
-    """A configuration per line (the keys in which runs differ), its primary metric, its delta against the full cache
-    with the 95% interval, and how much smaller its KV cache was."""
-    from .report import _label  # a cell as report.md writes it ("-" for missing, whole floats as integers)
+def differing_settings(table: pd.DataFrame) -> list[str]:
+    """The settings of a summary (:func:`evalkit.results.report.summarize`) that differ between runs of one task,
+    model and method (a swept window, limit or scope; a window that follows the budget): what sets a configuration
+    apart beside those and its budget. Left out: what follows the task or the model alone (its source, context,
+    chat template, options), the method alone (its defaults) or the budget (:data:`FOLLOW_THE_BUDGET`)."""
+    from .report import _label, _settings
 
-    keys = [c for c in table.columns[:table.columns.get_loc("metric")] if c not in NOT_ON_THE_TERMINAL]
-    shown = table[keys].map(_label)
-    shown["metric"] = table["metric"]
-    shown["value"] = [f"{v:.4f}" + (f" ± {e:.4f}" if pd.notna(e) else "") for v, e in zip(table["value"], table["stderr"])]
+    groups = table.groupby(["task", "model", "method"], dropna=False)
+    return [c for c in _settings(table) if c not in FOLLOW_THE_BUDGET
+            and (groups[c].agg(lambda values: values.map(_label).nunique()) > 1).any()]
+
+
+def shared_settings(metrics: pd.DataFrame) -> dict[str, object]:
+    """The config columns every run of ``metrics`` has the same value in (missing in none), the task and model first,
+    then in the tables' order: what report.html states once instead of in every row."""
+    from .report import RUN_KEYS, _label, config_columns
+
+    runs = metrics.drop_duplicates("run_id")
+    columns = sorted(config_columns(runs), key=lambda c: RUN_KEYS.index(c) if c in RUN_KEYS else len(RUN_KEYS))
+    return {c: runs[c].iloc[0] for c in columns
+            if c != "run_id" and runs[c].notna().all() and runs[c].map(_label).nunique() == 1}
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= LONGEST_CELL else text[:LONGEST_CELL - 1] + "…"
+
+
+def terminal_table(table: pd.DataFrame, width: int = WIDTH) -> str:
+    """A configuration per line: its task, model, method and budget, the settings that set it apart
+    (:func:`differing_settings`), its primary metric, its delta against the full cache with the 95% interval, and how
+    much smaller its KV cache was. Within ``width`` characters: where the lines would be longer, the task, model and
+    metric that are the same on every line are said once above the table instead, then settings are left out from
+    the last one (named under the table; report.md has them)."""
+    from .report import RUN_KEYS, _label  # a cell as report.md writes it ("-" for missing, whole floats as integers)
+
+    settings = differing_settings(table)
+    cells = {c: table[c].map(_label).map(_cut) for c in [*RUN_KEYS, *settings]}
+    cells["metric"] = table["metric"]
+    cells["value"] = [f"{v:.4f}" + (f" ± {e:.4f}" if pd.notna(e) else "") for v, e in zip(table["value"], table["stderr"])]
     if "delta" in table:
-        shown["vs full (95% CI)"] = [f"{d:+.4f} [{lo:+.3f}, {hi:+.3f}]" if pd.notna(d) else "-"
+        cells["vs full (95% CI)"] = [f"{d:+.4f} [{lo:+.3f}, {hi:+.3f}]" if pd.notna(d) else "-"
                                      for d, lo, hi in zip(table["delta"], table["delta_low"], table["delta_high"])]
     if "memory_ratio" in table:
-        shown["KV smaller"] = [f"{r:.2f}x" if pd.notna(r) else "-" for r in table["memory_ratio"]]
-    return shown.to_string(index=False)
+        cells["KV smaller"] = [f"{r:.2f}x" if pd.notna(r) else "-" for r in table["memory_ratio"]]
 
+    def lines(columns: list[str]) -> str:
+        return pd.DataFrame({c: cells[c] for c in columns}).to_string(index=False)
+
+    def fits(text: str) -> bool:
+        return max(map(len, text.splitlines())) <= width
+
+    columns, same, dropped = list(cells), [], []
+    if not fits(lines(columns)):
+        same = [c for c in ("task", "model", "metric") if pd.Series(cells[c]).nunique() == 1]
+        columns = [c for c in columns if c not in same]
+    while not fits(lines(columns)) and any(c in settings for c in columns):
+        dropped.insert(0, [c for c in columns if c in settings][-1])
+        columns.remove(dropped[0])
+    said = [f"same in every run: {' · '.join(f'{c} {pd.Series(cells[c]).iloc[0]}' for c in same)}"] if same else []
+    return "\n".join([*said, lines(columns), *([f"also set apart by {', '.join(dropped)}: see report.md"]
+                                               if dropped else [])])

@@ -16,9 +16,6 @@ from helpers import evalkit
 
 from evalkit.paths import tasks_dir
 
-LOCAL_FILES_WIRED = pytest.mark.xfail(
-    strict=True, reason="evalkit/run/tasks.py's load_task does not ask tasks/lm_eval/local_files.py's problem() yet")
-
 
 def one_error_line(stderr: str) -> str:
     errors = [line for line in stderr.splitlines() if line.startswith("evalkit:")]
@@ -27,7 +24,6 @@ def one_error_line(stderr: str) -> str:
 
 
 # -- evalkit task=lm_eval: the task's local data files ----------------------------------------------------------------
-@LOCAL_FILES_WIRED
 @pytest.mark.parametrize("text, message", [
     ('{"question": "What is 1 plus 1?", "answer": "#### 2"}\n{"question": \n', "line 2: not valid JSON"),
     ("", "empty: no rows"),

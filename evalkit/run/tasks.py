@@ -28,6 +28,7 @@ def load_task(config: dict):
     """The task with its data loaded and checked, and the rows it skipped (``bad_rows=skip``). A malformed file or
     row is a :class:`RunError` naming the file, the row and the field."""
     from evalkit.scoring.data import DataError, collecting_skipped_rows
+    from evalkit.tasks.lm_eval.local_files import problem
 
     with collecting_skipped_rows() as skipped:
         try:
@@ -41,6 +42,11 @@ def load_task(config: dict):
             raise RunError(f"data of task {config.get('task')}: {source} cannot be loaded here ({one_line(error)}); "
                            "load it once where the hub can be reached (HF_DATASETS_CACHE sets where it is kept) or "
                            "point task.dataset.path (and task.dataset.kwargs.data_files) at local files") from None
+        except Exception as error:  # datasets on local files: a line that does not parse, an empty file
+            found = problem(config.get("dataset_kwargs"), error)
+            if found is None:
+                raise
+            raise RunError(f"data: {found}") from None
     return task, skipped
 
 

@@ -31,6 +31,8 @@ class InvalidCombination(ConfigError):
 def model_unavailable(pretrained: str, error: OSError) -> str:
     """One line for a model that cannot be loaded: for a hub id that is not cached here, where to put its weights."""
     is_path = pretrained.startswith(("/", ".", "~")) or Path(pretrained).exists()
+    if is_path and not Path(pretrained).expanduser().exists():
+        return f"model {pretrained}: no such file or folder"
     if is_path or ":" in pretrained:  # a local folder, or builtin:/gguf: (their loaders say what is missing)
         return f"model {pretrained}: {one_line(error)}"
     return (f"model {pretrained} is not in the local Hugging Face cache and the hub cannot be reached: run "

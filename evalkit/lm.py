@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 import evalkit.compression as ec
 from evalkit.console import PhaseBar, stream
-from evalkit.errors import ConfigError
+from evalkit.errors import ConfigError, RunError, model_unavailable
 from evalkit.lm_requests import check_model_arguments, finish_request, model_arguments, prepare_request
 from evalkit.measure import Throughput
 from evalkit.method_config import policy_from_config
@@ -52,8 +52,11 @@ class EvalkitLM(LM):
         if model is None:
             if pretrained is None:
                 raise ConfigError("give either pretrained=<hub id or path> or a loaded model")
-            model, tokenizer = load_model(str(pretrained), dtype=dtype, device=device, revision=revision,
-                                          device_map=device_map)
+            try:
+                model, tokenizer = load_model(str(pretrained), dtype=dtype, device=device, revision=revision,
+                                              device_map=device_map)
+            except OSError as error:  # one line, also under lm_eval --model evalkit
+                raise RunError(model_unavailable(str(pretrained), error)) from None
         if tokenizer is None:
             raise ConfigError("a loaded model needs its tokenizer")
         self.model, self.tokenizer = model, tokenizer

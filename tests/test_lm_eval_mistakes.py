@@ -91,6 +91,8 @@ def lm_eval(tmp_path, model_args: str, *, tasks: str = "kv_retrieval") -> subpro
     pytest.param(f"{MODEL},method=snapstream,budget=4x,windw=8", "did you mean window?", marks=pytest.mark.slow),
     pytest.param(f"{MODEL},method=snapstream", "config error: method=snapstream needs a budget", marks=pytest.mark.slow),
     pytest.param("method=snapstream,budget=4x", "config error: give either pretrained=", marks=pytest.mark.slow),
+    pytest.param("pretrained=/no/such/model", "error: model /no/such/model: no such file or folder",
+                 marks=pytest.mark.slow),
 ])
 def test_bad_model_args_are_evalkits_one_line_before_the_model_loads(tmp_path, model_args, message):
     result = lm_eval(tmp_path, model_args)

@@ -131,36 +131,7 @@ def _gates(source: str) -> list[dict]:
              if (match := re.search(rf"(?:^|_){prefix}(\d+)(?:_|\.)", path.name))}  # q<G>_dim<w>_sink<S>.pt
     first = {}
     for layer, gate in enumerate(loaded["module"]):
-        if not isinstance(gate, dict):
-            raise bad_file("fastkvzip", source, f"module[{layer}] is a {type(gate).__name__}, not a state dict")
-        absent = [key for key in GATE_KEYS if key not in gate]
-        if absent:
-            raise bad_file("fastkvzip", source, f"module[{layer}] has no {absent[0]} (a FastKVzipGate has "
-                                                f"{list(GATE_KEYS)})")
-        extra = sorted(set(gate) - set(GATE_KEYS))
-        if extra:
-            raise bad_file("fastkvzip", source, f"module[{layer}] holds {extra[:3]}, which a FastKVzipGate does not")
-        for key in GATE_KEYS:
-            checked_tensor(gate[key], f"module[{layer}].{key}", source, "fastkvzip")
-        base, bias, k_proj = gate["k_base"], gate["b"], gate["k_proj.weight"]
-        if base.dim() != 4 or base.shape[1] != 1 or bias.dim() != 3 or bias.shape[1] != 1 or k_proj.dim() != 2:
-            raise bad_file("fastkvzip", source, f"module[{layer}]: k_base {list(base.shape)}, b {list(bias.shape)} "
-                                                f"and k_proj.weight {list(k_proj.shape)} must be [H, 1, sink, w], "
-                                                "[H, 1, G] and [H w, d]")
-        heads, _, sink, width = base.shape
-        group, features = bias.shape[2], k_proj.shape[1]
-        expected = {"q_proj.weight": (heads * group * width, features), "q_proj.bias": (heads * group * width,),
-                    "k_proj.weight": (heads * width, features), "q_norm.weight": (width,),
-                    "k_norm.weight": (width,)}
-        for key, shape in expected.items():
-            if tuple(gate[key].shape) != shape:
-                raise bad_file("fastkvzip", source, f"module[{layer}].{key} has shape {list(gate[key].shape)}; its "
-                                                    f"k_base [{heads}, 1, {sink}, {width}] and b [{heads}, 1, "
-                                                    f"{group}] make it {list(shape)}")
-        found = {"G": group, "w": width, "S": sink, "H": heads, "d": features}
-        empty = [GATE_SIZES[key] for key, size in found.items() if size == 0]
-        if empty:  # sink 0 would score every token 1, whatever its hidden state
-            raise bad_file("fastkvzip", source, f"module[{layer}] has {empty[0]} 0: its gates score nothing")
+        found = _layer_sizes(gate, layer, source)
         for given, reference in ((named, "its name gives"), (first, "module[0] has")):
             for key, size in given.items():
                 if found[key] != size:
@@ -168,6 +139,41 @@ def _gates(source: str) -> list[dict]:
                                                         f"{reference} {size}")
         first = first or found
     return loaded["module"]
+
+
+def _layer_sizes(gate, layer: int, source: str) -> dict:
+    """One layer's gate checked (exactly ``FastKVzipGate``'s tensors, finite, of shapes that agree, no size 0): its
+    sizes ``{"G", "w", "S", "H", "d"}``."""
+    if not isinstance(gate, dict):
+        raise bad_file("fastkvzip", source, f"module[{layer}] is a {type(gate).__name__}, not a state dict")
+    absent = [key for key in GATE_KEYS if key not in gate]
+    if absent:
+        raise bad_file("fastkvzip", source, f"module[{layer}] has no {absent[0]} (a FastKVzipGate has "
+                                            f"{list(GATE_KEYS)})")
+    extra = sorted(set(gate) - set(GATE_KEYS))
+    if extra:
+        raise bad_file("fastkvzip", source, f"module[{layer}] holds {extra[:3]}, which a FastKVzipGate does not")
+    for key in GATE_KEYS:
+        checked_tensor(gate[key], f"module[{layer}].{key}", source, "fastkvzip")
+    base, bias, k_proj = gate["k_base"], gate["b"], gate["k_proj.weight"]
+    if base.dim() != 4 or base.shape[1] != 1 or bias.dim() != 3 or bias.shape[1] != 1 or k_proj.dim() != 2:
+        raise bad_file("fastkvzip", source, f"module[{layer}]: k_base {list(base.shape)}, b {list(bias.shape)} "
+                                            f"and k_proj.weight {list(k_proj.shape)} must be [H, 1, sink, w], "
+                                            "[H, 1, G] and [H w, d]")
+    heads, _, sink, width = base.shape
+    group, features = bias.shape[2], k_proj.shape[1]
+    expected = {"q_proj.weight": (heads * group * width, features), "q_proj.bias": (heads * group * width,),
+                "k_proj.weight": (heads * width, features), "q_norm.weight": (width,), "k_norm.weight": (width,)}
+    for key, shape in expected.items():
+        if tuple(gate[key].shape) != shape:
+            raise bad_file("fastkvzip", source, f"module[{layer}].{key} has shape {list(gate[key].shape)}; its "
+                                                f"k_base [{heads}, 1, {sink}, {width}] and b [{heads}, 1, "
+                                                f"{group}] make it {list(shape)}")
+    found = {"G": group, "w": width, "S": sink, "H": heads, "d": features}
+    empty = [GATE_SIZES[key] for key, size in found.items() if size == 0]
+    if empty:  # sink 0 would score every token 1, whatever its hidden state
+        raise bad_file("fastkvzip", source, f"module[{layer}] has {empty[0]} 0: its gates score nothing")
+    return found
 
 
 def _load_failure(error: BaseException) -> str:

@@ -141,7 +141,7 @@ def test_report_command_refuses_a_folder_without_results(tmp_path):
 
 
 def test_needle_runs_get_depth_by_length_heatmaps(tmp_path):
-    from evalkit.results.report import needle_grid
+    from evalkit.results.heatmaps import needle_grid
 
     for method, budget, lost in (("full", None, set()), ("streaming_llm", "8x", {0.0, 0.5})):
         run_id = f"needle-{method}"
@@ -180,7 +180,7 @@ def test_a_task_of_lm_evals_registry_is_not_taken_for_evalkits_task_of_the_same_
 def test_a_ruler_group_run_gets_a_task_by_length_heatmap(tmp_path):
     """A RULER run of lm-eval's registry (its samples' subsets: task/length): the report draws accuracy by task and
     length, one panel per configuration."""
-    from evalkit.results.report import heatmap_axes, subset_grid
+    from evalkit.results.heatmaps import heatmap_axes, subset_grid
 
     options = '{"name": "ruler", "source": "lm_eval"}'
     for method, budget, lost in (("full", None, set()), ("snapkv", "4x", {("niah_single_2", 8192)})):

@@ -41,13 +41,13 @@ def method_settings(method_cfg: dict, budget: str | None, method_explicit: bool 
                       if method in known and key in config_settings(known[method])}
     if method not in known:
         raise ConfigError(f"unknown method {method!r}; choose one of {sorted([*known, 'spec_prefill'])}")
-    if budget is None and method != "full" and not method_explicit:
-        return "full", {}  # `evalkit task=X` with no budget is the full-cache baseline
     check_known(method_cfg, config_settings(known[method]), "method.")
     params = {key: value for key, value in method_cfg.items() if value is not None}
     error = known[method].problem(params)
-    if error:
+    if error:  # also where the run is the full-cache baseline: a bad value is refused, never ignored
         raise ConfigError(error)
+    if budget is None and method != "full" and not method_explicit:
+        return "full", {}  # `evalkit task=X` with no budget is the full-cache baseline
     # speculative prefill's decoding method is named as such: the user did not type it as the method
     via = f"method={decoding_for} decodes with method.then={method}, and " if decoding_for else ""
     if budget is None and known[method].takes_budget:

@@ -156,3 +156,12 @@ def test_a_task_whose_answers_fill_the_context_is_refused_for_any_model(tmp_path
                           "context (model=NAME, or model.max_context where the model takes more), or lower "
                           "task.generation.max_gen_toks")
     assert "Loading weights" not in result.stderr
+
+
+def test_a_bad_method_setting_is_refused_also_where_the_run_is_the_full_cache_baseline(tmp_path):
+    """`evalkit method.window=-1` (no budget: the full-cache baseline of the default method) is refused as with a
+    budget, not run with the value ignored."""
+    result = evalkit("method.window=-1", "limit=2", f"results_dir={tmp_path / 'results'}", cwd=tmp_path)
+    (line,) = error_lines(result)
+    assert result.returncode == 2 and "window" in line and "-1" in line, result.stderr[-2000:]
+    assert not (tmp_path / "results").exists()

@@ -82,6 +82,8 @@ def check_model_arguments(arguments: dict, model_init) -> None:
         declared, named = sorted(config_settings(known[method])), sorted(set(own) - set(PYTHON_ONLY))
         for key in [key for key in settings if key not in declared]:
             near = difflib.get_close_matches(str(key), named + declared, n=1, cutoff=0.6)
+            if near and near[0] in declared:  # a misspelled setting of the method: said below as the CLI says it
+                continue
             hint = f"did you mean {near[0]}?" if near else \
                 f"the model's are {', '.join(named)}; method {method}'s are {', '.join(declared) or 'none'}"
             raise ConfigError(f"--model_args {key}: evalkit's model has no such setting; {hint}")

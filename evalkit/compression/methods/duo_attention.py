@@ -12,9 +12,10 @@ from typing import ClassVar, NamedTuple
 import numpy as np
 import torch
 
+from evalkit.errors import ConfigError
 from evalkit.method_settings import setting
 
-from ..learned_weights import LearnedFileError, bad_file, json_object, weights_file, whole_number
+from ..learned_weights import bad_file, json_object, weights_file, whole_number
 from ..views import PrefillView
 from .base import Policy
 
@@ -117,7 +118,7 @@ class DuoAttention(Policy):
 
     def _pattern(self) -> tuple[int, int, torch.Tensor]:
         if not self.patterns:
-            raise LearnedFileError("duo_attention needs its learned head patterns: set method.patterns to a folder holding "
+            raise ConfigError("duo_attention needs its learned head patterns: set method.patterns to a folder holding "
                              "duo-attention's config.json and full_attention_heads.tsv for this model")
         pattern = attention_pattern(self.patterns)
         return pattern.sink, pattern.recent, streaming_heads(pattern.scores, self.head_ratio)

@@ -1,7 +1,7 @@
 """Packaging details pyproject.toml cannot express: conf/ and tasks/ (top-level in the checkout) ship inside the wheel
-as evalkit/_conf and evalkit/_tasks, so an installed evalkit finds them (see evalkit/paths.py); evalkit-lm-eval.pth
+as evalkit/_conf and evalkit/_tasks, so an installed evalkit finds them (see evalkit/core/paths.py); evalkit-lm-eval.pth
 goes to site-packages, for wheels and editable installs alike, so that lm-eval's own CLI knows `--model evalkit`
-(see evalkit/lm_eval_plugin.py)."""
+(see evalkit/lm/plugin.py)."""
 
 import shutil
 from pathlib import Path

@@ -37,9 +37,9 @@ from bench_engine import build_model, model_arguments, model_dtype, sync  # noqa
 
 import evalkit.compression as ec  # noqa: E402
 from evalkit import memory  # noqa: E402
-from evalkit.budget import factor  # noqa: E402
-from evalkit.measure import copy_bandwidth, weight_bytes_read  # noqa: E402
+from evalkit.core.budget import factor  # noqa: E402
 from evalkit.memory.geometry import from_hf_config, kv_bytes_per_token  # noqa: E402
+from evalkit.memory.measure import copy_bandwidth, weight_bytes_read  # noqa: E402
 from evalkit.memory.simulator import Deployment, price  # noqa: E402
 
 REPEATS = 3  # each estimate a pair of runs; the median is reported, the spread is max - min

@@ -27,7 +27,7 @@ COLUMNS = ["doc_id", "prediction", "score", "generated_tokens", "kept_prompt_tok
 def random_model(path: Path) -> Path:
     import torch
 
-    from evalkit.train_tiny import build_model, build_tokenizer
+    from evalkit.models.train_tiny import build_model, build_tokenizer
 
     torch.manual_seed(0)
     tokenizer = build_tokenizer()

@@ -17,7 +17,7 @@ Every method holds the same KV memory: a compressed method ``--slots`` slots of 
 engine (CUDA graphs on a GPU) after a warm-up that compiles it, on the same requests. Columns: wall seconds, output
 tokens/s over the wall time, slot utilization (busy slot-steps / all), admission's share of the wall time (the
 engine's prefill phases), peak memory (CUDA: max allocated; CPU: the RSS high-water mark), and the run's own
-measured cost rows (``evalkit.measure.Throughput``, what every evalkit run records): its decode tok/s and step
+measured cost rows (``evalkit.memory.measure.Throughput``, what every evalkit run records): its decode tok/s and step
 against the benchmark's. The projection: the full workload's output tokens over the measured output tok/s.
 """
 
@@ -38,7 +38,7 @@ from bench_engine import build_model, model_arguments, model_dtype, sync  # noqa
 from bench_long_prefill import memory_mark, peak_since  # noqa: E402
 
 import evalkit.compression as ec  # noqa: E402
-from evalkit.measure import Throughput  # noqa: E402
+from evalkit.memory.measure import Throughput  # noqa: E402
 
 
 def draw(args, vocab: int, seed: int = 0) -> tuple[list[int], list[int]]:

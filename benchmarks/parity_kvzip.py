@@ -91,7 +91,7 @@ def save_models(folder: Path, length: int) -> list[Path]:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from evalkit.compression.methods.kvzip import ReconstructionPrompts
-    from evalkit.gguf_models import converted
+    from evalkit.models.gguf import converted
 
     try:
         smollm2 = Path(converted(SMOLLM2))

@@ -50,13 +50,13 @@ try:
     from hydra.types import RunMode
     from omegaconf import DictConfig, OmegaConf
 
-    from evalkit import console
     from evalkit.config import normalize_overrides
-    from evalkit.console import say
-    from evalkit.errors import ConfigError, Interrupted, RunError
-    from evalkit.paths import conf_dir
+    from evalkit.core import console
+    from evalkit.core.console import say
+    from evalkit.core.errors import ConfigError, Interrupted, RunError
+    from evalkit.core.paths import conf_dir
     from evalkit.run.spec import precheck
-    from evalkit.sweep_progress import job_done, job_label
+    from evalkit.run.sweep_progress import job_done, job_label
 except KeyboardInterrupt:
     _INTERRUPTED = True
 _stop_if_interrupted()

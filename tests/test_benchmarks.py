@@ -9,8 +9,8 @@ import zlib
 
 import pytest
 
-from evalkit.prompts import context_end
-from evalkit.scoring.data import load_rows
+from evalkit.benchmark.data import load_rows
+from evalkit.lm.prompts import context_end
 from evalkit.tasks.aime24 import aime
 from evalkit.tasks.livecodebench import livecodebench as lcb
 from evalkit.tasks.longbench_v2 import longbench
@@ -195,7 +195,7 @@ def test_lcb_scores_right_wrong_and_malformed():
         "import builtins\nbuiltins.print = lambda *a, **k: None\nclass Solution:\n    def double(self, nums):\n        return 'x'",
         "import json, sys\nclass Solution:\n    def double(self, nums):\n        sys.stdout.write('@@evalkit-result-0@@[2, 4]')\n        sys.exit(0)",
         pytest.param("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", marks=pytest.mark.skipif(
-            not __import__("evalkit.sandbox").sandbox.isolation()["namespaces"], reason="needs PID namespaces")),
+            not __import__("evalkit.benchmark.sandbox", fromlist=["isolation"]).isolation()["namespaces"], reason="needs PID namespaces")),
     ],
 )
 def test_lcb_hostile_programs_cannot_fake_a_pass(code):
@@ -219,7 +219,7 @@ def test_lcb_pass_at_k_is_the_unbiased_estimator():
 def test_lcb_loader_filters_by_contest_date(tmp_path):
     import importlib.util
 
-    from evalkit.paths import tasks_dir
+    from evalkit.core.paths import tasks_dir
 
     spec = importlib.util.spec_from_file_location("lcb_utils", tasks_dir() / "livecodebench" / "utils.py")
     utils = importlib.util.module_from_spec(spec)

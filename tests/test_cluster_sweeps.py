@@ -346,7 +346,7 @@ def test_the_real_cluster_command_of_the_docs_composes_the_paper_grid_on_a_gpu_p
     """docs/cluster.md's command for a real SLURM cluster (a GPU partition: not run here), composed as Hydra does."""
     from hydra import compose, initialize_config_dir
 
-    from evalkit.paths import conf_dir
+    from evalkit.core.paths import conf_dir
 
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = compose("config", return_hydra_config=True, overrides=[

@@ -10,7 +10,7 @@ from test_benchmarks import aime_rows_h4, write_jsonl
 from test_trust import assert_one_line_error, error_lines
 
 from evalkit.config import compose
-from evalkit.errors import ConfigError
+from evalkit.core.errors import ConfigError
 from evalkit.run import precheck
 
 
@@ -85,7 +85,7 @@ def test_the_tokens_priced_quantized_are_those_beyond_each_heads_residual():
 
 # -- misleading one-liners ----------------------------------------------------------------------------------------
 def test_the_report_refuses_a_bootstrap_count_that_is_not_positive_in_one_line(tmp_path, capsys):
-    from evalkit.results.report import main
+    from evalkit.results.cli import main
 
     for count in ("-5", "0", "many"):
         with pytest.raises(SystemExit) as stop:

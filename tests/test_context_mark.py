@@ -10,8 +10,8 @@ import pytest
 from lm_eval.api.instance import Instance
 from test_benchmarks import aime_rows_h4, lcb_rows, longbench_rows, math500_rows, write_json_list, write_jsonl
 
-from evalkit.prompts import context_end
-from evalkit.task import FolderTask, doc_to_question, task_names
+from evalkit.benchmark import FolderTask, doc_to_question, task_names
+from evalkit.lm.prompts import context_end
 
 INVISIBLE = ("\u2063", "\u2062", "\u2064", "\u200b", "\u200c", "\u200d", "\u2060", "\ufeff")  # U+2063 and its kin
 DATA = {  # a data file for each task that reads one (the others build their data at run time)
@@ -100,8 +100,8 @@ def test_lm_evals_hf_model_and_evalkits_full_cache_give_the_same_needle_answers(
     from lm_eval.tasks import TaskManager
     from test_harness import composed
 
+    from evalkit.core.paths import tasks_dir
     from evalkit.models import resolve_pretrained
-    from evalkit.paths import tasks_dir
     from evalkit.run import run, validate
 
     torch.set_num_threads(2)

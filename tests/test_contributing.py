@@ -59,7 +59,7 @@ def test_every_task_folder_says_its_source_official_code_and_deviations():
 def test_a_task_readme_is_documentation_not_identity(tmp_path):
     """Editing a task's README leaves the task's fingerprint (so every run's digest) as it was; editing its YAML or code
     does not."""
-    from evalkit.identity import fingerprint
+    from evalkit.core.identity import fingerprint
 
     folder = tmp_path / "mytask"
     folder.mkdir()
@@ -100,7 +100,7 @@ def test_a_method_is_its_file_its_yaml_and_its_test(tmp_path, random_model_dir):
 
             import torch
 
-            from evalkit.method_settings import setting
+            from evalkit.core.method_settings import setting
 
             from .base import PromptScoring
 
@@ -174,7 +174,7 @@ def test_a_task_is_its_folder_and_its_yaml(tmp_path, random_model_dir):
     """The task checklist: tasks/<name>/ (YAML, utils.py and a module of its own) and conf/task/<name>.yaml; the CLI
     runs it, its loader builds the data with the run's tokenizer, the rows carry its subsets, and the report reads its
     declared primary metric and heatmap."""
-    from evalkit.task import task_of
+    from evalkit.benchmark import task_of
 
     name = f"probe_task_{uuid.uuid4().hex[:8]}"
     files = {
@@ -249,7 +249,7 @@ def test_a_task_is_its_folder_and_its_yaml(tmp_path, random_model_dir):
         overall = metrics[(metrics["metric"] == "question_tokens") & (metrics["subset"] == "all")]
         assert overall["value"].tolist() == [pytest.approx(sum(counted) / 4)]
         assert task_of(name).primary_metric() == "contains" and task_of(name).heatmap() == ("kind", "size")
-        report = subprocess.run([sys.executable, "-m", "evalkit.results.report", str(results)], capture_output=True,
+        report = subprocess.run([sys.executable, "-m", "evalkit.results.cli", str(results)], capture_output=True,
                                 text=True, timeout=300)
         assert report.returncode == 0, report.stderr[-2000:]
         assert (results / "report" / f"{name}_heatmap.png").is_file()
@@ -257,7 +257,7 @@ def test_a_task_is_its_folder_and_its_yaml(tmp_path, random_model_dir):
         _removed(files)
 
 
-# conf/task/<name>.yaml's groups and the YAML keys they set (see evalkit.task.FolderTask.config).
+# conf/task/<name>.yaml's groups and the YAML keys they set (see evalkit.benchmark.FolderTask.config).
 CONF_TO_YAML = {"dataset": "dataset_kwargs", "generation": "generation_kwargs", "repeats": "repeats",
                 "gen_prefix": "gen_prefix"}
 
@@ -265,7 +265,7 @@ CONF_TO_YAML = {"dataset": "dataset_kwargs", "generation": "generation_kwargs", 
 def test_a_task_default_lives_once_in_its_yaml():
     """A conf/task value equal to the task YAML's own default would be the same default kept twice: conf/task reads it
     with ${task_default:...} instead (or sets a different value, an evalkit setting such as MATH-500's repeats)."""
-    from evalkit.task import task_of
+    from evalkit.benchmark import task_of
 
     derived = 0
     for path in sorted((ROOT / "conf" / "task").glob("*.yaml")):

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import evalkit
 
-from evalkit.results import hub, kvpress_export, report
+from evalkit.results import cli, hub, kvpress_export
 from evalkit.results.tables import DamagedTable, read_table
 from evalkit.run.results_dir import remove_unfinished_tables, set_aside_damaged
 
@@ -155,9 +155,9 @@ def command(results: Path, tmp_path: Path, which: str):
     folders it would write."""
     out = tmp_path / "out"
     return {
-        "report": (report.main, [str(results)], "evalkit-report", [results / "report"]),
-        "html": (report.main, [str(results), "--html", "--out", str(out)], "evalkit-report", [out]),
-        "export": (report.main, ["export", "kvpress", str(results), "--out", str(out)], "evalkit-report export", [out]),
+        "report": (cli.main, [str(results)], "evalkit-report", [results / "report"]),
+        "html": (cli.main, [str(results), "--html", "--out", str(out)], "evalkit-report", [out]),
+        "export": (cli.main, ["export", "kvpress", str(results), "--out", str(out)], "evalkit-report export", [out]),
         "push": (hub.main, ["me/x", str(results), "--dry-run", str(out)], "evalkit-report push", [out]),
     }[which]
 
@@ -198,7 +198,7 @@ def test_a_damaged_samples_table_is_named_with_how_many_others_are_damaged(resul
     first, second = sorted((results / "samples").glob("*.parquet"))
     overwritten(first)
     emptied(second)
-    line = refused(report.main, [str(results)], capsys)
+    line = refused(cli.main, [str(results)], capsys)
     assert line.startswith(f"evalkit-report: {first} is damaged (no Parquet footer")
     assert "(and 1 more damaged file in samples/)" in line
     with pytest.raises(DamagedTable) as error:
@@ -212,11 +212,11 @@ def test_the_reports_out_being_a_file_is_one_line(results, tmp_path, capsys):
     out = tmp_path / "report.txt"
     out.write_text("mine")
     before = snapshot(results)
-    assert refused(report.main, [str(results), "--out", str(out)], capsys) == (
+    assert refused(cli.main, [str(results), "--out", str(out)], capsys) == (
         f"evalkit-report: {out} is a file, not a folder")
     assert out.read_text() == "mine" and snapshot(results) == before
     under = out / "report"
-    assert refused(report.main, [str(results), "--out", str(under), "--html"], capsys) == (
+    assert refused(cli.main, [str(results), "--out", str(under), "--html"], capsys) == (
         f"evalkit-report: {under}: {out} is a file, not a folder")
 
 
@@ -237,7 +237,7 @@ def test_export_into_a_place_it_cannot_write_is_one_line_and_writes_nothing(resu
         where.mkdir(mode=0o555)
         out, expected = where / "kvpress", f"{where / 'kvpress'}: cannot make this folder: Permission denied"
     before = snapshot(tmp_path)
-    line = refused(report.main, ["export", "kvpress", str(results), "--out", str(out)], capsys)
+    line = refused(cli.main, ["export", "kvpress", str(results), "--out", str(out)], capsys)
     assert line == f"evalkit-report export: {expected}"
     assert snapshot(tmp_path) == before and sorted(tmp_path.iterdir()) == sorted([results, *[where] * where.exists()])
 
@@ -259,7 +259,7 @@ def test_an_export_that_fails_part_way_removes_what_it_wrote(results, tmp_path, 
     ratio = pd.read_parquet(table_path(results, "samples", "snapkv"))["compression_ratio"].mean()
     taken = out / f"kv_retrieval__kv_retrieval_tiny__snapkv__{ratio:.2f}__query_aware"  # the second run's folder
     taken.write_text("a file where the export puts a folder")
-    line = refused(report.main, ["export", "kvpress", str(results), "--out", str(out)], capsys)
+    line = refused(cli.main, ["export", "kvpress", str(results), "--out", str(out)], capsys)
     assert line == f"evalkit-report export: {taken}: File exists"
     assert sorted(p.name for p in out.iterdir()) == sorted(["mine.txt", taken.name])  # the first run's folder: gone
 

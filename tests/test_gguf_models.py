@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 from helpers import evalkit
 
-from evalkit import gguf_models
+from evalkit.models import gguf as gguf_models
 
 
 def test_missing_package_says_the_pip_command(monkeypatch):

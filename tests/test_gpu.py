@@ -240,7 +240,7 @@ def test_a_gpu_run_measures_its_cache_bytes_peak_memory_and_step_against_the_sim
     """The meter a run uses, on CUDA: a SnapStream request holds exactly capacity x bytes per token; the engine's cache
     allocation is slots x slot tokens x bytes per token; the CUDA peak covers weights and cache; the decode step is
     measured beside its roofline and, on an H100/H200, the simulator's prediction."""
-    from evalkit.measure import Throughput, hardware_of
+    from evalkit.memory.measure import Throughput, hardware_of
 
     model = cached("llama", torch.bfloat16)
     policy = POLICIES["snapstream"]()

@@ -17,7 +17,7 @@ from yaml import safe_load
 import evalkit.compression as ec
 from evalkit.cli import method_was_chosen
 from evalkit.config import compose as compose_config
-from evalkit.paths import conf_dir
+from evalkit.core.paths import conf_dir
 from evalkit.results import metrics_table, read_table, write_table
 from evalkit.run import ConfigError, validate
 
@@ -184,7 +184,7 @@ def test_lm_eval_cli_runs_the_documented_command(tmp_path):
     import subprocess
     import sys
 
-    from evalkit.paths import tasks_dir
+    from evalkit.core.paths import tasks_dir
 
     executable = shutil.which("lm_eval", path=os.path.dirname(sys.executable))
     assert executable, "lm-eval's CLI is not installed beside this python"
@@ -201,7 +201,7 @@ def test_lm_eval_cli_runs_the_documented_command(tmp_path):
 
 
 def test_lm_eval_plugin_is_only_loaded_for_lm_eval():
-    from evalkit.lm_eval_plugin import is_lm_eval_cli
+    from evalkit.lm.plugin import is_lm_eval_cli
 
     assert is_lm_eval_cli(["python", "/venv/bin/lm_eval", "--model", "evalkit"])
     assert is_lm_eval_cli(["python", "/venv/bin/lm-eval", "run"]) and is_lm_eval_cli(["python", "-m", "lm_eval"])
@@ -218,7 +218,7 @@ def test_evalkit_is_a_registered_lm_eval_model():
 
 def test_generate_until_uses_the_policy_and_records_realized_compression(adapter_parts):
     from evalkit.lm import EvalkitLM
-    from evalkit.synthetic import build_examples
+    from evalkit.tasks.kv_retrieval.synthetic import build_examples
 
     model, tokenizer = adapter_parts
     rows = build_examples(3, seed=5)
@@ -238,7 +238,7 @@ def test_generate_until_uses_the_policy_and_records_realized_compression(adapter
 
 def test_loglikelihood_is_compress_then_score(adapter_parts):
     from evalkit.lm import EvalkitLM
-    from evalkit.synthetic import build_examples
+    from evalkit.tasks.kv_retrieval.synthetic import build_examples
 
     model, tokenizer = adapter_parts
     row = build_examples(1, seed=8)[0]

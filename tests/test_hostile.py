@@ -17,8 +17,8 @@ import zlib
 
 import pytest
 
-from evalkit import sandbox
-from evalkit.scoring.data import RowError
+from evalkit.benchmark import sandbox
+from evalkit.benchmark.data import RowError
 from evalkit.tasks.livecodebench import livecodebench as lcb
 from tests.test_benchmarks import lcb_rows
 
@@ -227,7 +227,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.skipif(not shutil.which("setpriv"), reason="util-linux setpriv missing")
 def test_killing_the_grader_kills_its_sandboxes_and_the_next_start_removes_their_folders(tmp_path, monkeypatch):
     grader = subprocess.Popen(
-        [sys.executable, "-c", "from evalkit import sandbox; sandbox.run('import time; time.sleep(120)', timeout_s=120)"],
+        [sys.executable, "-c", "from evalkit.benchmark import sandbox; sandbox.run('import time; time.sleep(120)', timeout_s=120)"],
         env={**os.environ, "TMPDIR": str(tmp_path)}, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

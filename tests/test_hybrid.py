@@ -114,7 +114,7 @@ def test_attention_sinks_without_eager_and_unknown_layer_kinds_are_refused_befor
 
 def test_a_model_with_attention_sinks_loads_with_eager_attention(tmp_path):
     from evalkit.models import load_model
-    from evalkit.train_tiny import build_tokenizer
+    from evalkit.models.train_tiny import build_tokenizer
 
     tiny_gpt_oss().save_pretrained(tmp_path)
     build_tokenizer().save_pretrained(tmp_path)

@@ -183,7 +183,7 @@ def test_a_run_with_kv_bits_quantizes_in_the_engine_and_prices_what_it_held(tmp_
 def test_bad_kv_settings_are_one_line_config_errors(extra, message):
     from test_harness import composed
 
-    from evalkit.errors import ConfigError
+    from evalkit.core.errors import ConfigError
     from evalkit.run import validate
 
     with pytest.raises(ConfigError, match=message):

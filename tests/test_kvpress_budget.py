@@ -8,7 +8,7 @@ import torch
 from conftest import TINY_RECONSTRUCTION, random_prompt
 
 import evalkit.compression as ec
-from evalkit import budget
+from evalkit.core import budget
 
 
 def test_the_grammar_reads_a_fraction_removed_beside_factors_and_tokens():

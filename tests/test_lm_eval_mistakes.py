@@ -14,7 +14,7 @@ import sys
 import pytest
 from helpers import evalkit
 
-from evalkit.paths import tasks_dir
+from evalkit.core.paths import tasks_dir
 
 
 def one_error_line(stderr: str) -> str:

@@ -170,8 +170,8 @@ def test_rulers_prompts_say_where_their_context_ends():
     fwe, qa) the context ends right before its question (given out of band); the prompt is RULER's own."""
     import importlib
 
-    from evalkit.prompts import context_end
-    from evalkit.task.registry import family_hooks
+    from evalkit.benchmark.registry import family_hooks
+    from evalkit.lm.prompts import context_end
 
     hooks = family_hooks("ruler")
     assert "doc_to_text" not in hooks  # RULER's own prompt
@@ -205,7 +205,7 @@ def test_lm_evals_index_is_built_once_and_then_read_from_disk(tmp_path, monkeypa
     damaged file is built again."""
     import lm_eval.tasks
 
-    from evalkit.task import registry
+    from evalkit.benchmark import registry
 
     built = FakeIndex.built
     built.clear()
@@ -230,7 +230,7 @@ def test_two_installs_of_the_same_lm_eval_keep_their_own_index(tmp_path, monkeyp
     keeps their times) has its own, not one whose paths point into the first, which may be gone."""
     import os
 
-    from evalkit.task import registry
+    from evalkit.benchmark import registry
 
     monkeypatch.setenv("EVALKIT_CACHE", str(tmp_path / "cache"))
     for env in ("one", "two"):

@@ -139,8 +139,8 @@ def test_a_budget_that_did_not_take_effect_is_loud_and_strict_budget_makes_it_an
     assert honest.metrics.set_index("metric")["value"]["over_budget"] == 0 and not honest.samples["over_budget"].any()
     assert "WARNING" not in capsys.readouterr().err
 
-    real_engine = evalkit.lm.ec.Engine
-    monkeypatch.setattr(evalkit.lm.ec, "Engine", lambda model, policy, **kw: real_engine(model, ec.Full(), **kw))
+    real_engine = evalkit.lm.model.ec.Engine
+    monkeypatch.setattr(evalkit.lm.model.ec, "Engine", lambda model, policy, **kw: real_engine(model, ec.Full(), **kw))
     broken = runner.run(spec(tmp_path / "broken"))
     assert broken.samples["over_budget"].all() and broken.metrics.set_index("metric")["value"]["over_budget"] == 3
     assert "evalkit: WARNING: 3 of 3 requests held more than budget 4x allows" in capsys.readouterr().err

@@ -291,7 +291,7 @@ def test_sn40l_link_figures_are_fitted_and_say_so():
 
     import yaml
 
-    from evalkit.paths import conf_dir
+    from evalkit.core.paths import conf_dir
 
     text = (conf_dir() / "hardware" / "sn40l.yaml").read_text()
     for source in ("FITTED", "198", "250", "1,832", "2511.03092", "DAC 2025", "benchmarks/fit_sn40l_links.py"):

@@ -1,4 +1,4 @@
-"""The torch-free method schema (evalkit/method_schema.py) is the methods' own declarations: every registered method
+"""The torch-free method schema (evalkit/config/method_schema.py) is the methods' own declarations: every registered method
 with the same settings, types, defaults and bounds as its class, and the same one-line message for each bad value;
 the CLI answers a bad method value with it before torch loads, composing the config and checking it once."""
 
@@ -11,8 +11,8 @@ import sys
 import pytest
 
 import evalkit.compression as ec
-from evalkit.method_schema import config_settings, schemas
-from evalkit.method_settings import annotation
+from evalkit.config.method_schema import config_settings, schemas
+from evalkit.core.method_settings import annotation
 
 
 def test_every_registered_method_has_a_schema():
@@ -74,7 +74,7 @@ def test_the_schema_refuses_what_the_method_refuses_in_its_words(name, key, valu
 def test_the_schema_passes_the_shipped_method_configs(name):
     from yaml import safe_load
 
-    from evalkit.paths import conf_dir
+    from evalkit.core.paths import conf_dir
 
     written = safe_load((conf_dir() / "method" / f"{name}.yaml").read_text())
     settings = {key: value for key, value in written.items() if key != "name"}

@@ -292,7 +292,7 @@ def test_every_method_config_builds_its_policy_with_the_documented_defaults(name
     from test_harness import composed
     from yaml import safe_load
 
-    from evalkit.paths import conf_dir
+    from evalkit.core.paths import conf_dir
     from evalkit.run import validate
 
     sized = ec.POLICIES[name].takes_budget

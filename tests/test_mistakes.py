@@ -11,7 +11,7 @@ from helpers import evalkit
 from test_benchmarks import lcb_rows, longbench_rows, write_jsonl
 from test_trust import assert_one_line_error
 
-from evalkit.scoring.data import DataError, checked_rows, load_rows
+from evalkit.benchmark.data import DataError, checked_rows, load_rows
 
 
 @pytest.mark.parametrize("override, fragments", [
@@ -75,7 +75,7 @@ def test_duplicate_longbench_ids_are_a_data_error_or_skipped_and_counted(tmp_pat
     path = write_jsonl(tmp_path / "lb.jsonl", rows)
     result = evalkit("task=longbench_v2", f"task.dataset.path={path}", f"results_dir={tmp_path / 'results'}", cwd=tmp_path)
     assert_one_line_error(result, tmp_path, "lb.jsonl: row 3 (_id=lb-1): field '_id': duplicate id 'lb-1' (first at row 1)")
-    from evalkit.scoring import data
+    from evalkit.benchmark import data
     from evalkit.tasks.longbench_v2 import longbench
 
     with data.collecting_skipped_rows() as skipped:
@@ -125,8 +125,8 @@ def _check_full_disk_outcome(out, results, reason):
     the progress file valid; with room again the same command finishes with each sample once."""
     import pandas as pd
 
-    from evalkit.progress import Progress
     from evalkit.results import read_table
+    from evalkit.results.progress import Progress
 
     assert (out / "a.rc").read_text().strip() == "0", (out / "a.err").read_text()[-2000:]
     assert (out / "b.rc").read_text().strip() == "2", (out / "b.err").read_text()[-2000:]
@@ -221,7 +221,7 @@ def test_a_sweep_skips_a_group_option_that_does_not_exist_and_runs_the_others(tm
 def test_a_bad_method_value_reads_alike_through_lm_eval_and_the_cli(tmp_path, random_model_dir, method_args, cli_args):
     """`lm_eval --model evalkit --model_args method=...` builds its policy as the evalkit CLI does
     (:func:`evalkit.run.spec.policy_from_config`): the same mistake, the same one line."""
-    from evalkit.errors import ConfigError
+    from evalkit.core.errors import ConfigError
     from evalkit.lm import EvalkitLM
 
     result = evalkit(*cli_args, f"model.pretrained={random_model_dir}", "model.max_context=256",

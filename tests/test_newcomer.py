@@ -53,9 +53,9 @@ def test_the_quick_grid_jobs_are_the_method_budget_pairs_with_their_digests():
     from omegaconf import OmegaConf
 
     import evalkit.run as runner
-    from evalkit.paths import conf_dir
+    from evalkit.core.paths import conf_dir
     from evalkit.run.digest import config_digest
-    from evalkit.sweep_progress import sweep_jobs
+    from evalkit.run.sweep_progress import sweep_jobs
 
     def digest(overrides: list[str]) -> tuple:
         plain = OmegaConf.to_container(compose("config", overrides=overrides), resolve=True)
@@ -78,7 +78,7 @@ def test_after_the_sweep_evalkit_reports_a_table_a_terminal_holds(quick_grid):
     (StreamingLLM's window, SnapStream's recent tokens) and the score, within 120 characters; the task, model and
     metric every run shares are said once above it; no fingerprint or JSON (report.md and report.html keep them)."""
     _, results = quick_grid
-    result = _run(["-m", "evalkit.results.report", str(results), "--bootstrap", "200"], results.parent)
+    result = _run(["-m", "evalkit.results.cli", str(results), "--bootstrap", "200"], results.parent)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert lines[0] == f"evalkit-report: 7 configurations in {results}"
@@ -102,7 +102,7 @@ def test_a_folder_of_two_models_reports_what_sets_runs_apart_within_120_characte
     import json
 
     from evalkit.results import metrics_table, samples_table, write_table
-    from evalkit.results.report import main
+    from evalkit.results.cli import main
 
     for model, task, pairs in (("kv_retrieval_tiny", "kv_retrieval", [(None, 1.0), ("2x", 0.9), ("4x", 0.5)]),
                                ("smollm2_135m_instruct", "needle", [(None, 0.65), ("4x", 0.3)])):
@@ -155,7 +155,7 @@ def test_a_grader_ended_by_a_signal_removes_its_sandboxes_folders(tmp_path, sign
     """Two sandboxes running (run_many's pool); the grader gets SIGTERM (or SIGHUP): it dies of that signal as before,
     and leaves no temporary folder behind (a kill -9 leaves them to the next start: test_hostile.py)."""
     grader = subprocess.Popen(
-        [sys.executable, "-c", "from evalkit import sandbox\n"
+        [sys.executable, "-c", "from evalkit.benchmark import sandbox\n"
          "sandbox.run_many([{'code': 'import time; time.sleep(120)', 'timeout_s': 120}] * 2, workers=2)"],
         env={**os.environ, "TMPDIR": str(tmp_path)}, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60

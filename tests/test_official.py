@@ -8,7 +8,7 @@ from importlib import metadata
 
 import pytest
 
-from evalkit.prompts import context_end
+from evalkit.lm.prompts import context_end
 from evalkit.tasks.longbench_v2 import longbench
 
 # -- LongBench-v2 (pred.py, result.py) ------------------------------------------------------------------------------
@@ -246,7 +246,7 @@ def test_adakv_and_pyramidkv_default_to_their_references_settings():
     from yaml import safe_load
 
     import evalkit.compression as ec
-    from evalkit.paths import conf_dir
+    from evalkit.core.paths import conf_dir
 
     for cls, name in ((ec.AdaKV, "adakv"), (ec.PyramidKV, "pyramidkv")):
         policy = cls(capacity=128).scorer
@@ -259,7 +259,7 @@ def test_adakv_and_pyramidkv_default_to_their_references_settings():
 def test_one_budget_grammar_for_policies_memory_pricing_and_reports(budget, capacity):
     import evalkit.compression as ec
     from evalkit import memory
-    from evalkit.results.report import compression_factor
+    from evalkit.results.summary import compression_factor
 
     assert memory.capacity_for_budget(budget, 131072) == capacity
     if budget is not None:

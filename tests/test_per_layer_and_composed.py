@@ -12,7 +12,7 @@ from masked_reference import module_scaling, plain_snapkv_scores
 from test_methods import held_positions, reference_keys
 
 import evalkit.compression as ec
-from evalkit.method_config import policy_from_config
+from evalkit.config.method_config import policy_from_config
 
 
 @pytest.mark.parametrize("weights, layers, budgets", [
@@ -135,7 +135,7 @@ def test_per_layer_refuses_a_profile_that_does_not_divide_the_layers(llama):
 
 def test_the_lm_eval_adapter_refuses_the_profile_before_any_request(llama):
     from evalkit.lm import EvalkitLM
-    from evalkit.train_tiny import build_tokenizer
+    from evalkit.models.train_tiny import build_tokenizer
 
     with pytest.raises(ValueError, match="PerLayer.weights gives 3 shares"):
         EvalkitLM(model=llama, tokenizer=build_tokenizer(), max_context=256,

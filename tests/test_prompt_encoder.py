@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from evalkit.prompts import PromptEncoder, context_end
-from evalkit.train_tiny import build_tokenizer
+from evalkit.lm.prompts import PromptEncoder, context_end
+from evalkit.models.train_tiny import build_tokenizer
 
 DOCUMENT = " ".join(f"k{i} v{i % 7}" for i in range(30))  # 60 words: 60 tokens with the tiny word-level tokenizer
 QUESTION = "? k3"

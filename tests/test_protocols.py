@@ -13,11 +13,11 @@ import torch
 from test_benchmarks import lcb_rows
 
 from evalkit.lm import EvalkitLM
-from evalkit.prompts import context_end, truncate_middle
+from evalkit.lm.prompts import context_end, truncate_middle
+from evalkit.models.train_tiny import build_tokenizer
 from evalkit.tasks.aime24 import aime
 from evalkit.tasks.livecodebench import livecodebench as lcb
 from evalkit.tasks.longbench_v2 import longbench
-from evalkit.train_tiny import build_tokenizer
 
 
 # -- LiveCodeBench -------------------------------------------------------------------------------------------------
@@ -116,7 +116,7 @@ def test_lcb_timeout_and_errors_fail():
 
 
 def test_lcb_generation_defaults_are_the_official_runner():
-    from evalkit.task import task_of
+    from evalkit.benchmark import task_of
 
     config = task_of("livecodebench").config({})
     kwargs = config["generation_kwargs"]
@@ -160,7 +160,7 @@ def test_lcb_date_window_compares_full_datetimes():
 def test_longbench_samples_at_temperature_0_1_on_every_call():
     from test_harness import spec_for
 
-    from evalkit.task import task_of
+    from evalkit.benchmark import task_of
 
     kwargs = task_of("longbench_v2").config({})["generation_kwargs"]
     assert kwargs["do_sample"] is True and kwargs["temperature"] == 0.1 and kwargs["max_gen_toks"] == 128
@@ -251,8 +251,8 @@ def test_aime_cons_at_n_votes_over_equivalent_answers():
 def test_aime_official_setting_is_64_samples_and_think_prefix_is_a_switch(random_model_dir):
     from test_harness import composed, spec_for
 
+    from evalkit.benchmark import task_of
     from evalkit.run import validate
-    from evalkit.task import task_of
 
     assert task_of("aime24").config({})["repeats"] == 64
     assert spec_for("task=aime24").task_options["repeats"] == 64

@@ -320,8 +320,8 @@ def test_hostile_tier_command_runs():
 
 @pytest.mark.slow
 def test_training_recipe_runs(tmp_path):
-    """docs/tasks.md's `python -m evalkit.train_tiny --out ...` (a few steps here; the recipe takes ~15 minutes)."""
-    result = subprocess.run([sys.executable, "-m", "evalkit.train_tiny", "--out", str(tmp_path / "model"), "--steps", "3",
+    """docs/tasks.md's `python -m evalkit.models.train_tiny --out ...` (a few steps here; the recipe takes ~15 minutes)."""
+    result = subprocess.run([sys.executable, "-m", "evalkit.models.train_tiny", "--out", str(tmp_path / "model"), "--steps", "3",
                              "--stop-at-final-stage"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert (tmp_path / "model" / "config.json").is_file() and any((tmp_path / "model").glob("*.safetensors"))

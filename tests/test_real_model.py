@@ -34,7 +34,7 @@ def chat(tokenizer, text: str) -> torch.Tensor:
 
 
 def test_the_gguf_is_converted_once_to_a_float_checkpoint(smollm2):
-    from evalkit.gguf_models import converted
+    from evalkit.models.gguf import converted
 
     model, tokenizer = smollm2
     config = model.config

@@ -9,7 +9,8 @@ import pandas as pd
 import pytest
 
 from evalkit.results import metrics_table, samples_table, write_table
-from evalkit.results.report import paired_bootstrap, summarize, write_report
+from evalkit.results.report import write_report
+from evalkit.results.summary import paired_bootstrap, summarize
 
 # Per-document scores of 20 documents: the baseline answers 18; each (method, budget) answers its own count.
 CORRECT = {("full", None): 18, ("snapkv", "2x"): 18, ("snapkv", "4x"): 16, ("snapkv", "8x"): 12,
@@ -99,7 +100,7 @@ def test_report_writes_markdown_csv_and_a_plot(results_dir):
 
 
 def test_the_command_prints_a_line_per_configuration_and_where_the_report_went(results_dir, capsys):
-    from evalkit.results.report import main
+    from evalkit.results.cli import main
 
     main([str(results_dir), "--bootstrap", "200"])
     lines = capsys.readouterr().out.splitlines()
@@ -136,7 +137,7 @@ def test_runs_differing_in_any_config_column_are_never_averaged(tmp_path):
 
 
 def test_report_command_refuses_a_folder_without_results(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "evalkit.results.report", str(tmp_path)], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "evalkit.results.cli", str(tmp_path)], capture_output=True, text=True)
     assert result.returncode == 2 and "not an evalkit results directory" in result.stderr
 
 
@@ -165,7 +166,7 @@ def test_a_task_of_lm_evals_registry_is_not_taken_for_evalkits_task_of_the_same_
     is its own task's."""
     import pandas as pd
 
-    from evalkit.results.report import primary_metric
+    from evalkit.results.summary import primary_metric
 
     ours, registry = '{"repeats": 64}', '{"name": "aime25", "source": "lm_eval"}'
     metrics = pd.DataFrame([

@@ -21,7 +21,7 @@ from evalkit.results import metrics_table, samples_table, write_table
 
 
 def report(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "evalkit.results.report", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "evalkit.results.cli", *args], capture_output=True, text=True,
                           env=env, timeout=600)
 
 

@@ -9,8 +9,8 @@ import signal
 import pytest
 from helpers import evalkit, interrupted_run
 
-from evalkit.progress import Progress, request_keys
 from evalkit.results import read_table
+from evalkit.results.progress import Progress, request_keys
 
 
 def test_progress_ignores_a_line_cut_short_by_a_crash(tmp_path):
@@ -56,7 +56,7 @@ def test_killed_run_resumes_without_losing_or_repeating_samples(tmp_path, random
 def test_experiment_presets_define_their_grids():
     from hydra import compose, initialize_config_dir
 
-    from evalkit.paths import conf_dir
+    from evalkit.core.paths import conf_dir
 
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         paper = compose("config", overrides=["+experiment=paper_grid"], return_hydra_config=True)
@@ -175,7 +175,7 @@ def scores(metrics) -> dict:
 def _interrupt_at(point: str, monkeypatch):
     """Make a run raise KeyboardInterrupt (what Ctrl-C raises) at ``point``."""
     import evalkit.lm
-    import evalkit.progress
+    import evalkit.results.progress
     import evalkit.run.runner as runner
 
     def interrupt(*args, **kwargs):
@@ -186,7 +186,7 @@ def _interrupt_at(point: str, monkeypatch):
     elif point == "model loading":
         monkeypatch.setattr(evalkit.lm.EvalkitLM, "__init__", interrupt)
     elif point == "generation":  # after two generations were made durable
-        real_add, calls = evalkit.progress.Progress.add, []
+        real_add, calls = evalkit.results.progress.Progress.add, []
 
         def add_then_interrupt(self, records):
             real_add(self, records)
@@ -194,7 +194,7 @@ def _interrupt_at(point: str, monkeypatch):
             if len(calls) == 2:
                 raise KeyboardInterrupt
 
-        monkeypatch.setattr(evalkit.progress.Progress, "add", add_then_interrupt)
+        monkeypatch.setattr(evalkit.results.progress.Progress, "add", add_then_interrupt)
     elif point == "scoring":
         monkeypatch.setattr(runner, "tidy_rows", interrupt)
     elif point in ("samples table", "metrics table"):
@@ -300,7 +300,7 @@ def test_a_run_records_the_throughput_it_measured(tmp_path, random_model_dir):
 
 
 def test_the_throughput_meter_splits_prefill_from_decode():
-    from evalkit.measure import Throughput
+    from evalkit.memory.measure import Throughput
 
     meter = Throughput()
     meter.add({"prompt_tokens": 1000, "generated_tokens": 11, "prefill_seconds": 0.5})

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from evalkit import sandbox
+from evalkit.benchmark import sandbox
 
 ISOLATED = sandbox.isolation()["namespaces"]
 needs_namespaces = pytest.mark.skipif(not ISOLATED, reason="Linux namespaces unavailable: network/pid/fs not isolated")
@@ -145,7 +145,7 @@ def test_bad_arguments_are_rejected():
 # the per-sandbox process limit, while the grading process itself holds many threads.
 _AS_NOBODY = r"""
 import json, sys, threading
-from evalkit import sandbox
+from evalkit.benchmark import sandbox
 sandbox.MAX_PROCESSES = 8
 hold = threading.Event()
 for _ in range(16):  # many threads in the harness: they count as the user's processes too

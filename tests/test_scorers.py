@@ -103,7 +103,7 @@ def test_the_scorer_is_one_recorded_spelling_and_bad_scorers_name_the_problem():
 def test_a_config_chooses_the_scorer_and_the_rows_record_it():
     from test_harness import spec_for
 
-    from evalkit.errors import ConfigError
+    from evalkit.core.errors import ConfigError
 
     spec = spec_for("method=adakv", "method.scorer=knorm", "budget=tokens_4096", "model=llama31_8b_instruct")
     assert spec.policy.scorer == ec.KNorm(capacity=4096)

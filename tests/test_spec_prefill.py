@@ -17,8 +17,8 @@ from transformers import (
 )
 
 import evalkit.compression as ec
-from evalkit import synthetic
-from evalkit.train_tiny import build_tokenizer
+from evalkit.models.train_tiny import build_tokenizer
+from evalkit.tasks.kv_retrieval import synthetic
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +214,7 @@ def test_spec_prefill_without_a_draft_is_a_config_error():
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from evalkit.paths import conf_dir
+    from evalkit.core.paths import conf_dir
     from evalkit.run import ConfigError, validate
 
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):

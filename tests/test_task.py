@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from evalkit.identity import fingerprint
-from evalkit.task import FolderTask, RegistryTask, task_of
+from evalkit.benchmark import FolderTask, RegistryTask, task_of
+from evalkit.core.identity import fingerprint
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,9 +11,9 @@ from fractions import Fraction
 import pytest
 
 from evalkit import memory
+from evalkit.core.paths import conf_dir
 from evalkit.memory.geometry import expected_active_experts
 from evalkit.memory.simulator import best_throughput, throughput_table
-from evalkit.paths import conf_dir
 
 PUBLISHED_TOKENS_PER_S = 1832  # SnapStream (arXiv 2511.03092): DeepSeek-R1, 16 SN40L sockets, 128k context
 

@@ -17,8 +17,8 @@ from test_benchmarks import longbench_rows, write_jsonl
 from test_harness import composed
 
 import evalkit.compression as ec
-from evalkit.identity import fingerprint, source_identity
-from evalkit.paths import conf_dir
+from evalkit.core.identity import fingerprint, source_identity
+from evalkit.core.paths import conf_dir
 from evalkit.results import read_table
 from evalkit.run import (
     InvalidCombination,

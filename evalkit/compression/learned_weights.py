@@ -10,7 +10,7 @@ import functools
 import json
 from pathlib import Path
 
-from evalkit.errors import ConfigError, one_line
+from evalkit.core.errors import ConfigError, one_line
 
 
 class LearnedFileError(ConfigError):

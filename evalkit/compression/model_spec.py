@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from evalkit.attention_shape import attention_shape
+from evalkit.core.attention_shape import attention_shape
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 LAYER_KINDS = ("full_attention", "sliding_attention")
@@ -82,7 +82,7 @@ def layer_devices(model) -> list[torch.device]:
 
 def cache_geometry(config) -> tuple[tuple[int, int, int], int]:
     """((cached heads, key width, value width), query width) of a model's cache, read as the memory simulator reads it
-    (:mod:`evalkit.attention_shape`), so that what it prices is what the engine allocates. A latent (MLA) cache holds
+    (:mod:`evalkit.core.attention_shape`), so that what it prices is what the engine allocates. A latent (MLA) cache holds
     one shared head: the compressed KV (``kv_lora_rank``) as keys and the shared RoPE key part as values, which
     attention expands to per-head keys of ``qk_nope_head_dim + qk_rope_head_dim``."""
     geometry = attention_shape(config)

@@ -1,4 +1,7 @@
-"""Simulated memory budget checker: what a compressed (or full) KV cache needs per socket on SN40L or a GPU.
+"""What a KV cache costs: simulated per socket on SN40L or a GPU (here and :mod:`.simulator`), measured by a run
+(:mod:`.measure`), and the two held to each other per request (:mod:`.request_cost`).
+
+Simulated memory budget checker: what a compressed (or full) KV cache needs per socket on SN40L or a GPU.
 
     from evalkit import memory
     memory.kv_bytes_per_token("llama31_8b")                     # 131072.0 (bf16)
@@ -13,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from evalkit.paths import conf_dir
+from evalkit.core.paths import conf_dir
 
 from .geometry import PRESETS, ModelGeometry, kv_bytes_per_token, resolve_model
 from .simulator import (

@@ -23,8 +23,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from evalkit.core.paths import conf_dir
 from evalkit.memory import ASSUMPTIONS, load_deployment, sweep, throughput_table
-from evalkit.paths import conf_dir
 from evalkit.results import write_table
 
 

@@ -24,7 +24,7 @@ import json
 import math
 from pathlib import Path
 
-from evalkit.attention_shape import attention_shape, config_reader
+from evalkit.core.attention_shape import attention_shape, config_reader
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
 

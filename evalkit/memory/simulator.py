@@ -30,7 +30,7 @@ import re
 
 import pandas as pd
 
-from evalkit import budget as budget_grammar
+from evalkit.core import budget as budget_grammar
 
 from . import interconnect
 from .geometry import (
@@ -201,7 +201,7 @@ class Deployment:
 
 
 def capacity_for_budget(budget: str | None, context: int) -> int | None:
-    """The cache capacity a budget means at this context (:mod:`evalkit.budget`'s grammar); None = full."""
+    """The cache capacity a budget means at this context (:mod:`evalkit.core.budget`'s grammar); None = full."""
     return budget_grammar.capacity(budget, context)
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pandas as pd
 
-from evalkit.task import task_of
+from evalkit.benchmark import task_of
 
 
 def heatmap_axes(task: str, samples: pd.DataFrame | None = None, registry: bool = False):
     """``((rows, columns), fields)``: what a heatmap of ``task`` shows and how its samples' subsets are made. An
-    evalkit task declares it (:meth:`evalkit.task.Task.heatmap`); a group of lm-eval's registry whose samples carry a
+    evalkit task declares it (:meth:`evalkit.benchmark.Task.heatmap`); a group of lm-eval's registry whose samples carry a
     subset below their task (RULER: ``niah_single_1/4096``) is drawn task x that subset. None: no heatmap."""
     if not registry:
         declared = task_of(task)

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from evalkit import budget as budget_grammar
+from evalkit.core import budget as budget_grammar
 
+from .summary import distinguishing_settings, pivot
 from .tables import CONFIG_COLUMNS, read_runs
 from .terminal_report import FOLLOW_THE_BUDGET, differing_settings, shared_settings
 
@@ -204,9 +205,8 @@ def score_pivot(summary: pd.DataFrame) -> pd.DataFrame:
     model where they differ, and the settings that tell apart runs of one method and budget (a swept window): the
     settings that only follow the budget (StreamingLLM's window) share a row. Where that would put two runs in one
     cell, the rows are report.md's pivot's (every setting that differs)."""
-    from .report import _distinguishing, pivot
 
-    settings = [c for c in _distinguishing(summary) if c not in FOLLOW_THE_BUDGET]
+    settings = [c for c in distinguishing_settings(summary) if c not in FOLLOW_THE_BUDGET]
     try:
         wide = pivot(summary[["task", "model", "method", *settings, "budget", "value"]]).reset_index()
     except ValueError:  # two runs in one cell: every setting that differs makes the rows

@@ -41,9 +41,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from evalkit import budget as budget_grammar
+from evalkit.core import budget as budget_grammar
 
 from .outputs import refusing, writing_into
+from .summary import primary_metric, run_task
 from .tables import CONFIG_COLUMNS, read_runs
 
 # evalkit method -> kvpress' PRESS_REGISTRY name (evaluation/evaluate_registry.py), where the registry's press is the
@@ -243,7 +244,6 @@ def kvpress_datasets(run: pd.Series, samples: pd.DataFrame) -> list[tuple[str, s
     """``(dataset, data_dir, rows)`` for each kvpress folder of the run: ``rows`` hold kvpress' prediction columns of
     the samples (``samples`` indexed by position). A task kvpress does not score: one folder under its evalkit name,
     no data_dir."""
-    from .report import run_task
 
     task, rows = run["task"], samples
     base = pd.DataFrame({"predicted_answer": rows["prediction"].fillna("")})
@@ -272,7 +272,6 @@ def kvpress_datasets(run: pd.Series, samples: pd.DataFrame) -> list[tuple[str, s
 def evalkit_metrics(run: pd.Series, metrics: pd.DataFrame) -> dict:
     """A task kvpress does not score: evalkit's primary metric (and the task's other scores) overall, then per
     subset, as evalkit reports them."""
-    from .report import primary_metric
 
     own = metrics[(metrics["run_id"] == run["run_id"]) & (metrics["subset"] != "memory")]
     names = {primary_metric(run["task"], metrics, run.get("task_options"))} | set(own[own["subset"] != "all"]["metric"])

@@ -13,9 +13,9 @@ import logging
 import time
 from pathlib import Path
 
-from evalkit.console import warn
-from evalkit.errors import one_line
-from evalkit.scoring import all_responses
+from evalkit.benchmark.responses import all_responses
+from evalkit.core.console import warn
+from evalkit.core.errors import one_line
 
 from .rows import BYTE_COLUMNS, STAT_COLUMNS, sample_row
 

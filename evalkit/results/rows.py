@@ -7,7 +7,7 @@ import json
 
 import pandas as pd
 
-from evalkit.scoring import all_responses
+from evalkit.benchmark.responses import all_responses
 
 
 def doc_key(doc: dict) -> str:
@@ -19,8 +19,8 @@ def tidy_rows(
     hooks: dict | None = None,
 ) -> tuple[list[dict], list[dict]]:
     """Metrics and sample rows from lm-eval's results dict (with ``log_samples``) and the adapter's stats, keyed by
-    request: ``(task, doc_id, repeat)`` (see :func:`evalkit.progress.stats_keys`); ``reasoning``: the first call's text per
-    document, for two-call protocols; ``hooks``: an lm-eval task family's (:meth:`evalkit.task.Task.family_hooks`)."""
+    request: ``(task, doc_id, repeat)`` (see :func:`evalkit.results.progress.stats_keys`); ``reasoning``: the first call's text per
+    document, for two-call protocols; ``hooks``: an lm-eval task family's (:meth:`evalkit.benchmark.Task.family_hooks`)."""
     metrics, samples = task_rows(results, task, stats, reasoning, hooks)
     return metrics + summary_rows(samples), samples
 

@@ -25,8 +25,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from evalkit.errors import one_line
-from evalkit.paths import naming
+from evalkit.core.errors import one_line
+from evalkit.core.paths import naming
 
 # Fixed types, so that runs whose configs leave different fields empty still read back as one table.
 CONFIG_COLUMNS: dict[str, pa.DataType] = {

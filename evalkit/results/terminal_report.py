@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from .summary import RUN_KEYS, cell_text, config_columns, setting_columns
+
 WIDTH = 120  # a terminal's columns
 LONGEST_CELL = 30  # a longer value (a fingerprint, JSON) is cut to this many characters on the terminal
 # What the policy records of its budget (the capacity, the decode rule, every field as JSON): implied by the method
@@ -25,26 +27,24 @@ def summary(results_dir: Path, paths: dict[str, Path]) -> str:
 
 
 def differing_settings(table: pd.DataFrame) -> list[str]:
-    """The settings of a summary (:func:`evalkit.results.report.summarize`) that differ between runs of one task,
+    """The settings of a summary (:func:`evalkit.results.summary.summarize`) that differ between runs of one task,
     model and method (a swept window, limit or scope; a window that follows the budget): what sets a configuration
     apart beside those and its budget. Left out: what follows the task or the model alone (its source, context,
     chat template, options), the method alone (its defaults) or the budget (:data:`FOLLOW_THE_BUDGET`)."""
-    from .report import _label, _settings
 
     groups = table.groupby(["task", "model", "method"], dropna=False)
-    return [c for c in _settings(table) if c not in FOLLOW_THE_BUDGET
-            and (groups[c].agg(lambda values: values.map(_label).nunique()) > 1).any()]
+    return [c for c in setting_columns(table) if c not in FOLLOW_THE_BUDGET
+            and (groups[c].agg(lambda values: values.map(cell_text).nunique()) > 1).any()]
 
 
 def shared_settings(metrics: pd.DataFrame) -> dict[str, object]:
     """The config columns every run of ``metrics`` has the same value in (missing in none), the task and model first,
     then in the tables' order: what report.html states once instead of in every row."""
-    from .report import RUN_KEYS, _label, config_columns
 
     runs = metrics.drop_duplicates("run_id")
     columns = sorted(config_columns(runs), key=lambda c: RUN_KEYS.index(c) if c in RUN_KEYS else len(RUN_KEYS))
     return {c: runs[c].iloc[0] for c in columns
-            if c != "run_id" and runs[c].notna().all() and runs[c].map(_label).nunique() == 1}
+            if c != "run_id" and runs[c].notna().all() and runs[c].map(cell_text).nunique() == 1}
 
 
 def _cut(text: str) -> str:
@@ -57,10 +57,9 @@ def terminal_table(table: pd.DataFrame, width: int = WIDTH) -> str:
     much smaller its KV cache was. Within ``width`` characters: where the lines would be longer, the task, model and
     metric that are the same on every line are said once above the table instead, then settings are left out from
     the last one (named under the table; report.md has them)."""
-    from .report import RUN_KEYS, _label  # a cell as report.md writes it ("-" for missing, whole floats as integers)
 
     settings = differing_settings(table)
-    cells = {c: table[c].map(_label).map(_cut) for c in [*RUN_KEYS, *settings]}
+    cells = {c: table[c].map(cell_text).map(_cut) for c in [*RUN_KEYS, *settings]}
     cells["metric"] = table["metric"]
     cells["value"] = [f"{v:.4f}" + (f" ± {e:.4f}" if pd.notna(e) else "") for v, e in zip(table["value"], table["stderr"])]
     if "delta" in table:

@@ -26,8 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from evalkit.console import say, warn
-from evalkit.errors import ConfigError, one_line
+from evalkit.core.console import say, warn
+from evalkit.core.errors import ConfigError, one_line
 
 TRACKERS = ("trackio", "wandb")  # each the name of its package and of evalkit's extra that installs it
 ANSWER = "evalkit-tracker:"  # the child's answer on stdout: this, then {"where": folder} or {"error": why}

@@ -1,6 +1,6 @@
 """One evaluation run: its config checked (:mod:`.spec`), its identity (:mod:`.digest`), its memory price
 (:mod:`.pricing`), its lm-eval task (:mod:`.tasks`), what its results directory holds (:mod:`.results_dir`) and the
-run itself (:mod:`.runner`); the errors it raises are :mod:`evalkit.errors`.
+run itself (:mod:`.runner`); the errors it raises are :mod:`evalkit.core.errors`.
 
 Names load with their module on first use, so that checking a config (:func:`precheck`) needs neither torch nor
 transformers.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 
 _HOMES = {
-    "evalkit.errors": ("ConfigError", "Interrupted", "InvalidCombination", "RunError"),
+    "evalkit.core.errors": ("ConfigError", "Interrupted", "InvalidCombination", "RunError"),
     f"{__name__}.spec": ("MODEL_KEYS", "RUN_KEYS", "TASK_OPTION_KEYS", "RunSpec", "check_known",
                          "precheck", "validate"),
     f"{__name__}.digest": ("config_digest", "identify"),

@@ -11,9 +11,9 @@ import uuid
 from importlib import metadata
 from pathlib import Path
 
-from evalkit import identity
-from evalkit.errors import RunError, model_unavailable
-from evalkit.task import task_of
+from evalkit.benchmark import task_of
+from evalkit.core import identity
+from evalkit.core.errors import RunError, model_unavailable
 
 from .spec import RunSpec
 
@@ -35,7 +35,7 @@ def versions() -> dict:
 
 
 def identify(spec: RunSpec) -> dict:
-    """What the run's outputs depend on beyond its config values, resolved (see :mod:`evalkit.identity`): the model
+    """What the run's outputs depend on beyond its config values, resolved (see :mod:`evalkit.core.identity`): the model
     (hub commit, or a fingerprint of the local files: weights, config, tokenizer, chat template), the speculative
     prefill draft, the dataset (hub commit or file fingerprint), the task's own definition, and the device class.
 

@@ -9,7 +9,7 @@ import torch
 
 import evalkit.compression as ec
 from evalkit import memory
-from evalkit.errors import ConfigError
+from evalkit.core.errors import ConfigError
 
 
 def deployed_capacity(policy: ec.Policy, budget: str | None, deployment: memory.Deployment) -> int | None:

@@ -12,8 +12,8 @@ import socket
 import uuid
 from pathlib import Path
 
-from evalkit.console import warn
-from evalkit.errors import RunError
+from evalkit.core.console import warn
+from evalkit.core.errors import RunError
 from evalkit.results.tables import DAMAGED, DamagedTable, load_table
 
 from .digest import config_digest

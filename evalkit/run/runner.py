@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pandas as pd
 
+from evalkit.benchmark import task_of
 from evalkit.compression.prefill_store import sharing_prefills
-from evalkit.console import say, warn
-from evalkit.errors import ConfigError, Interrupted, RunError, model_unavailable, one_line
-from evalkit.progress import Progress
+from evalkit.core.console import say, warn
+from evalkit.core.errors import ConfigError, Interrupted, RunError, model_unavailable, one_line
 from evalkit.results import lm_eval_files, metrics_table, samples_table, trackers, write_table
+from evalkit.results.progress import Progress
 from evalkit.results.rows import group_rows, tidy_rows
-from evalkit.task import task_of
 
 from .digest import chat_template_sha, config_digest, git_output, identify, run_id_for, versions
 from .pricing import memory_rows
@@ -171,7 +171,7 @@ def load_lm(spec: RunSpec, progress: Progress | None = None, model=None, tokeniz
     except ValueError as error:  # a config error (a learned file's against the model's layers) stays one
         raise error if isinstance(error, ConfigError) else RunError(f"model {spec.pretrained}: {one_line(error)}") from None
     if spec.parallel is not None:
-        from evalkit.parallel.pool import ReplicaPool
+        from evalkit.lm.parallel.pool import ReplicaPool
 
         lm.use_replicas(ReplicaPool(spec, spec.parallel, lm.model.config, load_lm))
     return lm
@@ -264,7 +264,7 @@ def model_path(pretrained: str) -> str:
 
 def job_line(result: RunResult, spec: RunSpec) -> str:
     """A finished run in a line (a sweep's job): its primary metric overall and its cache against the full one."""
-    from evalkit.results.report import primary_metric  # the metric the report pivots on
+    from evalkit.results.summary import primary_metric  # the metric the report pivots on
 
     overall = result.metrics[result.metrics["subset"] == "all"].set_index("metric")
     name = primary_metric(spec.task, result.metrics, spec.flat_config()["task_options"])

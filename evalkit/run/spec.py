@@ -1,5 +1,5 @@
 """A run's config, checked: :func:`validate` turns a composed config (plain dict) into a :class:`RunSpec` before any
-model loads, or raises :class:`~evalkit.errors.ConfigError` with one line."""
+model loads, or raises :class:`~evalkit.core.errors.ConfigError` with one line."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from evalkit import budget as budget_grammar
-from evalkit.errors import ConfigError
-from evalkit.method_config import check_known, method_settings, policy_from_config, spec_prefill_settings
-from evalkit.parallel import ParallelSettings, parallel_settings
-from evalkit.task import LM_EVAL, task_of
+from evalkit.benchmark import LM_EVAL, task_of
+from evalkit.config.method_config import check_known, method_settings, policy_from_config, spec_prefill_settings
+from evalkit.core import budget as budget_grammar
+from evalkit.core.errors import ConfigError
+from evalkit.lm.parallel import ParallelSettings, parallel_settings
 
 if TYPE_CHECKING:  # torch and the compression code load with the first validate(), not with this module
     import evalkit.compression as ec
@@ -261,7 +261,7 @@ def _config_defaults() -> dict:
     """conf/config.yaml's own top-level values (the KV format's defaults among them), read as YAML."""
     from omegaconf import OmegaConf
 
-    from evalkit.paths import conf_dir
+    from evalkit.core.paths import conf_dir
 
     return OmegaConf.to_container(OmegaConf.load(conf_dir() / "config.yaml"))
 
@@ -379,7 +379,7 @@ def warn_unpriced_format(spec: RunSpec) -> None:
         return
     below = (capacity - 1) // fmt.group_size * fmt.group_size
     remedy = f"kv_residual={below}" if below else f"a kv_group_size and a kv_residual below {capacity}"
-    from evalkit.console import warn
+    from evalkit.core.console import warn
 
     warn(f"kv_residual={fmt.residual} covers the whole cache ({capacity} tokens per request): generated tokens are "
          f"never quantized while it holds them, only the kept prompt is (kv_quantized_tokens counts what is); "

@@ -1,13 +1,13 @@
 """lm-eval's side of a run's task: its index over evalkit's tasks, and a task built from its config, its data loaded
-and checked. What a task is (its config with the run's options, its members and hooks) is :mod:`evalkit.task`."""
+and checked. What a task is (its config with the run's options, its members and hooks) is :mod:`evalkit.benchmark`."""
 
 from __future__ import annotations
 
 import functools
 from pathlib import Path
 
-from evalkit.errors import ConfigError, RunError, one_line
-from evalkit.paths import conf_dir, tasks_dir
+from evalkit.core.errors import ConfigError, RunError, one_line
+from evalkit.core.paths import conf_dir, tasks_dir
 
 
 @functools.lru_cache(maxsize=1)
@@ -27,7 +27,7 @@ def task_object(config: dict):
 def load_task(config: dict):
     """The task with its data loaded and checked, and the rows it skipped (``bad_rows=skip``). A malformed file or
     row is a :class:`RunError` naming the file, the row and the field."""
-    from evalkit.scoring.data import DataError, collecting_skipped_rows
+    from evalkit.benchmark.data import DataError, collecting_skipped_rows
     from evalkit.tasks.lm_eval.local_files import problem
 
     with collecting_skipped_rows() as skipped:

@@ -70,7 +70,7 @@ def test_the_page_is_one_file_with_its_plots_inline_and_a_section_per_run(result
 
 
 def test_the_report_command_writes_the_page_with_html(results_dir):
-    result = subprocess.run([sys.executable, "-m", "evalkit.results.report", str(results_dir), "--html",
+    result = subprocess.run([sys.executable, "-m", "evalkit.results.cli", str(results_dir), "--html",
                              "--bootstrap", "100"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     assert (results_dir / "report" / "report.html").stat().st_size > 50_000

@@ -21,7 +21,7 @@ from typing import ClassVar
 
 import torch
 
-from evalkit.method_settings import check, setting
+from evalkit.core.method_settings import check, setting
 
 from ..kernels import reduce_groups, snapkv_scores
 from ..model_spec import attention_sinks

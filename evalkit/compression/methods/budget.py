@@ -6,7 +6,7 @@ import importlib
 import pkgutil
 from pathlib import Path
 
-from evalkit import budget as budget_grammar
+from evalkit.core import budget as budget_grammar
 
 from .base import REGISTRY, Policy
 
@@ -19,7 +19,7 @@ POLICIES: dict[str, type[Policy]] = REGISTRY  # every method by name
 
 
 def budget_capacity(budget: str, max_context: int) -> int:
-    """Cache capacity in tokens: ``"4x"`` is ``max_context // 4``; ``"tokens_4096"`` is 4096 (:mod:`evalkit.budget`'s
+    """Cache capacity in tokens: ``"4x"`` is ``max_context // 4``; ``"tokens_4096"`` is 4096 (:mod:`evalkit.core.budget`'s
     grammar)."""
     capacity = budget_grammar.capacity(str(budget), max_context)
     if capacity is None or capacity < 1:

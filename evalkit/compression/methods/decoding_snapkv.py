@@ -10,7 +10,7 @@ from typing import ClassVar
 
 import torch
 
-from evalkit.method_settings import check, setting
+from evalkit.core.method_settings import check, setting
 
 from ..kernels import attention_probabilities, pool_scores, reduce_groups, slots_visible
 from ..views import DecodeView, held_as_prompt

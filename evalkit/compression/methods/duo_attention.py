@@ -12,8 +12,8 @@ from typing import ClassVar, NamedTuple
 import numpy as np
 import torch
 
-from evalkit.errors import ConfigError
-from evalkit.method_settings import setting
+from evalkit.core.errors import ConfigError
+from evalkit.core.method_settings import setting
 
 from ..learned_weights import bad_file, json_object, weights_file, whole_number
 from ..views import PrefillView

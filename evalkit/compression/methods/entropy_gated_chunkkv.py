@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from evalkit.method_settings import setting
+from evalkit.core.method_settings import setting
 
 from .chunkkv import ChunkKV
 

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from evalkit.method_settings import setting
+from evalkit.core.method_settings import setting
 
 from ..kernels import pre_rope as unrotated
 from ..views import PrefillView

@@ -10,7 +10,7 @@ from typing import ClassVar
 
 import torch
 
-from evalkit.method_settings import setting
+from evalkit.core.method_settings import setting
 
 from ..learned_weights import LearnedFileError, bad_file, checked_tensor, weights_file
 from ..views import PrefillView

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from evalkit.method_settings import setting
+from evalkit.core.method_settings import setting
 
 from ..kernels import causal_attention_sums, free_lowest, reduce_groups
 from ..views import DecodeView, PrefillView

@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import torch
 
-from evalkit.method_settings import setting
+from evalkit.core.method_settings import setting
 
 from ..learned_weights import LearnedFileError, bad_file
 from .wrapper import Wrapper

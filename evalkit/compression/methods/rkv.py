@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import torch
 
-from evalkit.method_settings import setting
+from evalkit.core.method_settings import setting
 
 from ..views import DecodeView, PrefillView
 from .base import Policy

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from evalkit.method_settings import setting
+from evalkit.core.method_settings import setting
 
 from ..kernels import attention_probabilities, causal_visible
 from ..model_spec import attention_sinks

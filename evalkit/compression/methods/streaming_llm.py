@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from evalkit.method_settings import check_value, setting
+from evalkit.core.method_settings import check_value, setting
 
 from .base import Policy
 

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from evalkit.method_settings import setting
+from evalkit.core.method_settings import setting
 
 from ..views import PrefillView
 from .rewriting import Rewriting

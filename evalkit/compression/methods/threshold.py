@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from evalkit.method_settings import setting
+from evalkit.core.method_settings import setting
 
 from .base import UNBOUNDED
 from .wrapper import Wrapper

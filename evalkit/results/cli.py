@@ -1,0 +1,54 @@
+"""``evalkit-report``: a results directory's report (:mod:`.report`), its kvpress export (``export``,
+:mod:`.kvpress_export`) or its dataset on the Hugging Face Hub (``push``, :mod:`.hub`).
+
+    evalkit-report results/ [--out results/report] [--bootstrap 2000] [--html]   (export kvpress, push: docs/results.md)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from . import html_page, hub, kvpress_export, terminal_report
+from .outputs import refusing
+from .report import write_report
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose mistakes are one line, ``<prog>: <what is wrong>`` and exit status 2, as the
+    program's other refusals (argparse's own answer starts with the usage)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} ({self.prog} --help shows the arguments)\n")
+
+
+def resamples(text: str) -> int:
+    """``--bootstrap``'s count: a positive integer."""
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"the number of bootstrap resamples must be a positive integer, got {text!r}")
+    return count
+
+
+def main(argv: list[str] | None = None) -> None:
+    if (argv := sys.argv[1:] if argv is None else argv)[:1] in (["export"], ["push"]):  # each its module's main
+        return (kvpress_export if argv[0] == "export" else hub).main(argv[1:])
+    parser = OneLineParser(prog="evalkit-report", description="what a results directory says, as pivot tables, deltas against the full cache, and plots")
+    parser.add_argument("results_dir", type=Path)
+    parser.add_argument("--out", type=Path, default=None, help="default: <results_dir>/report")
+    parser.add_argument("--bootstrap", type=resamples, default=2000,
+                        help="bootstrap resamples for the delta intervals (a positive integer)")
+    parser.add_argument("--html", action="store_true", help="also write report.html: the report as one page")
+    args = parser.parse_args(argv)
+    with refusing("evalkit-report"):  # no results directory, a damaged table, an --out that cannot be written
+        paths = write_report(args.results_dir, args.out, args.bootstrap)
+        paths |= {"html": html_page.write_page(args.results_dir, paths)} if args.html else {}
+    print(terminal_report.summary(args.results_dir, paths))
+
+
+if __name__ == "__main__":
+    main()

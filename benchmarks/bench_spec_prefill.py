@@ -19,8 +19,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import evalkit.compression as ec
+from evalkit.models import synthetic
 from evalkit.models.train_tiny import build_tokenizer
-from evalkit.tasks.kv_retrieval import synthetic
 
 
 def llama(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, seed: int) -> LlamaForCausalLM:

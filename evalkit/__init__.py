@@ -3,17 +3,23 @@
 Its packages, from the top: :mod:`evalkit.run` (one evaluation), :mod:`evalkit.lm` (the lm-eval adapter),
 :mod:`evalkit.config`, :mod:`evalkit.memory` (what a cache costs), :mod:`evalkit.results`, :mod:`evalkit.models`,
 :mod:`evalkit.benchmark` (the Task type), :mod:`evalkit.tasks` (each task's own code), :mod:`evalkit.compression` and
-:mod:`evalkit.core`. A module of an earlier layout raises an ImportError that names where it went (:data:`MOVED`).
+:mod:`evalkit.core`.
+
+A module's name of the earlier, flat layout (:data:`MOVED`) still imports: it is the same module under its new name.
+Task folders keep importing them so: a task folder's bytes are part of its runs' identity, and rewriting its imports
+would give every earlier result of the task another config digest.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
+import importlib.util
 import sys
 
 MOVED = {
     "evalkit.scoring.data": "evalkit.benchmark.data",
-    "evalkit.scoring": "evalkit.benchmark.responses (evalkit.scoring.data to evalkit.benchmark.data)",
+    "evalkit.scoring": "evalkit.benchmark",
     "evalkit.task": "evalkit.benchmark",
     "evalkit.sandbox": "evalkit.benchmark.sandbox",
     "evalkit.parallel": "evalkit.lm.parallel",
@@ -26,7 +32,7 @@ MOVED = {
     "evalkit.sweep_progress": "evalkit.run.sweep_progress",
     "evalkit.gguf_models": "evalkit.models.gguf",
     "evalkit.train_tiny": "evalkit.models.train_tiny",
-    "evalkit.synthetic": "evalkit.tasks.kv_retrieval.synthetic",
+    "evalkit.synthetic": "evalkit.models.synthetic",
     "evalkit.attention_shape": "evalkit.core.attention_shape",
     "evalkit.method_config": "evalkit.config.method_config",
     "evalkit.method_schema": "evalkit.config.method_schema",
@@ -39,22 +45,26 @@ MOVED = {
 }
 
 
-class _MovedModules(importlib.abc.MetaPathFinder):
-    """Consulted after every other finder: an import of a module that moved fails with its new name."""
+def moved_to(name: str) -> str | None:
+    """The module an earlier name now is (``evalkit.task.folder`` -> ``evalkit.benchmark.folder``), or None."""
+    for old, new in MOVED.items():
+        if name == old or name.startswith(old + "."):
+            return new + name[len(old):]
+    return None
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Asked first: an earlier name imports as the module it moved to, the very same object (one set of classes)."""
 
     def find_spec(self, fullname, path=None, target=None):
-        for old, new in MOVED.items():
-            if fullname == old or fullname.startswith(old + "."):
-                raise ModuleNotFoundError(f"{fullname} moved to {new}{fullname[len(old):]}: import it from there",
-                                          name=new)
-        return None
+        return importlib.util.spec_from_loader(fullname, self) if moved_to(fullname) else None
 
+    def create_module(self, spec):
+        return importlib.import_module(moved_to(spec.name))
 
-def __getattr__(name: str):
-    if f"evalkit.{name}" in MOVED:  # from evalkit import <a moved module>
-        raise ImportError(f"evalkit.{name} moved to {MOVED['evalkit.' + name]}: import it from there")
-    raise AttributeError(f"module 'evalkit' has no attribute {name!r}")
+    def exec_module(self, module):
+        pass  # already executed under its own name
 
 
 if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
-    sys.meta_path.append(_MovedModules())
+    sys.meta_path.insert(0, _MovedModules())

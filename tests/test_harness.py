@@ -218,7 +218,7 @@ def test_evalkit_is_a_registered_lm_eval_model():
 
 def test_generate_until_uses_the_policy_and_records_realized_compression(adapter_parts):
     from evalkit.lm import EvalkitLM
-    from evalkit.tasks.kv_retrieval.synthetic import build_examples
+    from evalkit.models.synthetic import build_examples
 
     model, tokenizer = adapter_parts
     rows = build_examples(3, seed=5)
@@ -238,7 +238,7 @@ def test_generate_until_uses_the_policy_and_records_realized_compression(adapter
 
 def test_loglikelihood_is_compress_then_score(adapter_parts):
     from evalkit.lm import EvalkitLM
-    from evalkit.tasks.kv_retrieval.synthetic import build_examples
+    from evalkit.models.synthetic import build_examples
 
     model, tokenizer = adapter_parts
     row = build_examples(1, seed=8)[0]

@@ -59,8 +59,7 @@ def test_snapstream_is_between_streaming_and_snapkv(scores):
 
 def test_spec_prefill_with_the_tiny_model_as_draft_keeps_the_needle():
     import evalkit.compression as ec
-    from evalkit.models import load_model
-    from evalkit.tasks.kv_retrieval import synthetic
+    from evalkit.models import load_model, synthetic
 
     model, tokenizer = load_model("builtin:kv_retrieval_tiny", device="cpu")
     spec = ec.SpecPrefill(draft=model, draft_tokenizer=tokenizer, keep=0.1, chunk_size=None, look_ahead_cnt=2, tail=2, keep_first=True)

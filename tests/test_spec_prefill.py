@@ -17,8 +17,8 @@ from transformers import (
 )
 
 import evalkit.compression as ec
+from evalkit.models import synthetic
 from evalkit.models.train_tiny import build_tokenizer
-from evalkit.tasks.kv_retrieval import synthetic
 
 
 @pytest.fixture(scope="module")

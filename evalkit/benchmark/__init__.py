@@ -15,6 +15,7 @@ from evalkit.core.errors import ConfigError
 from .base import LM_EVAL, DataOrigin, Task
 from .folder import FolderTask, task_names
 from .registry import RegistryTask, family_hooks, yaml_path
+from .responses import all_responses, keep_all_samples  # noqa: F401 (task code reads them here too)
 
 __all__ = ["LM_EVAL", "DataOrigin", "FolderTask", "RegistryTask", "Task", "doc_to_question", "task_names", "task_of"]
 

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from evalkit.tasks.kv_retrieval import synthetic
+from evalkit.models import synthetic
 
 MAX_PAIRS = 80  # training lists reach beyond the task's 40-72 entries
 

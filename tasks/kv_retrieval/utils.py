@@ -1,8 +1,8 @@
-"""lm-eval hooks of the kv_retrieval task: the dataset comes from synthetic.py beside it, scoring is exact match."""
+"""lm-eval hooks of the kv_retrieval task: the dataset comes from evalkit.synthetic, scoring is exact match."""
 
 import datasets
 
-from evalkit.tasks.kv_retrieval import synthetic
+from evalkit import synthetic
 
 
 def load(n_samples=100, seed=1234, min_pairs=40, max_pairs=72, **_metadata):

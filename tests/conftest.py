@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# Under pytest-xdist (-n auto), each worker takes its share of the cores, so that workers do not oversubscribe them;
+# the CLI processes the tests start inherit the share.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    share = (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, share)))
+
+pytest_plugins = ["fast_tier_limit", "pytester"]
 
 import learned_files  # noqa: E402  (tests/ is on the path)
 import pytest
@@ -70,7 +79,7 @@ def random_prompt(length: int, seed: int = 1, batch: int = 1) -> torch.Tensor:
 @pytest.fixture(scope="session")
 def random_model_dir(tmp_path_factory) -> Path:
     """A random-weight model with the built-in task's tokenizer, saved like a real checkpoint."""
-    from evalkit.train_tiny import build_model, build_tokenizer
+    from evalkit.models.train_tiny import build_model, build_tokenizer
 
     path = tmp_path_factory.mktemp("random_model")
     torch.manual_seed(0)
@@ -132,3 +141,4 @@ def registered(name: str, capacity: int):
 # Every registered method, sized for prompts of a few hundred tokens (each one compresses them: test_methods.py says
 # which does not, by name). The every-method tests of the chunked, engine, latent and GPU tiers run these.
 SMALL_POLICIES = {name: SMALL_SETTINGS.get(name) or registered(name, 40) for name in sorted(ec.POLICIES)}
+

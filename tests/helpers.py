@@ -51,3 +51,9 @@ def interrupted_run(args: list[str], results: Path, cwd: Path, sig: int = signal
         time.sleep(0.05)
     _, stderr = process.communicate(timeout=120)
     return process, stderr, files[0].read_text().splitlines() if files else []
+
+
+def worker_threads() -> int:
+    """The cores this test process may use: its pytest-xdist worker's share (conftest sets OMP_NUM_THREADS), else two,
+    the CI machine's; more threads than cores make torch's OpenMP threads spin against the other worker's."""
+    return int(os.environ.get("OMP_NUM_THREADS") or min(2, os.cpu_count() or 1))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+from helpers import worker_threads
 from lm_eval.api.instance import Instance
 from test_benchmarks import aime_rows_h4, lcb_rows, longbench_rows, math500_rows, write_json_list, write_jsonl
 
@@ -104,14 +105,14 @@ def test_lm_evals_hf_model_and_evalkits_full_cache_give_the_same_needle_answers(
     from evalkit.models import resolve_pretrained
     from evalkit.run import run, validate
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(worker_threads())
     limit = 8
     results = lm_eval.simple_evaluate(
         model="hf", model_args=f"pretrained={resolve_pretrained(SMOLLM2)},dtype=float32,device=cpu", tasks=["needle"],
         task_manager=TaskManager(include_path=str(tasks_dir()), include_defaults=False), limit=limit,
         apply_chat_template=True, log_samples=True, batch_size=1)
     theirs = {s["doc_id"]: (s["arguments"][0][0], s["filtered_resps"][0]) for s in results["samples"]["needle"]}
-    ours = run(validate(composed("task=needle", "model=smollm2_135m_instruct", f"limit={limit}", "threads=2",
+    ours = run(validate(composed("task=needle", "model=smollm2_135m_instruct", f"limit={limit}", f"threads={worker_threads()}",
                                  f"results_dir={tmp_path}"), method_explicit=False)).samples
     assert len(theirs) == len(ours) == limit
     assert not any("\u2063" in prompt for prompt, _ in theirs.values())

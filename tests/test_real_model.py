@@ -7,6 +7,7 @@ import importlib.util
 
 import pytest
 import torch
+from helpers import worker_threads
 
 import evalkit.compression as ec
 from evalkit.tasks.needle import needle
@@ -24,7 +25,7 @@ pytestmark = [
 def smollm2():
     from evalkit.models import load_model
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(worker_threads())
     return load_model(SMOLLM2, device="cpu")
 
 
@@ -90,7 +91,7 @@ def test_needle_full_cache_finds_it_and_streaming_llm_at_8x_loses_it(tmp_path):
     from evalkit.run import run, validate
 
     def accuracy(*overrides: str) -> float:
-        cfg = composed("task=needle", "model=smollm2_135m_instruct", f"results_dir={tmp_path}", "threads=2",
+        cfg = composed("task=needle", "model=smollm2_135m_instruct", f"results_dir={tmp_path}", f"threads={worker_threads()}",
                        "task.dataset.lengths=[1000]", "task.dataset.depths=[0.0,0.5,1.0]", "task.dataset.per_cell=2",
                        *overrides)
         result = run(validate(cfg, method_explicit=bool(overrides)))

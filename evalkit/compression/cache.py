@@ -22,6 +22,7 @@ The attention hook (:mod:`.attention`) hands each layer's prefill attention to
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import weakref
 
@@ -123,6 +124,14 @@ class CompressedLayer(DynamicLayer):
     @property
     def cache(self) -> CompressedCache:
         return self._cache()
+
+    def __deepcopy__(self, memo):
+        """A copy within a copied cache (:meth:`CompressionSession.fork`): its reference back follows the cache's copy."""
+        copied = self.__class__.__new__(self.__class__)
+        memo[id(self)] = copied
+        copied.__dict__.update({key: copy.deepcopy(value, memo) for key, value in self.__dict__.items() if key != "_cache"})
+        copied._cache = weakref.ref(memo.get(id(self.cache), self.cache))
+        return copied
 
     def update(self, key_states, value_states, *args, **kwargs):
         plan = self.cache.plan

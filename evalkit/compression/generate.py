@@ -151,8 +151,20 @@ def generate(model, input_ids: torch.LongTensor, policy: Policy, attention_mask:
     stop = stop_criteria(tokenizer, stop_strings, input_ids.shape[1]) if stop_strings else None
     session, logits, prefill_seconds = prefill(model, policy, input_ids, attention_mask, compress_prefix, position_ids,
                                                prefill_chunk, prefill_chunk_mode)
-    unfinished, generated = torch.ones(len(input_ids), dtype=torch.bool), torch.zeros(len(input_ids), dtype=torch.long)
-    sequences, all_logits = input_ids, []
+    sequences, generated, all_logits = decode(session, logits, input_ids, max_new_tokens, choose, eos, stop,
+                                              pad_token_id, return_logits)
+    stats = _row_stats(session, input_ids, attention_mask, generated, prefill_seconds)
+    stacked = torch.stack(all_logits, dim=1) if return_logits else None
+    return GenerationOutput(sequences=sequences, logits=stacked, stats=stats)
+
+
+def decode(session: CompressionSession, logits: torch.Tensor, sequences: torch.Tensor, max_new_tokens: int, choose,
+           eos: torch.Tensor | None, stop, pad_token_id: int, return_logits: bool = False):
+    """Up to ``max_new_tokens`` tokens per row after ``logits`` (the last prompt token's), each fed back into the
+    session but the last; a row stops at an EOS id or a stop string. Returns the sequences with the new tokens, the
+    count each row generated, and the logits of every step (empty unless ``return_logits``)."""
+    unfinished, generated = torch.ones(len(sequences), dtype=torch.bool), torch.zeros(len(sequences), dtype=torch.long)
+    all_logits = []
     for step in range(max_new_tokens):
         if return_logits:
             all_logits.append(logits)
@@ -167,7 +179,4 @@ def generate(model, input_ids: torch.LongTensor, policy: Policy, attention_mask:
         if not bool(unfinished.any()) or step == max_new_tokens - 1:
             break
         logits = session.step(next_tokens[:, None], active=unfinished)[:, -1]
-
-    stats = _row_stats(session, input_ids, attention_mask, generated, prefill_seconds)
-    stacked = torch.stack(all_logits, dim=1) if return_logits else None
-    return GenerationOutput(sequences=sequences, logits=stacked, stats=stats)
+    return sequences, generated, all_logits

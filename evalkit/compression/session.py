@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import weakref
 
 import torch
@@ -87,6 +88,13 @@ class CompressionSession:
     @property
     def state(self) -> RowState:
         return self.cache.state
+
+    def fork(self) -> CompressionSession:
+        """An independent copy of this session: the same cache and state so far, its own from here on; the model
+        (every module, parameter and buffer) is shared, not copied. One context prefilled and compressed once, then
+        continued many ways (:mod:`evalkit.compression.shared_context`)."""
+        shared = (self.model, *self.model.modules(), *self.model.parameters(), *self.model.buffers())
+        return copy.deepcopy(self, {id(obj): obj for obj in shared})
 
     @torch.no_grad()
     def prefill(

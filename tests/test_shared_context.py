@@ -1,0 +1,113 @@
+"""One context, many calls (evalkit/compression/shared_context.py): every query over a shared compressed context gets
+what it gets alone; a chat over a full cache is transformers' own turn by turn; what the shared prefix saved is
+counted."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from conftest import SMALL_POLICIES, random_prompt, tiny_model
+from transformers import DynamicCache
+
+import evalkit.compression as ec
+
+CONTEXT, NEW = 240, 6
+
+
+def _queries(count: int = 3) -> list[torch.Tensor]:
+    return [random_prompt(8 + 3 * i, seed=100 + i)[0] for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama")
+
+
+@pytest.mark.parametrize("name", sorted(SMALL_POLICIES))
+def test_every_query_of_a_shared_context_gets_its_answer_alone(llama, name):
+    """multi_request: each answer is generate's over the context and that query with the context compressed alone
+    (compress_prefix), greedy, in any order: no query sees another's tokens."""
+    context, queries = random_prompt(CONTEXT, seed=7), _queries()
+    alone = []
+    for query in queries:
+        try:
+            out = ec.generate(llama, torch.cat([context, query[None]], dim=1), SMALL_POLICIES[name](),
+                              max_new_tokens=NEW, eos_token_id=[], return_logits=False, compress_prefix=CONTEXT)
+        except ValueError as error:  # a method that cannot compress the context alone refuses both ways
+            with pytest.raises(ValueError, match=str(error)[:40]):
+                ec.generate_shared(llama, context, queries, SMALL_POLICIES[name](), max_new_tokens=NEW,
+                                   eos_token_id=[])
+            return
+        alone.append((out.sequences[0, CONTEXT + len(query):], out.stats[0]["peak_cache_tokens"]))
+    shared = ec.generate_shared(llama, context, queries, SMALL_POLICIES[name](), max_new_tokens=NEW, eos_token_id=[])
+    backwards = ec.generate_shared(llama, context, queries[::-1], SMALL_POLICIES[name](), max_new_tokens=NEW,
+                                   eos_token_id=[])
+    for i, (tokens, peak) in enumerate(alone):
+        assert torch.equal(shared.answers[i], tokens) and torch.equal(backwards.answers[-1 - i], tokens)
+        assert shared.stats[i]["peak_cache_tokens"] == pytest.approx(peak)
+
+
+def test_a_compressing_method_holds_less_and_answers_otherwise_than_the_full_cache(llama):
+    context, queries = random_prompt(CONTEXT, seed=7), _queries()
+    full = ec.generate_shared(llama, context, queries, ec.Full(), max_new_tokens=NEW, eos_token_id=[])
+    snapkv = ec.generate_shared(llama, context, queries, ec.SnapKV(capacity=48, window=8, kernel_size=5),
+                                max_new_tokens=NEW, eos_token_id=[])
+    assert all(s["peak_cache_tokens"] <= 48 + len(q) + NEW < CONTEXT for s, q in zip(snapkv.stats, queries))
+    assert all(f["peak_cache_tokens"] == CONTEXT + len(q) + NEW - 1 for f, q in zip(full.stats, queries))
+    assert any(not torch.equal(a, b) for a, b in zip(full.answers, snapkv.answers))
+
+
+def test_the_context_is_computed_once_and_served_to_every_later_query(llama):
+    context, queries = random_prompt(CONTEXT, seed=7), _queries(8)
+    out = ec.generate_shared(llama, context, queries, ec.Full(), max_new_tokens=2, eos_token_id=[])
+    computed = sum(s["prefill_tokens_computed"] for s in out.stats)
+    assert computed == CONTEXT + sum(len(q) for q in queries)
+    assert [s["prefill_tokens_shared"] for s in out.stats] == [0] + [CONTEXT] * 7
+    one_by_one = sum(CONTEXT + len(q) for q in queries)
+    assert computed <= one_by_one / 4
+
+
+def test_a_chat_over_the_full_cache_is_transformers_own_turn_by_turn(llama):
+    """multi_turn with Full: each turn appends its query to the conversation so far (the model's own answers
+    included), as transformers' generate continuing its own cache does."""
+    context, queries = random_prompt(CONTEXT, seed=7), _queries()
+    ours = ec.generate_shared(llama, context, queries, ec.Full(), mode="multi_turn", max_new_tokens=NEW,
+                              eos_token_id=[])
+    cache, conversation = DynamicCache(config=llama.config), context
+    for turn, query in enumerate(queries):
+        conversation = torch.cat([conversation, query[None]], dim=1)
+        with warnings.catch_warnings():  # newer transformers deprecate past_key_values (now cache); it still works
+            warnings.simplefilter("ignore", FutureWarning)
+            out = llama.generate(conversation, attention_mask=torch.ones_like(conversation), past_key_values=cache,
+                                 max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, return_dict_in_generate=True,
+                                 pad_token_id=0)
+        answer = out.sequences[0, conversation.shape[1]:]
+        assert torch.equal(ours.answers[turn], answer), turn
+        conversation, cache = out.sequences, out.past_key_values
+    shared = [s["prefill_tokens_shared"] for s in ours.stats]
+    assert shared == [0, CONTEXT + len(queries[0]) + NEW - 1, CONTEXT + len(queries[0]) + len(queries[1]) + 2 * NEW - 1]
+
+
+def test_a_chat_keeps_the_gold_answers_in_place_of_its_own_when_asked(llama):
+    context, queries = random_prompt(CONTEXT, seed=7), _queries()
+    golds = [random_prompt(5, seed=200 + i)[0] for i in range(len(queries))]
+    own = ec.generate_shared(llama, context, queries, ec.Full(), mode="multi_turn", max_new_tokens=NEW, eos_token_id=[])
+    gold = ec.generate_shared(llama, context, queries, ec.Full(), mode="multi_turn", history="gold",
+                              gold_answers=golds, max_new_tokens=NEW, eos_token_id=[])
+    assert torch.equal(own.answers[0], gold.answers[0])  # the first turn has no history yet
+    assert gold.stats[1]["prefill_tokens_shared"] == CONTEXT + len(queries[0])  # the model's answer was dropped
+    assert gold.stats[1]["prefill_tokens_computed"] == len(golds[0]) + len(queries[1])
+    assert gold.stats[2]["prefill_tokens_shared"] == CONTEXT + len(queries[0]) + len(golds[0]) + len(queries[1])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"mode": "multi_chat"}, "mode must be one of"),
+    ({"mode": "multi_turn", "history": "gold"}, "needs one gold answer per query"),
+    ({"history": "gold", "gold_answers": [torch.tensor([1])] * 3}, "history='gold' is a multi_turn option"),
+    ({"history": "mine"}, "history must be one of"),
+])
+def test_a_mistaken_mode_or_history_is_one_line(llama, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ec.generate_shared(llama, random_prompt(CONTEXT, seed=7), _queries(), ec.Full(), **kwargs)

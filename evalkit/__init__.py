@@ -47,10 +47,8 @@ MOVED = {
 
 def moved_to(name: str) -> str | None:
     """The module an earlier name now is (``evalkit.task.folder`` -> ``evalkit.benchmark.folder``), or None."""
-    for old, new in MOVED.items():
-        if name == old or name.startswith(old + "."):
-            return new + name[len(old):]
-    return None
+    old = max((old for old in MOVED if name == old or name.startswith(old + ".")), key=len, default=None)
+    return None if old is None else MOVED[old] + name[len(old):]
 
 
 class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -141,4 +141,3 @@ def registered(name: str, capacity: int):
 # Every registered method, sized for prompts of a few hundred tokens (each one compresses them: test_methods.py says
 # which does not, by name). The every-method tests of the chunked, engine, latent and GPU tiers run these.
 SMALL_POLICIES = {name: SMALL_SETTINGS.get(name) or registered(name, 40) for name in sorted(ec.POLICIES)}
-

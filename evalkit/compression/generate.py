@@ -91,6 +91,13 @@ def _row_stats(session, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
     return stats
 
 
+def eos_and_pad(model, tokenizer, eos_token_id, pad_token_id: int | None) -> tuple[torch.Tensor | None, int]:
+    """The ids a row stops on (``eos_token_id=None``: :func:`stop_token_ids`; ``[]``: none) and the id a finished row
+    is filled with (default: the first of them, else 0)."""
+    eos = eos_ids(stop_token_ids(model, tokenizer) if eos_token_id is None else eos_token_id)
+    return eos, (int(eos[0]) if eos is not None else 0) if pad_token_id is None else pad_token_id
+
+
 def _chooser(do_sample: bool, temperature: float | None, top_p: float | None, seed: int | None, device):
     """The next token from the logits: the argmax, or a draw after temperature and top-p (transformers' warpers)
     from a generator seeded with ``seed``."""
@@ -145,8 +152,7 @@ def generate(model, input_ids: torch.LongTensor, policy: Policy, attention_mask:
     _validate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_p, stop_strings, tokenizer)
     if tokenizer is not None:
         policy.bind_tokenizer(tokenizer)
-    eos = eos_ids(stop_token_ids(model, tokenizer) if eos_token_id is None else eos_token_id)
-    pad_token_id = (int(eos[0]) if eos is not None else 0) if pad_token_id is None else pad_token_id
+    eos, pad_token_id = eos_and_pad(model, tokenizer, eos_token_id, pad_token_id)
     choose = _chooser(do_sample, temperature, top_p, seed, input_ids.device)
     stop = stop_criteria(tokenizer, stop_strings, input_ids.shape[1]) if stop_strings else None
     session, logits, prefill_seconds = prefill(model, policy, input_ids, attention_mask, compress_prefix, position_ids,

@@ -24,9 +24,8 @@ import time
 
 import torch
 
-from .generate import _chooser, decode, prefill
+from .generate import _chooser, decode, eos_and_pad, prefill
 from .methods.base import Policy
-from .stopping import eos_ids, stop_token_ids
 
 MODES = ("multi_request", "multi_turn")
 HISTORIES = ("own", "gold")
@@ -67,8 +66,7 @@ def generate_shared(model, context_ids: torch.Tensor, queries: list[torch.Tensor
     _check(context_ids, queries, mode, history, gold_answers)
     if tokenizer is not None:
         policy.bind_tokenizer(tokenizer)
-    eos = eos_ids(stop_token_ids(model, tokenizer) if eos_token_id is None else eos_token_id)
-    pad_token_id = (int(eos[0]) if eos is not None else 0) if pad_token_id is None else pad_token_id
+    eos, pad_token_id = eos_and_pad(model, tokenizer, eos_token_id, pad_token_id)
     choose = _chooser(False, None, None, None, context_ids.device)
     session, _, context_seconds = prefill(model, policy, context_ids)
     answers, stats, pending = [], [], torch.empty(0, dtype=torch.long, device=context_ids.device)

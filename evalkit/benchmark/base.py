@@ -76,6 +76,10 @@ class Task:
         """The metric the report pivots on (None: the first the run reported)."""
         return None
 
+    def sessions(self) -> bool:
+        """Whether its rows are sessions (one context, several queries: ``task.mode=multi_request|multi_turn``)."""
+        return False
+
     def subset_fields(self) -> list[str]:
         return []
 

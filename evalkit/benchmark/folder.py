@@ -1,10 +1,14 @@
-"""A task of evalkit's own: its folder ``tasks/<name>/`` (the lm-eval YAML, its code) and ``conf/task/<name>.yaml``.
+"""A task of evalkit's own: its folder ``tasks/<name>/`` (the lm-eval YAML, its code) and ``conf/task/<name>.yaml``; a
+family of tasks shares one folder (``tasks/scbench/scbench_kv.yaml``: task ``scbench_kv``).
 
 Beyond what lm-eval reads, the YAML's ``metadata`` may declare
 
 - ``primary_metric``: the metric the report pivots on (default: the first of ``metric_list``);
 - ``subset_field``: the document fields a sample's subset is made of (``[length, depth]``);
 - ``heatmap: {rows: FIELD, columns: FIELD}``: two of the subset fields the report draws accuracy over;
+- ``sessions: true``: its rows are sessions, one shared context asked several queries (each doc is one query:
+  ``session_id``, ``turn`` from 1, ``answer``), so that ``task.mode=multi_request|multi_turn`` can run it
+  (:mod:`evalkit.lm.sessions`);
 
 and ``utils.py`` may define these hooks (each optional):
 
@@ -17,6 +21,9 @@ and ``utils.py`` may define these hooks (each optional):
   with whatever joins it to the document); ``compression_scope=context`` compresses only what precedes it in the
   prompt as sent (:func:`evalkit.benchmark.doc_to_question`). The prompt itself carries no mark, so lm-eval's own models
   read the same text as evalkit's;
+- ``doc_to_follow_up(doc) -> str`` and ``doc_to_history(doc) -> str`` (a session task's): the user text of a
+  later turn of a chat, and the gold answer the chat keeps under ``task.history=gold`` (defaults: the question, and
+  ``doc["answer"]``);
 - ``generation_flow(evaluate, config, request_stats, scratch) -> (results, stats, reasoning) | None``: the task's
   own way to run its requests (LongBench-v2's chain of thought: a reasoning call, then the answer call);
   ``evaluate(config)`` runs lm-eval over a task config, ``request_stats`` holds the adapter's statistics per
@@ -40,14 +47,21 @@ from .base import DataOrigin, Task
 
 
 def task_names() -> list[str]:
-    """Every task evalkit ships (a folder under tasks/ holding ``<name>.yaml``)."""
-    return sorted(p.name for p in tasks_dir().iterdir() if (p / f"{p.name}.yaml").is_file())
+    """Every task evalkit ships: a folder under tasks/ holding ``<name>.yaml``, or a family's ``<name>.yaml`` beside
+    others in one folder (``tasks/scbench/scbench_kv.yaml``)."""
+    own = {p.name for p in tasks_dir().iterdir() if (p / f"{p.name}.yaml").is_file()}
+    family = {p.stem for p in tasks_dir().glob("*/*.yaml") if p.parent.name not in own and not p.stem.startswith("_")}
+    return sorted(own | family)
 
 
 class FolderTask(Task):
     @property
     def yaml_path(self) -> Path:
-        return tasks_dir() / self.name / f"{self.name}.yaml"
+        """``tasks/<name>/<name>.yaml``, else the family folder holding ``<name>.yaml`` (``tasks/scbench/``)."""
+        own = tasks_dir() / self.name / f"{self.name}.yaml"
+        if own.is_file() or self.name.startswith("_"):
+            return own
+        return next(iter(sorted(tasks_dir().glob(f"*/{self.name}.yaml"))), own)
 
     def check(self) -> None:
         if not self.yaml_path.is_file():
@@ -115,6 +129,9 @@ class FolderTask(Task):
         declared = self.metadata().get("primary_metric")
         metrics = [entry["metric"] for entry in self.definition().get("metric_list") or []]
         return declared or (metrics[0] if metrics else None)
+
+    def sessions(self) -> bool:
+        return bool(self.metadata().get("sessions"))
 
     def subset_fields(self) -> list[str]:
         fields = self.metadata().get("subset_field") or []

@@ -24,8 +24,10 @@ import time
 
 import torch
 
+from .engine.accounting import held_bytes
 from .generate import _chooser, decode, eos_and_pad, prefill
 from .methods.base import Policy
+from .stopping import stop_criteria
 
 MODES = ("multi_request", "multi_turn")
 HISTORIES = ("own", "gold")
@@ -36,8 +38,11 @@ class SharedContextOutput:
     """Per query: the answer's token ids and what its call cost. ``stats[i]``: ``prefill_tokens_computed`` (the
     tokens this call ran through the model before its first answer token: the context's for the first call, then
     only the query's and, in a chat, what the last turn left to feed), ``prefill_tokens_shared`` (the positions the
-    session already held, served instead of recomputed), ``ttft_seconds``, ``generated_tokens`` and
-    ``peak_cache_tokens`` (the most the call's cache held, mean over layers and heads)."""
+    session already held, served instead of recomputed), ``ttft_seconds`` (also ``time_to_first_token_s`` and
+    ``prefill_seconds``), ``decode_seconds``, ``prompt_tokens`` (every position the call's prompt spans, shared or
+    not), ``generated_tokens``, ``hit_limit``, what the cache realized (``kept_prompt_tokens`` per layer and head,
+    ``peak_cache_tokens``: the most the call's cache held, mean over layers and heads, ``tokens_seen``,
+    ``realized_ratio``) and its bytes (:func:`~evalkit.compression.engine.accounting.held_bytes`)."""
 
     answers: list[torch.Tensor]
     stats: list[dict]
@@ -59,32 +64,62 @@ def _check(context_ids: torch.Tensor, queries: list, mode: str, history: str, go
 @torch.no_grad()
 def generate_shared(model, context_ids: torch.Tensor, queries: list[torch.Tensor], policy: Policy,
                     mode: str = "multi_request", history: str = "own", gold_answers: list[torch.Tensor] | None = None,
-                    max_new_tokens: int = 64, eos_token_id: int | list[int] | None = None, tokenizer=None,
-                    pad_token_id: int | None = None) -> SharedContextOutput:
+                    max_new_tokens: int | list[int] = 64, eos_token_id: int | list[int] | None = None, tokenizer=None,
+                    pad_token_id: int | None = None, stop_strings: list[str] | None = None,
+                    compress_first_query: bool = False) -> SharedContextOutput:
     """Greedy answers to ``queries`` (token ids, each ``[tokens]``) over one ``context_ids`` ``[1, tokens]``: the
-    context prefilled and compressed once (see the module's docstring for the modes and the rule)."""
+    context prefilled and compressed once (see the module's docstring for the modes and the rule).
+    ``max_new_tokens``: one for all, or one per query. ``stop_strings`` end an answer as in :func:`generate` (a
+    tokenizer is needed). ``compress_first_query`` (``multi_turn`` only): compress the context together with the
+    first query, as a chat's first prompt is (the rule SCBench's multi-turn runs follow); later turns are appended."""
     _check(context_ids, queries, mode, history, gold_answers)
+    if compress_first_query and mode != "multi_turn":
+        raise ValueError("compress_first_query is a multi_turn option: multi_request compresses the context alone")
     if tokenizer is not None:
         policy.bind_tokenizer(tokenizer)
     eos, pad_token_id = eos_and_pad(model, tokenizer, eos_token_id, pad_token_id)
+    limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(queries)
     choose = _chooser(False, None, None, None, context_ids.device)
-    session, _, context_seconds = prefill(model, policy, context_ids)
-    answers, stats, pending = [], [], torch.empty(0, dtype=torch.long, device=context_ids.device)
+    device, stops = context_ids.device, set(eos.tolist()) if eos is not None else set()
+    first = torch.cat([context_ids, queries[0].to(device)[None]], dim=1) if compress_first_query else context_ids
+    session, logits, context_seconds = prefill(model, policy, first)
+    answers, stats, pending = [], [], torch.empty(0, dtype=torch.long, device=device)
     for turn, query in enumerate(queries):
-        fed = torch.cat([pending, query.to(context_ids.device)])[None]
+        query = query.to(device)
+        if len(pending) and int(pending[-1]) in stops and int(query[0]) == int(pending[-1]):
+            query = query[1:]  # the template writes the end of turn the model's answer ended with: fed once
+        fed = torch.cat([pending, query])[None]
         shared = 0 if turn == 0 else int(session.state.seq_len.max())  # the tokens the session holds for this call
         call = session.fork() if mode == "multi_request" else session
         started = time.perf_counter()
-        logits = call.step(fed)[:, -1]
+        if not (turn == 0 and compress_first_query):
+            logits = call.step(fed)[:, -1]
         ttft = time.perf_counter() - started + (context_seconds if turn == 0 else 0.0)
+        computed = fed.shape[1] + (first.shape[1] if turn == 0 else 0) - (fed.shape[1] if compress_first_query
+                                                                            and turn == 0 else 0)
         if history == "gold":  # the model answers on a copy; the conversation keeps the gold answer instead
             call = session.fork()
-        sequences, generated, _ = decode(call, logits, fed, max_new_tokens, choose, eos, None, pad_token_id)
+        stop = stop_criteria(tokenizer, stop_strings, fed.shape[1]) if stop_strings else None
+        started = time.perf_counter()
+        sequences, generated, _ = decode(call, logits, fed, limits[turn], choose, eos, stop, pad_token_id)
         answers.append(sequences[0, fed.shape[1]: fed.shape[1] + int(generated[0])])
-        stats.append({"turn": turn, "prefill_tokens_computed": fed.shape[1] + (context_ids.shape[1] if turn == 0 else 0),
-                      "prefill_tokens_shared": shared, "ttft_seconds": ttft, "generated_tokens": int(generated[0]),
-                      "peak_cache_tokens": call.realized(0)["peak_cache_tokens"]})
+        stats.append(_call_stats(call, turn, shared + computed, computed, shared, ttft, time.perf_counter() - started,
+                                 int(generated[0]), limits[turn]))
         # Fed with the next query: the answer's last token (decoding fed the others), or the whole gold answer.
         if mode == "multi_turn":
-            pending = gold_answers[turn].to(context_ids.device) if history == "gold" else answers[-1][-1:]
+            pending = gold_answers[turn].to(device) if history == "gold" else answers[-1][-1:]
     return SharedContextOutput(answers=answers, stats=stats)
+
+
+def _call_stats(call, turn: int, prompt: int, computed: int, shared: int, ttft: float, decode_seconds: float,
+                generated: int, limit: int) -> dict:
+    """One call's statistics (:class:`SharedContextOutput`), read off its session's cache."""
+    realized = call.realized(0)
+    seen = prompt + max(generated - 1, 0)
+    peak = realized["peak_cache_tokens"]
+    held = held_bytes(call.cache.layers, 0, int(call.state.peak[0]), seen, max(generated - 1, 0),
+                      call.cache.layers[0].keys.shape[-2])
+    return {"turn": turn, "prefill_tokens_computed": computed, "prefill_tokens_shared": shared, "ttft_seconds": ttft,
+            "time_to_first_token_s": ttft, "prefill_seconds": ttft, "decode_seconds": decode_seconds,
+            "prompt_tokens": prompt, "generated_tokens": generated, "hit_limit": generated >= limit,
+            **realized, "tokens_seen": seen, "realized_ratio": seen / peak if peak else None, **held}

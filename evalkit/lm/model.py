@@ -24,6 +24,7 @@ from evalkit.core.console import PhaseBar, stream
 from evalkit.core.errors import ConfigError, RunError, model_unavailable
 from evalkit.lm.prompts import PromptEncoder
 from evalkit.lm.requests import check_model_arguments, finish_request, model_arguments, prepare_request
+from evalkit.lm.sessions import generate_sessions
 from evalkit.memory.measure import Throughput
 from evalkit.memory.request_cost import RequestCost
 from evalkit.models import load_model, load_spec_prefill
@@ -84,6 +85,7 @@ class EvalkitLM(LM):
         self.throughput = Throughput()  # what this process measured of its own generations (not resumed ones)
         self.progress, self.fidelity_tokens = progress, int(fidelity_tokens)
         self.spec_prefill = load_spec_prefill(spec_prefill, dtype, device) if spec_prefill else None
+        self.mode, self.history = "single", "own"  # a session task's task.mode and task.history (evalkit.lm.sessions)
 
     @property
     def device(self):
@@ -125,6 +127,8 @@ class EvalkitLM(LM):
         in the crash-safe progress file) as soon as it is done."""
         if not requests:
             return []
+        if self.mode != "single":
+            return generate_sessions(self, requests, self.mode, self.history, disable_tqdm)
         keys = request_keys([(r.args[0], r.args[1]) for r in requests])
         owners = stats_keys(requests)
         outputs: list[str | None] = [None] * len(requests)

@@ -91,7 +91,8 @@ def task_rows(results: dict, task: str, stats: dict[tuple, dict], reasoning: dic
 # A request's statistics (the adapter's), copied into its sample row in this order.
 STAT_COLUMNS = ("prompt_tokens", "generated_tokens", "hit_limit", "kept_prompt_tokens", "peak_cache_tokens", "tokens_seen",
                 "realized_ratio", "compression_ratio", "truncated", "token_agreement", "first_divergence", "kl_mean", "spec_kept_tokens",
-                "draft_seconds", "prefill_seconds", "decode_seconds", "time_to_first_token_s", "reserved_cache_tokens")
+                "draft_seconds", "prefill_seconds", "decode_seconds", "time_to_first_token_s", "reserved_cache_tokens",
+                "prefill_tokens_computed", "prefill_tokens_shared")
 
 
 def sample_row(sample: dict, repeat: int, prediction, subset: str | None, metric: str | None, row_stats: dict,
@@ -104,6 +105,8 @@ def sample_row(sample: dict, repeat: int, prediction, subset: str | None, metric
     return {
         "doc_id": sample.get("doc_id"),
         "sample_id": str(doc.get("id", sample.get("doc_id"))),
+        "session_id": None if doc.get("session_id") is None else str(doc["session_id"]),  # a session task's
+        "turn": doc.get("turn"),
         "subset": subset,
         "repeat": repeat,
         "prediction": prediction if isinstance(prediction, str) else json.dumps(prediction, default=str),

@@ -50,6 +50,8 @@ CONFIG_COLUMNS: dict[str, pa.DataType] = {
     "task": pa.string(),
     "task_options": pa.string(),
     "compression_scope": pa.string(),
+    "task_mode": pa.string(),  # multi_request | multi_turn: a session task's queries over one context; empty: single
+    "task_history": pa.string(),  # multi_turn: own | gold, what the chat kept of each answer
     "prefill_chunk": pa.int64(),  # tokens prefilled at a time; empty: the whole prompt at once
     "prefill_chunk_mode": pa.string(),  # exact | compress (compressed back to the budget after every chunk)
     "kv_bits": pa.int64(),  # quantized KV storage (KIVI); empty: the model's dtype
@@ -93,6 +95,8 @@ METRIC_COLUMNS: dict[str, pa.DataType] = {
 SAMPLE_COLUMNS: dict[str, pa.DataType] = {
     "doc_id": pa.int64(),
     "sample_id": pa.string(),
+    "session_id": pa.string(),  # a session task's: the context the sample's query shares
+    "turn": pa.int64(),  # its place among the session's queries, from 1
     "subset": pa.string(),
     "repeat": pa.int64(),
     "prediction": pa.string(),
@@ -117,6 +121,10 @@ SAMPLE_COLUMNS: dict[str, pa.DataType] = {
     "decode_seconds": pa.float64(),  # from the first token to the engine sync that saw the request end
     "time_to_first_token_s": pa.float64(),  # from the start of the engine's stream: queueing + prefill
     "reserved_cache_tokens": pa.int64(),  # the cache size the engine reserved per slot
+    # Sessions (task.mode=multi_request | multi_turn): the tokens this call ran through the model before its first
+    # answer token, and the positions the session's cache served it instead (0 under task.mode=single).
+    "prefill_tokens_computed": pa.int64(),
+    "prefill_tokens_shared": pa.int64(),
     # Bytes, measured on the engine's own tensors (see evalkit.compression.Engine): held at the peak, reserved by
     # the slot, what a full cache holds for the same tokens, and evalkit.memory's prediction of the held bytes.
     "kv_bytes_peak": pa.int64(),

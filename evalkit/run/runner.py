@@ -166,6 +166,7 @@ def load_lm(spec: RunSpec, progress: Progress | None = None, model=None, tokeniz
             revision=spec.revision, device_map=spec.device_map, compile=spec.compile,
             prefill_chunk=spec.prefill_chunk, prefill_chunk_mode=spec.prefill_chunk_mode,
         )
+        lm.mode, lm.history = spec.task_options.get("mode", "single"), spec.task_options.get("history", "own")
     except OSError as error:
         raise RunError(model_unavailable(spec.pretrained, error)) from None
     except ValueError as error:  # a config error (a learned file's against the model's layers) stays one

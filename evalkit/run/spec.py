@@ -15,6 +15,8 @@ from evalkit.core import budget as budget_grammar
 from evalkit.core.errors import ConfigError
 from evalkit.lm.parallel import ParallelSettings, parallel_settings
 
+from .session_mode import check_mode, session_refusal
+
 if TYPE_CHECKING:  # torch and the compression code load with the first validate(), not with this module
     import evalkit.compression as ec
     from evalkit import memory
@@ -25,8 +27,10 @@ if TYPE_CHECKING:  # torch and the compression code load with the first validate
 # `generation` (overrides of the task's generation_kwargs), `repeats` (samples per prompt), `system_instruction`.
 # `gen_prefix`: text the assistant turn starts with (AIME's "<think>\n" switch).
 # `source: lm_eval`: a task of lm-eval's own registry (conf/task/lm_eval.yaml), with `num_fewshot` and `metadata`.
+# `mode`: single (each query a request of its own, the default) | multi_request | multi_turn, over a session task's
+# shared context (evalkit.lm.sessions); `history`: own | gold, what a multi_turn chat keeps of each answer.
 TASK_OPTION_KEYS = ("dataset", "generation", "repeats", "system_instruction", "gen_prefix", "source", "num_fewshot",
-                    "metadata")
+                    "metadata", "mode", "history")
 
 
 @dataclasses.dataclass
@@ -110,6 +114,8 @@ class RunSpec:
             **({"device_map": json.dumps(self.device_map, sort_keys=True)} if self.device_map is not None else {}),
             **({"prefill_chunk": self.prefill_chunk, "prefill_chunk_mode": self.prefill_chunk_mode}
                if self.prefill_chunk is not None else {}),
+            **({"task_mode": self.task_options["mode"], "task_history": self.task_options.get("history", "own")}
+               if self.task_options.get("mode", "single") != "single" else {}),
             **({"kv_bits": self.kv_format.bits, "kv_group_size": self.kv_format.group_size,
                 "kv_residual": self.kv_format.residual} if self.kv_format is not None else {}),
         }
@@ -184,6 +190,7 @@ def _checked_task(task: dict) -> tuple[str, dict]:
     options = {key: task.get(key) for key in TASK_OPTION_KEYS if task.get(key) is not None}
     task_of(task_name, options).check()
     check_known(task, ("name", *TASK_OPTION_KEYS), "task.")
+    check_mode(task_name, options)
     for key in ("dataset", "generation", "metadata"):
         if not isinstance(options.get(key, {}), dict):
             raise ConfigError(f"task.{key} must be a mapping, got {options[key]!r}")
@@ -313,7 +320,7 @@ def validate(cfg: dict, method_explicit: bool = True, checked: dict | None = Non
     compile_with = _checked_runtime(policy, prefill_chunk, chunk_mode, checked["device"], cfg.get("compile", False))
     verdict = price_deployment(cfg, budget if method != "full" else None, policy)
     model = cfg.get("model") or {}
-    return RunSpec(
+    spec = RunSpec(
         spec_prefill=spec_prefill,
         decode_method=method,
         model_name=checked["model_name"],
@@ -348,6 +355,10 @@ def validate(cfg: dict, method_explicit: bool = True, checked: dict | None = Non
         parallel=checked["parallel"],
         logger=checked["logger"],
     )
+    refusal = session_refusal(spec)
+    if refusal:
+        raise ConfigError(refusal)
+    return spec
 
 
 def _kv_format(cfg: dict, scope: str, spec_prefill) -> ec.KVFormat | None:

@@ -46,34 +46,38 @@ class Accounting:
         return Completion(resident.index, list(resident.tokens), stats)
 
     def _bytes(self, slot: int, row_peak: int, seen: int, fed_back: int) -> dict:
-        """What the request's cache really took, in bytes, read off the tensors the engine allocated: ``kv_bytes_peak``
-        the most it held (per layer: its peak tokens, or per head its own peak, times the bytes of a token's keys
-        and values in that layer's dtype and widths: latent widths for MLA), ``kv_bytes_reserved`` what its slot
-        reserves, ``kv_bytes_full`` what a full cache holds for the same ``seen`` tokens (a sliding-window layer at
-        most its window), and ``memory_ratio`` = full / peak. Under a quantized KV format also
-        ``kv_quantized_tokens``: of the held tokens at the peak (per KV head, the mean over layers, as
-        ``peak_cache_tokens``), those ``kv_bytes_peak`` prices at ``kv_bits``: the kept prompt and the generated
-        tokens beyond the full-precision residual (the ``fed_back`` generated tokens the cache took)."""
-        peak = reserved = full = 0
-        quantized, formats = 0.0, 0
-        for layer in self.pool.cache.layers:
-            key_dim, value_dim, element = layer.keys.shape[-1], layer.values.shape[-1], layer.keys.element_size()
-            token_bytes = (key_dim + value_dim) * element
-            heads = layer.keys.shape[1]
-            policy = layer.layout.policy
-            shape = (heads, key_dim, value_dim, element)
-            held = layer.layout.held(layer, slot, row_peak)[1]
-            peak += _price(policy.kv_format, held, *shape, fed_back)
-            reserved += _price(policy.kv_format, self.pool.slot_tokens * heads, *shape)
-            window = policy.cache_capacity() if isinstance(policy, SlidingWindow) else None
-            full += (min(seen, window) if window else seen) * heads * token_bytes
-            if policy.kv_format is not None:
-                quantized += policy.kv_format.quantized_tokens(held, heads, fed_back) / heads
-                formats += 1
-        peak, reserved = math.ceil(peak), math.ceil(reserved)
-        return {"kv_bytes_peak": peak, "kv_bytes_reserved": reserved, "kv_bytes_full": full,
-                "memory_ratio": full / peak if peak else None,
-                **({"kv_quantized_tokens": round(quantized / len(self.pool.cache.layers), 3)} if formats else {})}
+        return held_bytes(self.pool.cache.layers, slot, row_peak, seen, fed_back, self.pool.slot_tokens)
+
+
+def held_bytes(layers, row: int, row_peak: int, seen: int, fed_back: int, reserved_tokens: int) -> dict:
+    """What a request's cache really took, in bytes, read off the tensors of its cache ``layers`` (row ``row``):
+    ``kv_bytes_peak`` the most it held (per layer: its peak tokens, or per head its own peak, times the bytes of a
+    token's keys and values in that layer's dtype and widths: latent widths for MLA), ``kv_bytes_reserved`` what its
+    ``reserved_tokens`` slots reserve, ``kv_bytes_full`` what a full cache holds for the same ``seen`` tokens (a
+    sliding-window layer at most its window), and ``memory_ratio`` = full / peak. Under a quantized KV format also
+    ``kv_quantized_tokens``: of the held tokens at the peak (per KV head, the mean over layers, as
+    ``peak_cache_tokens``), those ``kv_bytes_peak`` prices at ``kv_bits``: the kept prompt and the generated tokens
+    beyond the full-precision residual (the ``fed_back`` generated tokens the cache took)."""
+    peak = reserved = full = 0
+    quantized, formats = 0.0, 0
+    for layer in layers:
+        key_dim, value_dim, element = layer.keys.shape[-1], layer.values.shape[-1], layer.keys.element_size()
+        token_bytes = (key_dim + value_dim) * element
+        heads = layer.keys.shape[1]
+        policy = layer.layout.policy
+        shape = (heads, key_dim, value_dim, element)
+        held = layer.layout.held(layer, row, row_peak)[1]
+        peak += _price(policy.kv_format, held, *shape, fed_back)
+        reserved += _price(policy.kv_format, reserved_tokens * heads, *shape)
+        window = policy.cache_capacity() if isinstance(policy, SlidingWindow) else None
+        full += (min(seen, window) if window else seen) * heads * token_bytes
+        if policy.kv_format is not None:
+            quantized += policy.kv_format.quantized_tokens(held, heads, fed_back) / heads
+            formats += 1
+    peak, reserved = math.ceil(peak), math.ceil(reserved)
+    return {"kv_bytes_peak": peak, "kv_bytes_reserved": reserved, "kv_bytes_full": full,
+            "memory_ratio": full / peak if peak else None,
+            **({"kv_quantized_tokens": round(quantized / len(layers), 3)} if formats else {})}
 
 
 def _price(fmt, tokens: float, heads: int, key_dim: int, value_dim: int, element: int,

@@ -1,0 +1,173 @@
+"""A session task's requests under ``task.mode=multi_request|multi_turn``: each session (the docs sharing a
+``session_id``, asked in ``turn`` order) prefills its context once and answers its queries over it
+(:func:`evalkit.compression.generate_shared`).
+
+The ids are the single request's own: each doc's prompt as lm-eval renders it (chat template included), tokenized
+whole and split where its question starts (the task's ``doc_to_question``), so that a ``multi_request`` answer is
+the one the same doc gets alone under ``compression_scope=context``. A ``multi_turn`` chat continues after turn 1's
+prompt with each later turn's user text (``doc_to_follow_up``; under a chat template, what the template writes
+after an assistant answer and around that text), after the model's own answer or, under ``task.history=gold``, the
+gold one (``doc_to_history``).
+
+The context is compressed alone (``multi_request``; and ``multi_turn`` under ``compression_scope=context``), or,
+under ``compression_scope=prompt``, together with the first query, as a chat's first prompt (``multi_turn``).
+A session is recorded in the progress file once all its turns are done; an interrupted one runs again whole.
+"""
+
+from __future__ import annotations
+
+import collections
+import types
+
+import torch
+
+import evalkit.compression as ec
+from evalkit.benchmark import FolderTask
+from evalkit.core.console import PhaseBar
+from evalkit.core.errors import RunError
+from evalkit.lm.prompts import context_end
+from evalkit.lm.requests import GenerationOptions
+from evalkit.results.progress import request_keys, stats_keys
+
+_ANSWER = "\x00evalkit-answer\x00"  # where an assistant answer goes in a rendered chat
+
+
+def generate_sessions(lm, requests, mode: str, history: str, disable_tqdm: bool = False) -> list[str]:
+    """The answers to ``requests`` (lm-eval's, of a session task), session by session; each one's statistics go to
+    ``lm.request_stats`` and each finished session to ``lm.progress``."""
+    keys = request_keys([(r.args[0], r.args[1]) for r in requests])
+    owners = stats_keys(requests)
+    outputs: list[str | None] = [None] * len(requests)
+    sessions = _sessions(requests)
+    done = 0
+    for members in sessions.values():
+        records = [lm.progress.get(keys[i]) if lm.progress is not None else None for i in members]
+        if all(records):  # generated before an interruption
+            for index, record in zip(members, records):
+                outputs[index], lm.request_stats[owners[index]] = record["text"], record["stats"]
+            done += len(members)
+    meter = lm.throughput
+    meter.start(lm.device)
+    try:
+        with PhaseBar(len(requests), done, disable=disable_tqdm) as bar:
+            for members in sessions.values():
+                if outputs[members[0]] is not None:
+                    continue
+                texts, stats = _run_session(lm, [requests[i] for i in members], mode, history)
+                for index, text, stat in zip(members, texts, stats):
+                    outputs[index], lm.request_stats[owners[index]] = text, stat
+                    meter.add({**stat, "prompt_tokens": stat["prefill_tokens_computed"]})
+                if lm.progress is not None:
+                    lm.progress.add([{"key": keys[i], "text": outputs[i], "stats": lm.request_stats[owners[i]]}
+                                     for i in members])
+                bar.update(len(members))
+    finally:
+        meter.stop(None, lm.model)
+    return outputs
+
+
+def _sessions(requests) -> dict[str, list[int]]:
+    """The requests' indices by session, each in turn order; a doc without a session or a turn is one line."""
+    sessions: dict[str, list[int]] = collections.defaultdict(list)
+    for index, request in enumerate(requests):
+        doc = request.doc or {}
+        if doc.get("session_id") is None or not isinstance(doc.get("turn"), int):
+            raise RunError(f"task {request.task_name}: doc {request.doc_id} has no session_id and turn; a session "
+                           "task's docs carry both (task.mode=single runs any task)")
+        sessions[str(doc["session_id"])].append(index)
+    for session, members in sessions.items():
+        members.sort(key=lambda i: requests[i].doc["turn"])
+        turns = [requests[i].doc["turn"] for i in members]
+        if len(set(turns)) != len(turns):
+            raise RunError(f"session {session}: turn {turns} repeats a turn; each turn of a session is one query")
+    return sessions
+
+
+def _run_session(lm, members: list, mode: str, history: str) -> tuple[list[str], list[dict]]:
+    """One session's answers (texts cut at their stop strings) and per-turn statistics."""
+    task = FolderTask(members[0].task_name)
+    options = [GenerationOptions.from_lm_eval(r.args[1]) for r in members]
+    if any(option.do_sample for option in options):
+        raise RunError(f"task {task.name}: a session decodes greedily; task.generation.do_sample=false")
+    session_id = members[0].doc["session_id"]
+    context, first_query = _split(lm, task, members[0], session_id)
+    queries = [first_query]
+    for request in members[1:]:
+        own_context, query = _split(lm, task, request, session_id)
+        if own_context != context:
+            raise RunError(f"session {session_id}: turn {request.doc['turn']}'s prompt does not begin with the same "
+                           "context as turn 1's; a session's docs share one context")
+        queries.append(query if mode == "multi_request" else _follow_up(lm, task, request.doc))
+    gold = [_ids(lm, _hook(task, "doc_to_history", r.doc)) for r in members] if history == "gold" else None
+    limits = [option.max_new_tokens for option in options]
+    positions = len(context) + (sum(map(len, queries)) + sum(limits) + sum(map(len, gold or []))
+                                if mode == "multi_turn" else max(map(len, queries)) + max(limits))
+    if positions > lm.max_context:
+        raise RunError(f"session {session_id} needs up to {positions} positions, more than max_context "
+                       f"{lm.max_context}: shorten its context (task.dataset) or raise model.max_context")
+    device = lm.device
+    first_in_prefix = mode == "multi_turn" and lm.prompts.compression_scope == "prompt"
+    stops = sorted({s for option in options for s in option.until if s and s not in lm.stop_token_texts})
+    out = ec.generate_shared(lm.model, torch.tensor([context], device=device),
+                             [torch.tensor(q, dtype=torch.long) for q in queries], lm.policy, mode=mode,
+                             history=history, gold_answers=[torch.tensor(g, dtype=torch.long) for g in gold]
+                             if gold else None, max_new_tokens=limits, eos_token_id=lm.stop_token_ids,
+                             tokenizer=lm.tokenizer, stop_strings=stops or None, compress_first_query=first_in_prefix)
+    compressed = len(context) + (len(queries[0]) if first_in_prefix else 0)
+    texts, stats = [], []
+    for answer, stat, option in zip(out.answers, out.stats, options):
+        text = lm.tokenizer.decode(answer, skip_special_tokens=True)
+        for stop in option.until:
+            if stop and stop in text:
+                text = text[: text.index(stop)]
+        kept = stat["kept_prompt_tokens"]
+        request = types.SimpleNamespace(compress_prefix=compressed)
+        texts.append(text)
+        stats.append({**stat, "turn": stat["turn"] + 1, "truncated": False,
+                      "compression_scope": lm.prompts.compression_scope,
+                      "kv_bytes_predicted": lm.cost.predicted_bytes(request, stat),
+                      "over_budget": lm.cost.over_budget(stat, compressed),
+                      "compression_ratio": 1 - sum(kept) / len(kept) / compressed if kept else None})
+    return texts, stats
+
+
+def _split(lm, task: FolderTask, request, session_id) -> tuple[list[int], list[int]]:
+    """A doc's prompt as ids, split where its question starts: (context, query)."""
+    text, question = request.args[0], _hook(task, "doc_to_question", request.doc)
+    end = context_end(text, question)
+    if end is None:
+        raise RunError(f"session {session_id}, turn {request.doc['turn']}: the task's doc_to_question is not in its "
+                       "prompt, so where the shared context ends is unknown")
+    ids, split = lm.prompts.tokenize(text, end)
+    if not split or split >= len(ids):
+        raise RunError(f"session {session_id}, turn {request.doc['turn']}: its prompt leaves no context or no query")
+    return ids[:split], ids[split:]
+
+
+def _follow_up(lm, task: FolderTask, doc: dict) -> list[int]:
+    """A later turn's ids in a chat: its user text (``doc_to_follow_up``), under a chat template with what the
+    template writes between an assistant answer and the next generation prompt."""
+    text = _hook(task, "doc_to_follow_up", doc)
+    if lm.use_chat_template:
+        chat = [{"role": "user", "content": "-"}, {"role": "assistant", "content": _ANSWER},
+                {"role": "user", "content": text}]
+        rendered = lm.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        text = rendered[rendered.index(_ANSWER) + len(_ANSWER):]
+    return _ids(lm, text)
+
+
+def _ids(lm, text: str) -> list[int]:
+    return lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _hook(task: FolderTask, name: str, doc: dict) -> str:
+    """The task's hook ``name`` on ``doc``; without one, the question stands for a follow-up and ``answer`` for the
+    gold history."""
+    hook = task.hook(name)
+    if hook is not None:
+        return hook(doc)
+    if name == "doc_to_follow_up":
+        return _hook(task, "doc_to_question", doc)
+    if name == "doc_to_history":
+        return str(doc["answer"])
+    raise RunError(f"task {task.name} has no {name} hook; a session task defines it in its utils.py")

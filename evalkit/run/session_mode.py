@@ -1,0 +1,42 @@
+"""A run's task mode, checked: ``task.mode`` (single | multi_request | multi_turn) and ``task.history`` (own | gold),
+and what a session mode cannot be combined with yet. The modes themselves: :mod:`evalkit.lm.sessions`."""
+
+from __future__ import annotations
+
+from evalkit.benchmark import task_of
+from evalkit.core.errors import ConfigError
+
+MODES = ("single", "multi_request", "multi_turn")
+HISTORIES = ("own", "gold")
+
+
+def check_mode(task_name: str, options: dict) -> None:
+    """``task.mode`` and ``task.history``: known values, a history only for a chat, and a session mode only for a
+    task whose rows are sessions. The default mode is taken out of ``options`` (as earlier runs' digests had it)."""
+    if options.get("mode") == "single":
+        del options["mode"]
+    mode, history = options.get("mode", "single"), options.get("history")
+    if mode not in MODES:
+        raise ConfigError(f"task.mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if history is not None and history not in HISTORIES:
+        raise ConfigError(f"task.history must be own or gold, got {history!r}")
+    if history is not None and mode != "multi_turn":
+        raise ConfigError(f"task.history={history} takes no effect with task.mode={mode}: it says what a multi_turn "
+                          "chat keeps of each answer; add task.mode=multi_turn, or leave task.history out")
+    if mode != "single" and not task_of(task_name, options).sessions():
+        raise ConfigError(f"task.mode={mode} needs a task whose rows are sessions (one context, several queries: "
+                          f"the scbench_* tasks); task {task_name} asks one query per context: use task.mode=single")
+
+
+def session_refusal(spec) -> str | None:
+    """Why a session mode cannot run with the rest of ``spec`` (None: it can): what shares one context's cache
+    across calls is one process's sessions, prefilled whole, without a draft model, greedy."""
+    mode = spec.task_options.get("mode", "single")
+    others = [(spec.parallel is not None, "parallel=ray"), (spec.spec_prefill is not None, "method=spec_prefill"),
+              (spec.prefill_chunk is not None, "prefill_chunk"), (spec.fidelity_tokens > 0, "fidelity_tokens"),
+              ((spec.task_options.get("repeats") or 1) > 1, "task.repeats")]
+    named = [name for given, name in others if given]
+    if mode == "single" or not named:
+        return None
+    return (f"task.mode={mode} does not combine with {' or '.join(named)} yet: a session's context is prefilled "
+            "whole, once, in this process; leave it out, or use task.mode=single")

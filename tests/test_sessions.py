@@ -116,3 +116,22 @@ def test_multi_turn_with_the_full_cache_is_the_chat_transformers_generates(tmp_p
         assert list(rows["prediction"]) == chat_answers(model, tokenizer, turns, gold)
     later = shared[shared["turn"] > 1]
     assert (later["prefill_tokens_shared"] > later["prefill_tokens_computed"] * 5).all()
+
+
+def test_the_report_draws_the_score_by_turn_of_each_run(tmp_path):
+    """accuracy_by_turn.png from the samples' turns: one line per run, labelled by method, budget and mode."""
+    from evalkit.results.turns import run_label, turn_plot, turn_scores
+
+    base = {"task": "needle_multiturn", "model": "m", "score": 1.0}
+    rows = [{**base, "run_id": "a", "method": "full", "budget": None, "task_mode": "multi_turn", "task_history": "own",
+             "turn": t, "score": float(t == 1)} for t in (1, 2, 2)]
+    rows += [{**base, "run_id": "b", "method": "snapkv", "budget": "4x", "task_mode": None, "task_history": None,
+              "turn": t} for t in (1, 2)]
+    samples = pd.DataFrame(rows)
+    table = turn_scores(samples)
+    assert table[table["run_id"] == "a"].set_index("turn")[["score", "n"]].to_dict("index") == {
+        1: {"score": 1.0, "n": 1}, 2: {"score": 0.0, "n": 2}}
+    labels = {run: run_label(row) for run, row in table.drop_duplicates("run_id").set_index("run_id").iterrows()}
+    assert labels == {"a": "full multi_turn", "b": "snapkv 4x single"}
+    assert turn_plot(samples, tmp_path / "turns.png").stat().st_size > 0
+    assert turn_plot(samples.drop(columns="turn"), tmp_path / "none.png") is None

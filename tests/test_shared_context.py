@@ -49,6 +49,55 @@ def test_every_query_of_a_shared_context_gets_its_answer_alone(llama, name):
         assert shared.stats[i]["peak_cache_tokens"] == pytest.approx(peak)
 
 
+@pytest.mark.parametrize("name", sorted(SMALL_POLICIES))
+def test_the_engine_copies_a_shared_context_into_each_querys_slot(llama, name):
+    """Request(prefix=session): the engine serves every query over one prefilled context, batched in its slots,
+    with what the query gets as a request of its own (the context and the query, compress_prefix), greedy; the
+    shared session is left as it was."""
+    context, queries = random_prompt(CONTEXT, seed=7), _queries()
+    try:
+        prefix, _ = ec.prefill_context(llama, SMALL_POLICIES[name](), context)
+    except ValueError:  # a method that cannot compress a context alone (the test above holds it to generate)
+        return
+    held = [layer.keys.clone() for layer in prefix.cache.layers]
+    done = {}
+    engine = ec.Engine(llama, SMALL_POLICIES[name](), slots=2, eos_token_id=[])
+    engine.run([ec.Request(query, max_new_tokens=NEW, prefix=prefix) for query in queries],
+               on_finish=lambda completion: done.__setitem__(completion.index, completion))
+    alone = engine.run([ec.Request(torch.cat([context[0], query]), max_new_tokens=NEW, compress_prefix=CONTEXT)
+                        for query in queries])
+    for i, query in enumerate(queries):
+        assert done[i].tokens == alone[i].tokens
+        stats = done[i].stats
+        assert (stats["prefill_tokens_computed"], stats["prefill_tokens_shared"]) == (len(query), CONTEXT)
+        assert stats["prompt_tokens"] == CONTEXT + len(query)
+        for key in ("peak_cache_tokens", "kept_prompt_tokens", "kv_bytes_peak", "memory_ratio"):
+            assert stats[key] == pytest.approx(alone[i].stats[key])
+    assert all(torch.equal(layer.keys, before) for layer, before in zip(prefix.cache.layers, held))
+
+
+def test_the_compiled_step_serves_shared_contexts_without_a_new_graph(llama):
+    """SnapStream's static cache, compiled: queries over a shared context and plain requests in one stream, one graph,
+    the eager engine's tokens."""
+    from torch._dynamo.testing import CompileCounter
+
+    policy = lambda: ec.SnapStream(capacity=64, window=8, sink=4, recent=16)  # noqa: E731
+    context, queries = random_prompt(CONTEXT, seed=7), _queries(4)
+    prefix, _ = ec.prefill_context(llama, policy(), context)
+    requests = [ec.Request(query, max_new_tokens=NEW, prefix=prefix) for query in queries]
+    requests.insert(2, ec.Request(random_prompt(50, seed=3)[0], max_new_tokens=NEW))
+    eager = ec.Engine(llama, policy(), slots=2, eos_token_id=[]).run(requests)
+    counter = CompileCounter()
+    compiled = ec.Engine(llama, policy(), slots=2, eos_token_id=[], compile=True, compile_backend=counter).run(requests)
+    assert [c.tokens for c in compiled] == [c.tokens for c in eager] and counter.frame_count == 1
+
+
+def test_a_request_over_a_prefix_takes_no_other_prompt_split(llama):
+    prefix, _ = ec.prefill_context(llama, ec.Full(), random_prompt(16, seed=7))
+    with pytest.raises(ValueError, match="takes neither compress_prefix nor position_ids"):
+        ec.Request([1, 2], prefix=prefix, compress_prefix=1)
+
+
 def test_a_compressing_method_holds_less_and_answers_otherwise_than_the_full_cache(llama):
     context, queries = random_prompt(CONTEXT, seed=7), _queries()
     full = ec.generate_shared(llama, context, queries, ec.Full(), max_new_tokens=NEW, eos_token_id=[])

@@ -19,7 +19,7 @@ from .loglikelihood import score_continuation
 from .methods.base import Policy
 from .methods.budget import POLICIES, budget_capacity, method_params, policy_from_budget
 from .session import CHUNK_MODES, CompressionSession, chunk_mode_refusal
-from .shared_context import SharedContextOutput, generate_shared
+from .shared_context import SharedContextOutput, generate_shared, prefill_context
 from .spec_prefill import SpecPrefill, map_by_characters
 from .stopping import stop_token_ids
 from .views import DecodeView, PrefillView
@@ -54,6 +54,7 @@ __all__ = [
     "score_continuation",
     "SharedContextOutput",
     "generate_shared",
+    "prefill_context",
     "snapkv_scores",
     "stop_token_ids",
 ]

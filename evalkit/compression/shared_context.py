@@ -111,6 +111,14 @@ def generate_shared(model, context_ids: torch.Tensor, queries: list[torch.Tensor
     return SharedContextOutput(answers=answers, stats=stats)
 
 
+@torch.no_grad()
+def prefill_context(model, policy: Policy, context_ids: torch.Tensor):
+    """``context_ids`` ``[1, tokens]`` prefilled and compressed once: the session the engine's requests over it
+    continue (``Request(prefix=session)``, each on its own copy), and the seconds it took."""
+    session, _, seconds = prefill(model, policy, context_ids)
+    return session, seconds
+
+
 def _call_stats(call, turn: int, prompt: int, computed: int, shared: int, ttft: float, decode_seconds: float,
                 generated: int, limit: int) -> dict:
     """One call's statistics (:class:`SharedContextOutput`), read off its session's cache."""

@@ -11,6 +11,9 @@ gold one (``doc_to_history``).
 
 The context is compressed alone (``multi_request``; and ``multi_turn`` under ``compression_scope=context``), or,
 under ``compression_scope=prompt``, together with the first query, as a chat's first prompt (``multi_turn``).
+``multi_request`` runs in the engine: the context's session is copied into each query's slot (``Request(prefix=)``),
+batched with the other queries, the compiled step as it is; a chat's turns wait for each other, so ``multi_turn``
+runs session by session (:func:`evalkit.compression.generate_shared`).
 A session is recorded in the progress file once all its turns are done; an interrupted one runs again whole.
 """
 
@@ -105,30 +108,61 @@ def _run_session(lm, members: list, mode: str, history: str) -> tuple[list[str],
     if positions > lm.max_context:
         raise RunError(f"session {session_id} needs up to {positions} positions, more than max_context "
                        f"{lm.max_context}: shorten its context (task.dataset) or raise model.max_context")
-    device = lm.device
-    first_in_prefix = mode == "multi_turn" and lm.prompts.compression_scope == "prompt"
     stops = sorted({s for option in options for s in option.until if s and s not in lm.stop_token_texts})
-    out = ec.generate_shared(lm.model, torch.tensor([context], device=device),
-                             [torch.tensor(q, dtype=torch.long) for q in queries], lm.policy, mode=mode,
-                             history=history, gold_answers=[torch.tensor(g, dtype=torch.long) for g in gold]
-                             if gold else None, max_new_tokens=limits, eos_token_id=lm.stop_token_ids,
-                             tokenizer=lm.tokenizer, stop_strings=stops or None, compress_first_query=first_in_prefix)
-    compressed = len(context) + (len(queries[0]) if first_in_prefix else 0)
-    texts, stats = [], []
-    for answer, stat, option in zip(out.answers, out.stats, options):
-        text = lm.tokenizer.decode(answer, skip_special_tokens=True)
-        for stop in option.until:
-            if stop and stop in text:
-                text = text[: text.index(stop)]
-        kept = stat["kept_prompt_tokens"]
-        request = types.SimpleNamespace(compress_prefix=compressed)
-        texts.append(text)
-        stats.append({**stat, "turn": stat["turn"] + 1, "truncated": False,
-                      "compression_scope": lm.prompts.compression_scope,
-                      "kv_bytes_predicted": lm.cost.predicted_bytes(request, stat),
-                      "over_budget": lm.cost.over_budget(stat, compressed),
-                      "compression_ratio": 1 - sum(kept) / len(kept) / compressed if kept else None})
-    return texts, stats
+    context_ids = torch.tensor([context], device=lm.device)
+    if mode == "multi_request":
+        answers, stats = _over_engine(lm, context_ids, queries, limits, stops)
+        compressed = len(context)
+    else:
+        first_in_prefix = lm.prompts.compression_scope == "prompt"
+        out = ec.generate_shared(lm.model, context_ids, [torch.tensor(q, dtype=torch.long) for q in queries],
+                                 lm.policy, mode=mode, history=history,
+                                 gold_answers=[torch.tensor(g, dtype=torch.long) for g in gold] if gold else None,
+                                 max_new_tokens=limits, eos_token_id=lm.stop_token_ids, tokenizer=lm.tokenizer,
+                                 stop_strings=stops or None, compress_first_query=first_in_prefix)
+        answers, stats = [answer.tolist() for answer in out.answers], [{**s, "turn": s["turn"] + 1} for s in out.stats]
+        compressed = len(context) + (len(queries[0]) if first_in_prefix else 0)
+    return [_text(lm, answer, option.until) for answer, option in zip(answers, options)], [
+        _finished(lm, stat, compressed) for stat in stats]
+
+
+def _over_engine(lm, context_ids: torch.Tensor, queries: list, limits: list, stops: list) -> tuple[list, list]:
+    """``multi_request`` in the engine: the context prefilled and compressed once, each query a request continuing
+    a copy of it in its own slot (batched as any requests are). The first call is charged the context's prefill."""
+    prefix, seconds = ec.prefill_context(lm.model, lm.policy, context_ids)
+    requests = [ec.Request(torch.tensor(query, dtype=torch.long), max_new_tokens=limit, stop_strings=stops,
+                           prefix=prefix) for query, limit in zip(queries, limits)]
+    done: dict[int, ec.Completion] = {}
+    lm.engine.run(requests, on_finish=lambda completion: done.__setitem__(completion.index, completion))
+    answers, stats = [done[i].tokens for i in range(len(queries))], []
+    for turn in range(len(queries)):
+        stat = {**done[turn].stats, "turn": turn + 1}
+        if turn == 0:
+            stat["prefill_tokens_computed"] += context_ids.shape[1]
+            stat["prefill_tokens_shared"] = 0
+            for name in ("prefill_seconds", "time_to_first_token_s"):
+                stat[name] = (stat.get(name) or 0.0) + seconds
+        stats.append(stat)
+    return answers, stats
+
+
+def _text(lm, tokens: list[int], until: list[str]) -> str:
+    text = lm.tokenizer.decode(tokens, skip_special_tokens=True)
+    for stop in until:
+        if stop and stop in text:
+            text = text[: text.index(stop)]
+    return text
+
+
+def _finished(lm, stat: dict, compressed: int) -> dict:
+    """A call's statistics as a single request's (:func:`evalkit.lm.requests.finish_request`): the memory model's
+    price, the budget check and the realized compression ratio of the ``compressed`` tokens."""
+    kept = stat["kept_prompt_tokens"]
+    request = types.SimpleNamespace(compress_prefix=compressed)
+    return {**stat, "truncated": False, "compression_scope": lm.prompts.compression_scope,
+            "kv_bytes_predicted": lm.cost.predicted_bytes(request, stat),
+            "over_budget": lm.cost.over_budget(stat, compressed),
+            "compression_ratio": 1 - sum(kept) / len(kept) / compressed if kept else None}
 
 
 def _split(lm, task: FolderTask, request, session_id) -> tuple[list[int], list[int]]:

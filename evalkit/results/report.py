@@ -6,7 +6,8 @@ For every compressed run, the delta of its primary metric against the full-cache
 a paired bootstrap confidence interval over the samples both runs scored; beside it the realized compression and the
 memory verdict of the run, and what the run measured of its cost (KV bytes held, memory ratio, peak memory,
 prefill and decode throughput). Writes report.md, summary.csv, pivot.csv and accuracy_vs_budget.png into ``--out``,
-and, where runs measured them, accuracy_vs_memory.png and accuracy_vs_speed.png (the Pareto front marked).
+and, where runs measured them, accuracy_vs_memory.png and accuracy_vs_speed.png (the Pareto front marked); for
+session tasks accuracy_by_turn.png.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .summary import (
 )
 from .tables import read_runs
 from .trace_costs import point_label
+from .turns import turn_plot
 
 
 def plot(table: pd.DataFrame, path: Path) -> Path:
@@ -176,6 +178,9 @@ def write_report(results_dir: str | Path, out: str | Path | None = None, iterati
         if drawn is not None:
             paths[name.removesuffix(".png")] = drawn
             text += [f"![{name.removesuffix('.png').replace('_', ' ')}]({name})", ""]
+    if turn_plot(samples, out / "accuracy_by_turn.png") is not None:  # session tasks: score turn by turn
+        paths["accuracy_by_turn"] = out / "accuracy_by_turn.png"
+        text += ["## Accuracy by turn (one context, many calls)", "", "![accuracy by turn](accuracy_by_turn.png)", ""]
     recorded = metrics[["run_id", "task", "task_options"]].drop_duplicates() if "task_options" in metrics else None
     registry_runs = set() if recorded is None else {
         run for run, task, options in recorded.itertuples(index=False) if run_task(task, options).from_registry}

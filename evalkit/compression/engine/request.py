@@ -14,6 +14,10 @@ class Request:
     """One generation: prompt token ids and its own settings.
 
     ``compress_prefix`` and ``position_ids`` mean what they mean for :func:`evalkit.compression.generate`.
+    ``prefix``: a :class:`~evalkit.compression.session.CompressionSession` prefilled (and compressed) before, which
+    this request continues: ``input_ids`` are the tokens after it (a query over a shared context). Admission copies
+    the session's cache into the slot and prefills only ``input_ids`` on top; the session itself is left as it was,
+    for the next request over the same context.
     """
 
     input_ids: Sequence[int] | torch.Tensor
@@ -25,6 +29,7 @@ class Request:
     seed: int = 0
     compress_prefix: int | None = None
     position_ids: Sequence[int] | torch.Tensor | None = None
+    prefix: object | None = None
 
     def __post_init__(self) -> None:
         self.input_ids = torch.as_tensor(self.input_ids, dtype=torch.long).reshape(-1)
@@ -38,6 +43,8 @@ class Request:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if (self.temperature is not None or self.top_p is not None) and not self.do_sample:
             raise ValueError("temperature and top_p apply only with do_sample=True")
+        if self.prefix is not None and (self.compress_prefix is not None or self.position_ids is not None):
+            raise ValueError("a request over a prefilled prefix takes neither compress_prefix nor position_ids")
         self.stop_strings = (self.stop_strings,) if isinstance(self.stop_strings, str) else tuple(self.stop_strings)
         if self.position_ids is not None:
             self.position_ids = torch.as_tensor(self.position_ids, dtype=torch.long).reshape(-1)

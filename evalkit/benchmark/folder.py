@@ -21,9 +21,10 @@ and ``utils.py`` may define these hooks (each optional):
   with whatever joins it to the document); ``compression_scope=context`` compresses only what precedes it in the
   prompt as sent (:func:`evalkit.benchmark.doc_to_question`). The prompt itself carries no mark, so lm-eval's own models
   read the same text as evalkit's;
-- ``doc_to_follow_up(doc) -> str`` and ``doc_to_history(doc) -> str`` (a session task's): the user text of a
-  later turn of a chat, and the gold answer the chat keeps under ``task.history=gold`` (defaults: the question, and
-  ``doc["answer"]``);
+- a session task's chat turns after the first (defaults in brackets): ``doc_to_follow_up(doc)``, the user text
+  of a later turn [the question]; ``doc_to_follow_up_plain(doc)``, that text without a chat template
+  [``doc_to_follow_up``]; ``doc_to_follow_up_prefix(doc)``, what the answer is made to start with [nothing];
+  ``doc_to_history(doc)``, the gold answer a chat keeps under ``task.history=gold`` [``doc["answer"]``];
 - ``generation_flow(evaluate, config, request_stats, scratch) -> (results, stats, reasoning) | None``: the task's
   own way to run its requests (LongBench-v2's chain of thought: a reasoning call, then the answer call);
   ``evaluate(config)`` runs lm-eval over a task config, ``request_stats`` holds the adapter's statistics per

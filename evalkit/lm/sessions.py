@@ -180,13 +180,16 @@ def _split(lm, task: FolderTask, request, session_id) -> tuple[list[int], list[i
 
 def _follow_up(lm, task: FolderTask, doc: dict) -> list[int]:
     """A later turn's ids in a chat: its user text (``doc_to_follow_up``), under a chat template with what the
-    template writes between an assistant answer and the next generation prompt."""
-    text = _hook(task, "doc_to_follow_up", doc)
+    template writes between an assistant answer and the next generation prompt, then what the answer is made to
+    start with (``doc_to_follow_up_prefix``); without a chat template, the task's plain text
+    (``doc_to_follow_up_plain``)."""
     if lm.use_chat_template:
         chat = [{"role": "user", "content": "-"}, {"role": "assistant", "content": _ANSWER},
-                {"role": "user", "content": text}]
+                {"role": "user", "content": _hook(task, "doc_to_follow_up", doc)}]
         rendered = lm.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-        text = rendered[rendered.index(_ANSWER) + len(_ANSWER):]
+        text = rendered[rendered.index(_ANSWER) + len(_ANSWER):] + _hook(task, "doc_to_follow_up_prefix", doc)
+    else:
+        text = _hook(task, "doc_to_follow_up_plain", doc)
     return _ids(lm, text)
 
 
@@ -195,13 +198,16 @@ def _ids(lm, text: str) -> list[int]:
 
 
 def _hook(task: FolderTask, name: str, doc: dict) -> str:
-    """The task's hook ``name`` on ``doc``; without one, the question stands for a follow-up and ``answer`` for the
-    gold history."""
+    """The task's hook ``name`` on ``doc``; without one, the question stands for a follow-up (plain or not), the
+    answer starts with nothing, and ``answer`` is the gold history."""
     hook = task.hook(name)
     if hook is not None:
         return hook(doc)
-    if name == "doc_to_follow_up":
-        return _hook(task, "doc_to_question", doc)
+    defaults = {"doc_to_follow_up": "doc_to_question", "doc_to_follow_up_plain": "doc_to_follow_up"}
+    if name in defaults:
+        return _hook(task, defaults[name], doc)
+    if name == "doc_to_follow_up_prefix":
+        return ""
     if name == "doc_to_history":
         return str(doc["answer"])
     raise RunError(f"task {task.name} has no {name} hook; a session task defines it in its utils.py")

@@ -28,15 +28,15 @@ def check_mode(task_name: str, options: dict) -> None:
                           f"the scbench_* tasks); task {task_name} asks one query per context: use task.mode=single")
 
 
-def session_refusal(spec) -> str | None:
-    """Why a session mode cannot run with the rest of ``spec`` (None: it can): what shares one context's cache
-    across calls is one process's sessions, prefilled whole, without a draft model, greedy."""
+def session_refusal(spec):
+    """``spec``, or a ConfigError saying why its session mode cannot run with the rest of it: what shares one
+    context's cache across calls is one process's sessions, prefilled whole, without a draft model, greedy."""
     mode = spec.task_options.get("mode", "single")
     others = [(spec.parallel is not None, "parallel=ray"), (spec.spec_prefill is not None, "method=spec_prefill"),
               (spec.prefill_chunk is not None, "prefill_chunk"), (spec.fidelity_tokens > 0, "fidelity_tokens"),
               ((spec.task_options.get("repeats") or 1) > 1, "task.repeats")]
     named = [name for given, name in others if given]
     if mode == "single" or not named:
-        return None
-    return (f"task.mode={mode} does not combine with {' or '.join(named)} yet: a session's context is prefilled "
-            "whole, once, in this process; leave it out, or use task.mode=single")
+        return spec
+    raise ConfigError(f"task.mode={mode} does not combine with {' or '.join(named)} yet: a session's context is "
+                      "prefilled whole, once, in this process; leave it out, or use task.mode=single")

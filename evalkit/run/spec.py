@@ -320,7 +320,7 @@ def validate(cfg: dict, method_explicit: bool = True, checked: dict | None = Non
     compile_with = _checked_runtime(policy, prefill_chunk, chunk_mode, checked["device"], cfg.get("compile", False))
     verdict = price_deployment(cfg, budget if method != "full" else None, policy)
     model = cfg.get("model") or {}
-    spec = RunSpec(
+    return session_refusal(RunSpec(
         spec_prefill=spec_prefill,
         decode_method=method,
         model_name=checked["model_name"],
@@ -354,11 +354,7 @@ def validate(cfg: dict, method_explicit: bool = True, checked: dict | None = Non
         own_deployment=model.get("deployment"),
         parallel=checked["parallel"],
         logger=checked["logger"],
-    )
-    refusal = session_refusal(spec)
-    if refusal:
-        raise ConfigError(refusal)
-    return spec
+    ))
 
 
 def _kv_format(cfg: dict, scope: str, spec_prefill) -> ec.KVFormat | None:

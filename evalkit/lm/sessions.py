@@ -1,6 +1,5 @@
 """A session task's requests under ``task.mode=multi_request|multi_turn``: each session (the docs sharing a
-``session_id``, asked in ``turn`` order) prefills its context once and answers its queries over it
-(:func:`evalkit.compression.generate_shared`).
+``session_id``, asked in ``turn`` order) prefills its context once and answers its queries over it.
 
 The ids are the single request's own: each doc's prompt as lm-eval renders it (chat template included), tokenized
 whole and split where its question starts (the task's ``doc_to_question``), so that a ``multi_request`` answer is
@@ -65,7 +64,7 @@ def generate_sessions(lm, requests, mode: str, history: str, disable_tqdm: bool 
                                      for i in members])
                 bar.update(len(members))
     finally:
-        meter.stop(None, lm.model)
+        meter.stop(lm._engine, lm.model)  # multi_request: the engine's counts (its utilization, its cache)
     return outputs
 
 

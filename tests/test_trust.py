@@ -212,7 +212,7 @@ def sweep_jobs(preset: str) -> list[list[str]]:
 
 # Overrides no config interpolates: each job's config is one composition of its other overrides with these set on it
 # (values typed by Hydra's own parser), which is what Hydra composes for the job.
-SCALAR_OVERRIDES = ("budget", "kv_bits", "compression_scope")
+SCALAR_OVERRIDES = ("budget", "kv_bits", "compression_scope", "task.mode")
 
 
 def job_configs(preset: str, chosen=lambda job: True):
@@ -231,7 +231,11 @@ def job_configs(preset: str, chosen=lambda job: True):
         for override in job:
             if override.split("=", 1)[0] in SCALAR_OVERRIDES:
                 parsed = parser.parse_override(override)
-                cfg[parsed.key_or_group] = parsed.value()
+                *path, key = parsed.key_or_group.split(".")
+                node = cfg
+                for part in path:
+                    node = node[part]
+                node[key] = parsed.value()
         yield job, cfg
 
 

@@ -3,6 +3,8 @@ including file's keys winning), ``!function module.name`` read as its text, or r
 
 from __future__ import annotations
 
+import copy
+import functools
 import importlib
 from pathlib import Path
 
@@ -26,13 +28,19 @@ def read(path: Path, resolve: bool = False) -> dict:
     """The task YAML at ``path`` as a dict, its includes merged. With ``resolve``, each ``!function module.name`` is
     the function: ``module.py`` beside the YAML that names it (imported as ``evalkit.tasks.<folder>.<module>``, so a
     task's modules import one another as a package's), else an importable module, as lm-eval looks them up."""
-    own = yaml.load(path.read_text(), Loader=_Loader)
+    own = copy.deepcopy(_parsed(path, path.stat().st_mtime_ns))
     if resolve:
         own = _resolved(own, path.parent)
     merged = {}
     for include in includes(own.pop("include", None)):
         merged.update(read((path.parent / include).resolve(), resolve))
     return {**merged, **own}
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed(path: Path, stamp: int) -> dict:
+    """The YAML at ``path`` as it was at modification time ``stamp`` (a sweep's jobs read each task's once)."""
+    return yaml.load(path.read_text(), Loader=_Loader)
 
 
 def includes(value) -> list[str]:

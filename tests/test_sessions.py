@@ -45,7 +45,7 @@ def test_a_session_mode_on_a_task_without_sessions_or_beside_what_it_cannot_shar
     assert_one_line_error(result, tmp_path, "config error", "task.mode=multi_turn needs a task whose rows are sessions",
                           "task needle asks one query per context")
     for extra, named in (("prefill_chunk=64", "prefill_chunk"), ("fidelity_tokens=4", "fidelity_tokens"),
-                         ("+task.repeats=2", "task.repeats")):
+                         ("+task.repeats=2", "task.repeats"), ("parallel=ray", "parallel=ray")):
         with pytest.raises(ConfigError, match=f"task.mode=multi_request does not combine with {named}"):
             validate(compose("task=needle_multiturn", "task.mode=multi_request", extra), method_explicit=False)
 
@@ -81,6 +81,36 @@ def test_multi_request_answers_each_query_as_the_single_request_does_and_compute
     assert (later["prefill_tokens_shared"] + later["prefill_tokens_computed"] == later["prompt_tokens"]).all()
     assert shared["prefill_tokens_computed"].sum() < alone["prompt_tokens"].sum() * 0.7
     assert (shared["memory_ratio"] > 1.5).all() and (shared["time_to_first_token_s"] > 0).all()
+
+
+@needs_smollm2
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["multi_request", "multi_turn"])
+def test_speculative_prefill_chooses_a_sessions_context_once_and_every_call_reuses_it(tmp_path, monkeypatch, mode):
+    """method=spec_prefill over sessions: the draft reads each context once (not once per query); the target
+    prefills the kept tokens once, every later call runs only its own tokens, and the first call's row carries the
+    draft's choice and time."""
+    from evalkit.compression.spec_prefill import SpecPrefill
+
+    calls = []
+    select = SpecPrefill.select
+    monkeypatch.setattr(SpecPrefill, "select", lambda self, texts, *a, **k: calls.append(texts) or select(self, texts, *a, **k))
+    rows = samples(tmp_path, mode, "method=spec_prefill", f"method.draft_model={SMOLLM2}", "method.keep=0.5",
+                   f"task.mode={mode}", "task.dataset.needles=3")
+    assert len(calls) == 1 and len(rows) == 3  # one session of three queries: one draft pass
+    first, later = rows.iloc[0], rows.iloc[1:]
+    from evalkit.models import load_model
+    from evalkit.tasks.needle_multiturn import needle_multiturn
+
+    tokenizer = load_model(SMOLLM2, device="cpu")[1]
+    context = needle_multiturn.build_sessions([200], 3, 1, 1234)[0]["context"]
+    context_tokens = len(tokenizer(context)["input_ids"])
+    # keep=0.5 of the context's chunks of 32 tokens, then the query prefilled whole
+    assert 0 < first["spec_kept_tokens"] <= 0.75 * context_tokens
+    assert first["prefill_tokens_computed"] - first["spec_kept_tokens"] < 40
+    assert first["draft_seconds"] > 0 and (rows["time_to_first_token_s"] > 0).all()
+    assert later["spec_kept_tokens"].isna().all() and (later["prefill_tokens_computed"] < 40).all()
+    assert (later["prefill_tokens_shared"] >= first["spec_kept_tokens"]).all()
 
 
 def chat_answers(model, tokenizer, doc_turns: list[dict], answers: list[str]) -> list[str]:

@@ -66,12 +66,15 @@ def generate_shared(model, context_ids: torch.Tensor, queries: list[torch.Tensor
                     mode: str = "multi_request", history: str = "own", gold_answers: list[torch.Tensor] | None = None,
                     max_new_tokens: int | list[int] = 64, eos_token_id: int | list[int] | None = None, tokenizer=None,
                     pad_token_id: int | None = None, stop_strings: list[str] | None = None,
-                    compress_first_query: bool = False) -> SharedContextOutput:
+                    compress_first_query: bool = False,
+                    context_positions: torch.Tensor | None = None) -> SharedContextOutput:
     """Greedy answers to ``queries`` (token ids, each ``[tokens]``) over one ``context_ids`` ``[1, tokens]``: the
     context prefilled and compressed once (see the module's docstring for the modes and the rule).
     ``max_new_tokens``: one for all, or one per query. ``stop_strings`` end an answer as in :func:`generate` (a
     tokenizer is needed). ``compress_first_query`` (``multi_turn`` only): compress the context together with the
-    first query, as a chat's first prompt is (the rule SCBench's multi-turn runs follow); later turns are appended."""
+    first query, as a chat's first prompt is (the rule SCBench's multi-turn runs follow); later turns are appended.
+    ``context_positions`` ``[tokens]``: the context's positions when they are not 0..n-1 (the tokens a speculative
+    prefill's draft kept, at their original positions); what follows continues from the largest + 1."""
     _check(context_ids, queries, mode, history, gold_answers)
     if compress_first_query and mode != "multi_turn":
         raise ValueError("compress_first_query is a multi_turn option: multi_request compresses the context alone")
@@ -82,7 +85,11 @@ def generate_shared(model, context_ids: torch.Tensor, queries: list[torch.Tensor
     choose = _chooser(False, None, None, None, context_ids.device)
     device, stops = context_ids.device, set(eos.tolist()) if eos is not None else set()
     first = torch.cat([context_ids, queries[0].to(device)[None]], dim=1) if compress_first_query else context_ids
-    session, logits, context_seconds = prefill(model, policy, first)
+    positions = None
+    if context_positions is not None:
+        after = context_positions.max() + 1 + torch.arange(first.shape[1] - context_ids.shape[1])
+        positions = torch.cat([context_positions.cpu(), after])[None].to(device)
+    session, logits, context_seconds = prefill(model, policy, first, position_ids=positions)
     answers, stats, pending = [], [], torch.empty(0, dtype=torch.long, device=device)
     for turn, query in enumerate(queries):
         query = query.to(device)
@@ -112,10 +119,11 @@ def generate_shared(model, context_ids: torch.Tensor, queries: list[torch.Tensor
 
 
 @torch.no_grad()
-def prefill_context(model, policy: Policy, context_ids: torch.Tensor):
-    """``context_ids`` ``[1, tokens]`` prefilled and compressed once: the session the engine's requests over it
-    continue (``Request(prefix=session)``, each on its own copy), and the seconds it took."""
-    session, _, seconds = prefill(model, policy, context_ids)
+def prefill_context(model, policy: Policy, context_ids: torch.Tensor, position_ids: torch.Tensor | None = None):
+    """``context_ids`` ``[1, tokens]`` (at ``position_ids`` ``[1, tokens]``, where not 0..n-1) prefilled and compressed
+    once: the session the engine's requests over it continue (``Request(prefix=session)``, each on its own copy), and
+    the seconds it took."""
+    session, _, seconds = prefill(model, policy, context_ids, position_ids=position_ids)
     return session, seconds
 
 

@@ -13,7 +13,10 @@ under ``compression_scope=prompt``, together with the first query, as a chat's f
 ``multi_request`` runs in the engine: the context's session is copied into each query's slot (``Request(prefix=)``),
 batched with the other queries, the compiled step as it is; a chat's turns wait for each other, so ``multi_turn``
 runs session by session (:func:`evalkit.compression.generate_shared`).
-A session is recorded in the progress file once all its turns are done; an interrupted one runs again whole.
+Under speculative prefill (``method=spec_prefill``) the draft reads a session's context once and chooses the tokens
+the target prefills; every call reuses that choice (the queries are kept whole), and the first call's time to
+first token includes the draft's. A session is recorded in the progress file once all its turns are done; an
+interrupted one runs again whole.
 """
 
 from __future__ import annotations
@@ -108,9 +111,10 @@ def _run_session(lm, members: list, mode: str, history: str) -> tuple[list[str],
         raise RunError(f"session {session_id} needs up to {positions} positions, more than max_context "
                        f"{lm.max_context}: shorten its context (task.dataset) or raise model.max_context")
     stops = sorted({s for option in options for s in option.until if s and s not in lm.stop_token_texts})
+    context, positions, draft = _drafted(lm, members[0], context)
     context_ids = torch.tensor([context], device=lm.device)
     if mode == "multi_request":
-        answers, stats = _over_engine(lm, context_ids, queries, limits, stops)
+        answers, stats = _over_engine(lm, context_ids, positions, queries, limits, stops)
         compressed = len(context)
     else:
         first_in_prefix = lm.prompts.compression_scope == "prompt"
@@ -118,17 +122,33 @@ def _run_session(lm, members: list, mode: str, history: str) -> tuple[list[str],
                                  lm.policy, mode=mode, history=history,
                                  gold_answers=[torch.tensor(g, dtype=torch.long) for g in gold] if gold else None,
                                  max_new_tokens=limits, eos_token_id=lm.stop_token_ids, tokenizer=lm.tokenizer,
-                                 stop_strings=stops or None, compress_first_query=first_in_prefix)
+                                 stop_strings=stops or None, compress_first_query=first_in_prefix,
+                                 context_positions=positions)
         answers, stats = [answer.tolist() for answer in out.answers], [{**s, "turn": s["turn"] + 1} for s in out.stats]
         compressed = len(context) + (len(queries[0]) if first_in_prefix else 0)
+    if draft:  # the draft read the context once; its time is the first call's
+        stats[0] = {**stats[0], **draft, "time_to_first_token_s": stats[0]["time_to_first_token_s"] + draft["draft_seconds"]}
     return [_text(lm, answer, option.until) for answer, option in zip(answers, options)], [
         _finished(lm, stat, compressed) for stat in stats]
 
 
-def _over_engine(lm, context_ids: torch.Tensor, queries: list, limits: list, stops: list) -> tuple[list, list]:
-    """``multi_request`` in the engine: the context prefilled and compressed once, each query a request continuing
-    a copy of it in its own slot (batched as any requests are). The first call is charged the context's prefill."""
-    prefix, seconds = ec.prefill_context(lm.model, lm.policy, context_ids)
+def _drafted(lm, first, context: list[int]) -> tuple[list[int], torch.Tensor | None, dict]:
+    """Under speculative prefill (``method=spec_prefill``), the context tokens the draft keeps, chosen once for the
+    session from the context alone, their original positions and what the choice cost; else the context as it is."""
+    if lm.spec_prefill is None:
+        return context, None, {}
+    text = first.args[0][: context_end(first.args[0], _hook(FolderTask(first.task_name), "doc_to_question", first.doc))]
+    ids, _, positions, (spec,) = lm.spec_prefill.select([text], lm.tokenizer, lm.tokenizer.pad_token_id,
+                                                        add_special_tokens=[lm.prompts.add_special_tokens(first.args[0])])
+    return ids[0].tolist(), positions[0], {"spec_kept_tokens": spec["kept_tokens"], "draft_seconds": spec["draft_seconds"]}
+
+
+def _over_engine(lm, context_ids: torch.Tensor, positions, queries: list, limits: list, stops: list) -> tuple[list, list]:
+    """``multi_request`` in the engine: the context (at ``positions``, where a draft chose its tokens) prefilled and
+    compressed once, each query a request continuing a copy of it in its own slot (batched as any requests are). The
+    first call is charged the context's prefill."""
+    prefix, seconds = ec.prefill_context(lm.model, lm.policy, context_ids,
+                                         positions[None].to(lm.device) if positions is not None else None)
     requests = [ec.Request(torch.tensor(query, dtype=torch.long), max_new_tokens=limit, stop_strings=stops,
                            prefix=prefix) for query, limit in zip(queries, limits)]
     done: dict[int, ec.Completion] = {}

@@ -30,10 +30,9 @@ def check_mode(task_name: str, options: dict) -> None:
 
 def session_refusal(spec):
     """``spec``, or a ConfigError saying why its session mode cannot run with the rest of it: what shares one
-    context's cache across calls is one process's sessions, prefilled whole, without a draft model, greedy."""
+    context's cache across calls is one process's sessions, prefilled whole, greedy."""
     mode = spec.task_options.get("mode", "single")
-    others = [(spec.parallel is not None, "parallel=ray"), (spec.spec_prefill is not None, "method=spec_prefill"),
-              (spec.prefill_chunk is not None, "prefill_chunk"), (spec.fidelity_tokens > 0, "fidelity_tokens"),
+    others = [(spec.parallel is not None, "parallel=ray"), (spec.prefill_chunk is not None, "prefill_chunk"), (spec.fidelity_tokens > 0, "fidelity_tokens"),
               ((spec.task_options.get("repeats") or 1) > 1, "task.repeats")]
     named = [name for given, name in others if given]
     if mode == "single" or not named:

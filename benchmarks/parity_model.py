@@ -37,6 +37,8 @@ CASES = {
                       lambda ec, c: ec.CriticalAdaKV.from_config(c)),
     "chunkkv": (lambda kp, r: kp.ChunkKVPress(kp.SnapKVPress(compression_ratio=r, **SNAPKV), chunk_length=20),
                 lambda ec, c: ec.ChunkKV.from_config(c)),
+    "entropy_gated_chunkkv": (lambda kp, r: kp.EntropyGatedChunkKVPress(kp.SnapKVPress(compression_ratio=r, **SNAPKV)),
+                              lambda ec, c: ec.EntropyGatedChunkKV.from_config(c)),
     "chunkwise": (lambda kp, r: kp.ChunkPress(kp.SnapKVPress(compression_ratio=r, **SNAPKV), chunk_length=200),
                   lambda ec, c: ec.ChunkWise.from_config(c, chunk_length=200)),
     "capkv": (lambda kp, r: kp.CapPress(compression_ratio=r), lambda ec, c: ec.CapKV(capacity=c)),

@@ -102,8 +102,7 @@ def generate_shared(model, context_ids: torch.Tensor, queries: list[torch.Tensor
         if not (turn == 0 and compress_first_query):
             logits = call.step(fed)[:, -1]
         ttft = time.perf_counter() - started + (context_seconds if turn == 0 else 0.0)
-        computed = fed.shape[1] + (first.shape[1] if turn == 0 else 0) - (fed.shape[1] if compress_first_query
-                                                                            and turn == 0 else 0)
+        computed = fed.shape[1] if turn else first.shape[1] + (0 if compress_first_query else fed.shape[1])
         if history == "gold":  # the model answers on a copy; the conversation keeps the gold answer instead
             call = session.fork()
         stop = stop_criteria(tokenizer, stop_strings, fed.shape[1]) if stop_strings else None

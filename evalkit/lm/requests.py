@@ -129,18 +129,9 @@ def finish_request(lm, prepared: dict, completion: ec.Completion) -> tuple[str, 
     made, once the engine has finished it."""
     import evalkit.compression as ec
 
-    decoded = lm.tokenizer.decode(completion.tokens, skip_special_tokens=True)
-    for stop in prepared["until"]:
-        if stop and stop in decoded:
-            decoded = decoded[: decoded.index(stop)]
-    request = prepared["request"]
-    compressed = request.compress_prefix or completion.stats["prompt_tokens"]  # the tokens compression saw
-    kept = completion.stats["kept_prompt_tokens"]
-    stats = {**completion.stats, "truncated": prepared["truncated"], "compression_scope": lm.prompts.compression_scope,
-             "kv_bytes_predicted": lm.cost.predicted_bytes(request, completion.stats),
-             "over_budget": lm.cost.over_budget(completion.stats, compressed),
-             # kvpress' compression_ratio, realized: the fraction of the compressed tokens removed
-             "compression_ratio": 1 - sum(kept) / len(kept) / compressed if kept else None}
+    decoded = decoded_text(lm.tokenizer, completion.tokens, prepared["until"])
+    stats = {**completion.stats, "truncated": prepared["truncated"],
+             **cost_stats(lm, completion.stats, prepared["request"].compress_prefix)}
     if lm.fidelity_tokens:
         ids = prepared["request"].input_ids[None].to(lm.device)
         stats |= ec.fidelity(lm.model, ids, lm.policy, max_new_tokens=lm.fidelity_tokens,
@@ -150,3 +141,24 @@ def finish_request(lm, prepared: dict, completion: ec.Completion) -> tuple[str, 
         stats |= {"prompt_tokens": spec["prompt_tokens"], "spec_kept_tokens": spec["kept_tokens"],
                   "draft_seconds": spec["draft_seconds"]}
     return decoded, stats
+
+
+def decoded_text(tokenizer, tokens: list[int], until: list[str]) -> str:
+    """Generated ``tokens`` as the text lm-eval gets: special tokens dropped, cut at the first of ``until``."""
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    for stop in until:
+        if stop and stop in text:
+            text = text[: text.index(stop)]
+    return text
+
+
+def cost_stats(lm, stats: dict, compress_prefix: int | None) -> dict:
+    """What a finished request's statistics ``stats`` add up to against ``lm``'s policy: the memory model's price of
+    its cache, whether it held more than the budget allows, and kvpress' compression_ratio, realized (the fraction
+    of the compressed tokens removed). ``compress_prefix``: the tokens compression saw, where not the whole prompt."""
+    compressed = compress_prefix or stats["prompt_tokens"]
+    kept = stats["kept_prompt_tokens"]
+    return {"compression_scope": lm.prompts.compression_scope,
+            "kv_bytes_predicted": lm.cost.predicted_bytes(compress_prefix, stats),
+            "over_budget": lm.cost.over_budget(stats, compressed),
+            "compression_ratio": 1 - sum(kept) / len(kept) / compressed if kept else None}

@@ -22,7 +22,6 @@ interrupted one runs again whole.
 from __future__ import annotations
 
 import collections
-import types
 
 import torch
 
@@ -31,7 +30,7 @@ from evalkit.benchmark import FolderTask
 from evalkit.core.console import PhaseBar
 from evalkit.core.errors import RunError
 from evalkit.lm.prompts import context_end
-from evalkit.lm.requests import GenerationOptions
+from evalkit.lm.requests import GenerationOptions, cost_stats, decoded_text
 from evalkit.results.progress import request_keys, stats_keys
 
 _ANSWER = "\x00evalkit-answer\x00"  # where an assistant answer goes in a rendered chat
@@ -95,10 +94,10 @@ def _run_session(lm, members: list, mode: str, history: str) -> tuple[list[str],
     if any(option.do_sample for option in options):
         raise RunError(f"task {task.name}: a session decodes greedily; task.generation.do_sample=false")
     session_id = members[0].doc["session_id"]
-    context, first_query = _split(lm, task, members[0], session_id)
+    context, first_query, context_text = _split(lm, task, members[0], session_id)
     queries = [first_query]
     for request in members[1:]:
-        own_context, query = _split(lm, task, request, session_id)
+        own_context, query, _ = _split(lm, task, request, session_id)
         if own_context != context:
             raise RunError(f"session {session_id}: turn {request.doc['turn']}'s prompt does not begin with the same "
                            "context as turn 1's; a session's docs share one context")
@@ -111,7 +110,7 @@ def _run_session(lm, members: list, mode: str, history: str) -> tuple[list[str],
         raise RunError(f"session {session_id} needs up to {positions} positions, more than max_context "
                        f"{lm.max_context}: shorten its context (task.dataset) or raise model.max_context")
     stops = sorted({s for option in options for s in option.until if s and s not in lm.stop_token_texts})
-    context, positions, draft = _drafted(lm, members[0], context)
+    context, positions, draft = _drafted(lm, context_text, members[0].args[0], context)
     context_ids = torch.tensor([context], device=lm.device)
     if mode == "multi_request":
         answers, stats = _over_engine(lm, context_ids, positions, queries, limits, stops)
@@ -128,18 +127,18 @@ def _run_session(lm, members: list, mode: str, history: str) -> tuple[list[str],
         compressed = len(context) + (len(queries[0]) if first_in_prefix else 0)
     if draft:  # the draft read the context once; its time is the first call's
         stats[0] = {**stats[0], **draft, "time_to_first_token_s": stats[0]["time_to_first_token_s"] + draft["draft_seconds"]}
-    return [_text(lm, answer, option.until) for answer, option in zip(answers, options)], [
-        _finished(lm, stat, compressed) for stat in stats]
+    return [decoded_text(lm.tokenizer, answer, option.until) for answer, option in zip(answers, options)], [
+        {**stat, "truncated": False, **cost_stats(lm, stat, compressed)} for stat in stats]
 
 
-def _drafted(lm, first, context: list[int]) -> tuple[list[int], torch.Tensor | None, dict]:
-    """Under speculative prefill (``method=spec_prefill``), the context tokens the draft keeps, chosen once for the
-    session from the context alone, their original positions and what the choice cost; else the context as it is."""
+def _drafted(lm, text: str, prompt: str, context: list[int]) -> tuple[list[int], torch.Tensor | None, dict]:
+    """Under speculative prefill (``method=spec_prefill``), the tokens the draft keeps of the context (``text``, the
+    start of turn 1's ``prompt``), chosen once for the session from the context alone, their original positions and
+    what the choice cost; else the context's ids ``context`` as they are."""
     if lm.spec_prefill is None:
         return context, None, {}
-    text = first.args[0][: context_end(first.args[0], _hook(FolderTask(first.task_name), "doc_to_question", first.doc))]
     ids, _, positions, (spec,) = lm.spec_prefill.select([text], lm.tokenizer, lm.tokenizer.pad_token_id,
-                                                        add_special_tokens=[lm.prompts.add_special_tokens(first.args[0])])
+                                                        add_special_tokens=[lm.prompts.add_special_tokens(prompt)])
     return ids[0].tolist(), positions[0], {"spec_kept_tokens": spec["kept_tokens"], "draft_seconds": spec["draft_seconds"]}
 
 
@@ -165,27 +164,8 @@ def _over_engine(lm, context_ids: torch.Tensor, positions, queries: list, limits
     return answers, stats
 
 
-def _text(lm, tokens: list[int], until: list[str]) -> str:
-    text = lm.tokenizer.decode(tokens, skip_special_tokens=True)
-    for stop in until:
-        if stop and stop in text:
-            text = text[: text.index(stop)]
-    return text
-
-
-def _finished(lm, stat: dict, compressed: int) -> dict:
-    """A call's statistics as a single request's (:func:`evalkit.lm.requests.finish_request`): the memory model's
-    price, the budget check and the realized compression ratio of the ``compressed`` tokens."""
-    kept = stat["kept_prompt_tokens"]
-    request = types.SimpleNamespace(compress_prefix=compressed)
-    return {**stat, "truncated": False, "compression_scope": lm.prompts.compression_scope,
-            "kv_bytes_predicted": lm.cost.predicted_bytes(request, stat),
-            "over_budget": lm.cost.over_budget(stat, compressed),
-            "compression_ratio": 1 - sum(kept) / len(kept) / compressed if kept else None}
-
-
-def _split(lm, task: FolderTask, request, session_id) -> tuple[list[int], list[int]]:
-    """A doc's prompt as ids, split where its question starts: (context, query)."""
+def _split(lm, task: FolderTask, request, session_id) -> tuple[list[int], list[int], str]:
+    """A doc's prompt as ids, split where its question starts: (context, query), and the context's text."""
     text, question = request.args[0], _hook(task, "doc_to_question", request.doc)
     end = context_end(text, question)
     if end is None:
@@ -194,7 +174,7 @@ def _split(lm, task: FolderTask, request, session_id) -> tuple[list[int], list[i
     ids, split = lm.prompts.tokenize(text, end)
     if not split or split >= len(ids):
         raise RunError(f"session {session_id}, turn {request.doc['turn']}: its prompt leaves no context or no query")
-    return ids[:split], ids[split:]
+    return ids[:split], ids[split:], text[:end]
 
 
 def _follow_up(lm, task: FolderTask, doc: dict) -> list[int]:

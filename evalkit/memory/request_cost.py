@@ -28,9 +28,10 @@ class RequestCost:
         return bool((prompt_cap is not None and mean_kept > prompt_cap * (1 + tolerance))
                     or (cache_cap is not None and float(stats["peak_cache_tokens"]) > cache_cap * (1 + tolerance)))
 
-    def predicted_bytes(self, request: ec.Request, measured: dict) -> float | None:
-        """``evalkit.memory``'s price of this request's cache (the model's geometry read from its config, the
-        policy's declared capacities); None where it cannot price the model."""
+    def predicted_bytes(self, compress_prefix: int | None, measured: dict) -> float | None:
+        """``evalkit.memory``'s price of a request's cache (the model's geometry read from its config, the policy's
+        declared capacities), its first ``compress_prefix`` tokens compressed (None: the whole prompt); None where it
+        cannot price the model."""
         if self._geometry is None:
             from evalkit.memory.geometry import from_hf_config
 
@@ -41,7 +42,7 @@ class RequestCost:
         if not self._geometry:
             return None
         prompt = int(measured["prompt_tokens"])
-        tail = prompt - request.compress_prefix if request.compress_prefix is not None else 0
+        tail = prompt - compress_prefix if compress_prefix is not None else 0
         policy = self.policy.for_prompt(prompt - tail)  # a fraction of each prompt removed: this prompt's size
         return float(self._geometry.request_kv_bytes(
             prompt, int(measured["generated_tokens"]), str(self.model.dtype).removeprefix("torch."),

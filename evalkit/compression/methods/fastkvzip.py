@@ -85,6 +85,7 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tens
 
 def _gate_scores(gate: dict, hidden: torch.Tensor) -> torch.Tensor:
     """``FastKVzipGate.forward`` over a batch: ``[B, n, d_model]`` -> ``[B, kv_heads, n]``."""
+    gate = {name: weight.to(hidden.device, torch.float32) for name, weight in gate.items()}
     width = gate["q_norm.weight"].shape[-1]
     heads = gate["k_proj.weight"].shape[0] // width
     batch, n, _ = hidden.shape

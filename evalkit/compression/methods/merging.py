@@ -59,7 +59,7 @@ class Merging(Rewriting):
         evict_norm = evict_values.float().norm(dim=-1)
         weights = similarity.clamp(min=0) * merge.float()
         weights = weights * evict_norm / (evict_norm + kept_values.float().norm(dim=-1)[target] + EPS)
-        added = torch.zeros(len(kept), values.shape[-1]).index_add_(0, target, weights[:, None] * evict_values.float())
-        total = torch.zeros(len(kept)).index_add_(0, target, weights)
+        added = torch.zeros(len(kept), values.shape[-1], device=values.device).index_add_(0, target, weights[:, None] * evict_values.float())
+        total = torch.zeros(len(kept), device=values.device).index_add_(0, target, weights)
         merged = (kept_values.float() + added) / (1 + total)[:, None]
         return torch.where((total > 0)[:, None], merged.to(values.dtype), kept_values)

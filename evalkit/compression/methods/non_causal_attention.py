@@ -23,6 +23,7 @@ def chunk_attention_received(queries: torch.Tensor, keys: torch.Tensor, chunk: i
     padded keys get the logit ``-1e-9`` (not ``-inf``: they take a share of the real queries' attention) and padded
     queries attend uniformly (they add ``1/chunk`` to each of the chunk's keys)."""
     batch, heads, n, dim = keys.shape
+    queries, keys = queries.float(), keys.float()  # fp32 products, whatever the model's dtype
     padded_length = math.ceil(n / chunk) * chunk
     pad = padded_length - n
     if pad:
@@ -33,7 +34,7 @@ def chunk_attention_received(queries: torch.Tensor, keys: torch.Tensor, chunk: i
     last = dots[:, :, -1]
     last.masked_fill_(padding[:, None], 0)
     last.masked_fill_(padding[None, :], -1e-9)
-    return dots.float().softmax(dim=-1).sum(dim=-2).reshape(batch, heads, padded_length)[..., :n]
+    return dots.softmax(dim=-1).sum(dim=-2).reshape(batch, heads, padded_length)[..., :n]
 
 
 def non_causal_scores(alone: PrefillView, chunk: int) -> torch.Tensor:

@@ -59,4 +59,4 @@ class QFilter(PromptScoring):
             raise bad_file("qfilter", self._file(), f"layer {view.layer_idx} has filters {list(layer.shape)} "
                                                     f"([kv_heads, head_dim]), the model's keys are "
                                                     f"[{view.keys.shape[1]}, {view.keys.shape[3]}]")
-        return -(layer.to(view.keys.device, view.keys.dtype)[None, :, None] * view.keys).sum(dim=-1).float()
+        return -(layer.to(view.keys.device, torch.float32)[None, :, None] * view.keys.float()).sum(dim=-1)

@@ -76,6 +76,22 @@ def test_the_engine_copies_a_shared_context_into_each_querys_slot(llama, name):
     assert all(torch.equal(layer.keys, before) for layer, before in zip(prefix.cache.layers, held))
 
 
+@pytest.mark.parametrize("name", sorted(n for n, make in SMALL_POLICIES.items() if make().evicts_while_decoding))
+def test_the_engine_counts_a_querys_steps_after_a_compressed_context_as_generate_does(llama, name):
+    """A request whose context is compressed alone (compress_prefix) then takes its query token by token: the
+    decode steps a method counts (its re-compression interval, its first generated position) go on from them in the
+    engine's slot as in generate, over several intervals."""
+    context, query = random_prompt(CONTEXT, seed=1)[0], random_prompt(11, seed=101)[0]
+    ids = torch.cat([context, query])
+    policy = SMALL_POLICIES[name]()
+    alone = ec.generate(llama, ids[None], policy, max_new_tokens=40, eos_token_id=[], return_logits=False,
+                        compress_prefix=CONTEXT)
+    served = ec.Engine(llama, policy, slots=2, eos_token_id=[]).run(
+        [ec.Request(ids, max_new_tokens=40, compress_prefix=CONTEXT)])
+    assert served[0].tokens == alone.sequences[0, len(ids):].tolist()
+    assert served[0].stats["peak_cache_tokens"] == alone.stats[0]["peak_cache_tokens"]
+
+
 def test_the_compiled_step_serves_shared_contexts_without_a_new_graph(llama):
     """SnapStream's static cache, compiled: queries over a shared context and plain requests in one stream, one graph,
     the eager engine's tokens."""

@@ -83,6 +83,7 @@ class ModelRunner:
         # A finished row writes past its last token, over a column collected long ago: nothing it produced is lost.
         rows.out.scatter_(1, (rows.generated % rows.out.shape[1])[:, None], chosen[:, None])
         rows.generated.add_(step)
+        rows.steps.add_(step)
         done = rows.generated >= rows.max_new
         if self.eos_device is not None:
             done |= torch.isin(chosen, self.eos_device)

@@ -35,6 +35,7 @@ class SlotRows:
     ring: torch.Tensor  # [slots] size of the ring after them
     next_token: torch.Tensor  # [slots] the token the next step feeds
     generated: torch.Tensor  # [slots] tokens generated so far
+    steps: torch.Tensor  # [slots] decode steps taken, the tokens fed one by one after a compressed prefix included
     max_new: torch.Tensor  # [slots] the request's max_new_tokens
     finished: torch.Tensor  # [slots] bool: ended (EOS, length); a free slot is finished
     seeds: torch.Tensor  # [slots] the request's random stream
@@ -56,7 +57,7 @@ class SlotRows:
         return cls(valid=valid, slot_pos=torch.full((slots, slot_tokens), -1, **long),
                    positions=torch.zeros(slots, 1, **long), written=torch.zeros(slots, **long),
                    fixed=torch.zeros(slots, **long), ring=torch.ones(slots, **long),
-                   next_token=torch.zeros(slots, **long), generated=torch.zeros(slots, **long),
+                   next_token=torch.zeros(slots, **long), generated=torch.zeros(slots, **long), steps=torch.zeros(slots, **long),
                    max_new=torch.ones(slots, **long), finished=torch.ones(slots, dtype=torch.bool, device=device),
                    seeds=torch.zeros(slots, **long), do_sample=torch.zeros(slots, dtype=torch.bool, device=device),
                    temperature=torch.ones(slots, device=device), top_p=torch.ones(slots, device=device),
@@ -70,7 +71,7 @@ class SlotRows:
 
     def step_inputs(self) -> DecodeStep:
         """What each layer's layout reads during a step: views of these rows, so the step's updates show through."""
-        return DecodeStep(self.positions, self.generated, self.active, self.write_slot, slot_positions=self.slot_pos)
+        return DecodeStep(self.positions, self.steps, self.active, self.write_slot, slot_positions=self.slot_pos)
 
 
 def _is_slot(held: torch.Tensor, cache: torch.Tensor, slot: int) -> bool:
@@ -176,6 +177,7 @@ class SlotPool:
                               row.do_sample, row.temperature, row.top_p, request.top_p is not None)
         done = request.max_new_tokens == 1 or (eos is not None and int(first[0]) in eos.tolist())
         row.out[0, 0], row.next_token[0], row.generated[0], row.finished[0] = first[0], first[0], 1, done
+        row.steps[0] = 1 + session.cache.decode_steps  # the steps its session took (a query after the context) go on
         self.rows.load(slot, row)
         realized = session.realized(0)
         shared = int(request.prefix.state.seq_len[0]) if request.prefix is not None else 0

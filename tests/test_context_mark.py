@@ -26,7 +26,8 @@ DATA = {  # a data file for each task that reads one (the others build their dat
     **{name: (lambda path, name=name: FIXTURES / f"{name}.jsonl") for name in task_names() if name.startswith("scbench_")},
 }
 BUILT = {"needle": {"lengths": [300], "depths": [0.0, 0.5, 1.0], "per_cell": 1}, "kv_retrieval": {"n_samples": 3},
-         "needle_multiturn": {"lengths": [300], "needles": 3, "per_length": 1}}
+         "needle_multiturn": {"lengths": [300], "needles": 3, "per_length": 1},
+         "needle_multikey": {"lengths": [300], "depths": [0.0, 0.5, 1.0], "per_cell": 1}}
 
 
 def rendered(task: str, tmp_path) -> list[Instance]:
@@ -55,9 +56,9 @@ def test_no_shipped_prompt_carries_an_invisible_mark_and_the_documents_end_is_fo
             continue
         end = context_end(prompt, hook(instance.doc))
         assert end is not None, (task, instance.doc_id)
-        if task == "needle":  # the document is the haystack itself
+        if task in ("needle", "needle_multikey"):  # the document is the haystack itself
             assert prompt[:end] == instance.doc["context"]
-            assert prompt[end:].startswith("\n\n" + instance.doc["question"])  # then lm-eval's gen_prefix
+            assert prompt[end:].startswith(hook(instance.doc))  # then lm-eval's gen_prefix
         elif FolderTask(task).sessions():  # every turn of a session shares what precedes its question
             assert prompt[end:] == hook(instance.doc)
             first = next(i for i in instances if i.doc["session_id"] == instance.doc["session_id"])
@@ -66,7 +67,7 @@ def test_no_shipped_prompt_carries_an_invisible_mark_and_the_documents_end_is_fo
             assert prompt[:end].endswith(instance.doc["context"].strip() + "\n</text>\n\n")
             assert prompt[end:].startswith("What is the correct answer to this question:")
     # the tasks whose prompts hold a document
-    assert (hook is not None) == (task in ("needle", "longbench_v2") or FolderTask(task).sessions())
+    assert (hook is not None) == (task in ("needle", "needle_multikey", "longbench_v2") or FolderTask(task).sessions())
 
 
 @pytest.fixture(scope="module")

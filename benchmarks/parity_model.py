@@ -6,9 +6,9 @@ each layer and KV head keeps the same?
 
 The model (4 layers, 8 query and 2 KV heads of 32, fp32, seeded) and prompt are saved once and loaded by both sides,
 kvpress 0.5.5 in its own environment (made on demand as in bench_vs_kvpress.py; where it cannot be made, one line and
-exit 0). Each side maps the keys its compressed cache holds back to the positions of its own uncompressed prefill's
-keys; for presses that mask instead of evicting (AdaKV, CriticalAdaKV) kvpress' kept tokens are those its
-``masked_key_indices`` leave. Each keeps ``int(n * (1 - ratio))`` per head (AdaKV's: per layer on average) at
+exit 0). kvpress' side maps the keys its compressed cache holds back to the positions of its own uncompressed
+prefill's keys; for presses that mask instead of evicting (AdaKV, CriticalAdaKV) its kept tokens are those its
+``masked_key_indices`` leave. evalkit's side reads the positions its cache holds with ``ec.kept_positions``. Each keeps ``int(n * (1 - ratio))`` per head (AdaKV's: per layer on average) at
 ratios 0.5 and 0.75. Per case and ratio a table prints the heads (over all layers) whose kept sets agree and the
 positions that differ.
 """
@@ -110,22 +110,14 @@ def agreement(theirs: list, ours: list) -> tuple[int, int, int]:
 
 
 def kept_by_evalkit(model, prompt) -> dict:
-    import torch
-
     import evalkit.compression as ec
 
-    full, n, out = full_keys(model, prompt), prompt.shape[1], {}
+    n, out = prompt.shape[1], {}
     for case, (_, make_method) in CASES.items():
         for r in RATIOS:
             session = ec.CompressionSession(model, make_method(ec, int(n * (1 - r))))
             session.prefill(prompt)
-            kept = []
-            for index, layer in enumerate(session.cache.layers):
-                valid = (layer.heads.valid[0] if layer.heads is not None else
-                         session.state.valid[0, : layer.keys.shape[-2]][None].expand(layer.keys.shape[1], -1))
-                kept.append(_held(full[index], layer.keys, valid))
-            out[f"{case}@{r}"] = kept
-    del torch
+            out[f"{case}@{r}"] = [[head.tolist() for head in layer] for layer in ec.kept_positions(session)]
     return out
 
 

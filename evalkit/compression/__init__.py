@@ -13,6 +13,7 @@ from .cache import CompressedCache
 from .engine import Completion, Engine, Request, compile_backend
 from .fidelity import fidelity
 from .generate import GenerationOutput, generate
+from .kept import kept_positions
 from .kernels import snapkv_scores
 from .kv_format import KVFormat, kv_format
 from .loglikelihood import score_continuation
@@ -49,6 +50,7 @@ __all__ = [
     "compile_backend",
     "fidelity",
     "generate",
+    "kept_positions",
     "map_by_characters",
     "policy_from_budget",
     "score_continuation",

@@ -120,6 +120,9 @@ class CompressedLayer(DynamicLayer):
         self._cache, self.index, self.layout = weakref.ref(cache), index, layout
         self.heads: HeadState | None = None  # a head layout's state, set when the prompt is compressed
         self.reserved: tuple[torch.Tensor, torch.Tensor] | None = None  # exact chunked prefill: the whole prompt's
+        # A row layout's text position of the prompt token in each slot, per head ``[B, kv_heads, slots]`` (a head
+        # layout keeps them in ``heads``); slots written after prefill have theirs in the row state's ``slot_pos``.
+        self.prompt_positions: torch.Tensor | None = None
 
     @property
     def cache(self) -> CompressedCache:
@@ -171,6 +174,16 @@ class CompressedLayer(DynamicLayer):
             self.values = torch.nn.functional.pad(self.values, (0, 0, 0, extra))
         if self.heads is not None:
             self.heads.pad_to(slots)
+
+    def hold_prompt(self, positions: torch.Tensor, index: torch.Tensor | None = None) -> None:
+        """Record the text positions of the prompt tokens this row-layout layer holds: of the keys it was handed
+        (``positions`` ``[B, n]``; a compress-mode chunk's held tokens are -1 there, their recorded positions stand),
+        the picks ``index`` ``[B, kv_heads, kept]`` (None: all of them)."""
+        source = positions[:, None, :].expand(-1, self.keys.shape[1], -1)
+        if self.prompt_positions is not None:
+            held = self.prompt_positions.shape[-1]
+            source = torch.cat([self.prompt_positions, source[..., held:]], dim=-1)
+        self.prompt_positions = source if index is None else source.gather(2, index)
 
     def compress(self, index: torch.Tensor) -> None:
         """Keep the rows ``index`` ``[B, kv_heads, kept]`` of this layer's keys and values, in that order."""
@@ -279,6 +292,7 @@ class CompressedCache(Cache):
             return
         layout = self.layers[layer_idx].layout
         if not (self.plan.compress or layout.per_head):  # per-head layouts always need their validity and positions
+            self.layers[layer_idx].hold_prompt(on_device(self.plan.positions[:, : keys.shape[2]], keys))
             return
         view = self._view(layer_idx, module, query, keys, values, scaling, prior_sums)
         indices, counts, raw = self.select(view)
@@ -290,6 +304,8 @@ class CompressedCache(Cache):
         ``counts`` real; ``raw``: the policy's scores), as the policy rewrites them."""
         self.layer_inputs.pop(layer_idx, None)
         layer, policy = self.layers[layer_idx], self.layer_policies[layer_idx]
+        if not layer.layout.per_head:
+            layer.hold_prompt(view.positions, indices)
         layer.compress(indices)
         if policy.rewrites:
             layer.keys, layer.values = policy.rewrite(view, indices, counts, layer.keys, layer.values)

@@ -22,6 +22,7 @@ class GenerationOutput:
     sequences: torch.LongTensor  # [batch, prompt + new]
     logits: torch.FloatTensor | None  # [batch, new, vocab]: next-token logits at each generated step (before sampling)
     stats: list[dict]  # per sample, see `generate`
+    session: CompressionSession | None = None  # the session, under ``keep_session=True`` (``kept_positions`` reads it)
 
 
 def _validate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_p, stop_strings, tokenizer):
@@ -124,7 +125,7 @@ def generate(model, input_ids: torch.LongTensor, policy: Policy, attention_mask:
              stop_strings: str | list[str] | None = None, tokenizer=None, seed: int | None = None,
              pad_token_id: int | None = None, return_logits: bool = True, compress_prefix: int | None = None,
              position_ids: torch.Tensor | None = None, prefill_chunk: int | None = None,
-             prefill_chunk_mode: str = "exact") -> GenerationOutput:
+             prefill_chunk_mode: str = "exact", keep_session: bool = False) -> GenerationOutput:
     """Generate up to ``max_new_tokens`` tokens per row with the cache under ``policy``.
 
     Prompts in a batch are left-padded (``attention_mask`` 0 on padding). A row stops at an EOS id or once its text
@@ -148,6 +149,9 @@ def generate(model, input_ids: torch.LongTensor, policy: Policy, attention_mask:
     ``prefill_chunk`` / ``prefill_chunk_mode``: prefill the prompt that many tokens at a time, ``exact`` (compressed
     once at the end: the same result, a lower activation peak) or ``compress`` (compressed back to capacity after
     every chunk: a different method); see :meth:`CompressionSession.prefill`.
+
+    ``keep_session=True``: the output's ``session`` is the session as generation left it (its cache, for
+    :func:`evalkit.compression.kept_positions`); with ``max_new_tokens=1`` no step runs, so it is as prefill left it.
     """
     _validate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_p, stop_strings, tokenizer)
     if tokenizer is not None:
@@ -161,7 +165,7 @@ def generate(model, input_ids: torch.LongTensor, policy: Policy, attention_mask:
                                               pad_token_id, return_logits)
     stats = _row_stats(session, input_ids, attention_mask, generated, prefill_seconds)
     stacked = torch.stack(all_logits, dim=1) if return_logits else None
-    return GenerationOutput(sequences=sequences, logits=stacked, stats=stats)
+    return GenerationOutput(sequences=sequences, logits=stacked, stats=stats, session=session if keep_session else None)
 
 
 def decode(session: CompressionSession, logits: torch.Tensor, sequences: torch.Tensor, max_new_tokens: int, choose,

@@ -128,6 +128,7 @@ SMALL_SETTINGS = {
     "rkv": lambda: ec.RKV(capacity=64, window=4, interval=8, kernel_size=3),
     "snapkv_d": lambda: ec.SnapKVD(capacity=40, window=8, kernel_size=3),
     "raas": lambda: ec.RaaS(capacity=48, alpha=0.02),
+    "compression_ratio_decoding": lambda: ec.CompressionRatioDecoding(capacity=40, interval=8, buffer=8),
 }
 
 

@@ -114,9 +114,9 @@ def test_a_method_is_its_file_its_yaml_and_its_test(tmp_path, random_model_dir):
                     return 0
 
                 def score(self, view):
-                    valid = view.key_valid[:, None, :, None]
-                    mean = (view.keys * valid).sum(dim=2, keepdim=True) / valid.sum(dim=2, keepdim=True)
-                    return -self.sharpness * torch.cosine_similarity(view.keys, mean, dim=-1)
+                    keys, valid = view.keys.float(), view.key_valid[:, None, :, None]
+                    mean = (keys * valid).sum(dim=2, keepdim=True) / valid.sum(dim=2, keepdim=True)
+                    return -self.sharpness * torch.cosine_similarity(keys, mean, dim=-1)
             ''',
         ROOT / "conf" / "method" / f"{name}.yaml": f"name: {name}\nsink: 0\nwindow: 0\nsharpness: 1.0\n",
         ROOT / "tests" / f"test_{name}.py": f'''

@@ -4,6 +4,8 @@ document. No torch or lm-eval at import: task code and scoring import it from he
 
 from __future__ import annotations
 
+from evalkit.core.errors import ConfigError
+
 SCOPES = ("prompt", "context")
 TRUNCATIONS = ("left", "middle")
 
@@ -44,6 +46,9 @@ class PromptEncoder:
     def apply_chat_template(self, chat_history: list[dict], add_generation_prompt: bool = True) -> str:
         """The chat template over ``chat_history``. A final assistant message (lm-eval's ``gen_prefix``, such as R1's
         ``<think>\\n``) is continued verbatim after the generation prompt."""
+        if not getattr(self.tokenizer, "chat_template", None):  # a base model: its tasks run as plain completion
+            raise ConfigError(f"{getattr(self.tokenizer, 'name_or_path', 'the model')} has no chat template (a base "
+                              "model): prompt it as plain completion with model.apply_chat_template=false")
         prefix = ""
         if not add_generation_prompt and chat_history and chat_history[-1]["role"] == "assistant":
             prefix, chat_history = chat_history[-1]["content"], chat_history[:-1]

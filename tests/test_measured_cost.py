@@ -159,3 +159,25 @@ def test_each_request_records_its_time_to_first_token_and_decode_time(llama):
     assert all(s["decode_seconds"] > 0 and s["time_to_first_token_s"] >= s["prefill_seconds"] > 0 for s in stats)
     first_two = max(s["time_to_first_token_s"] for s in stats[:2])
     assert min(s["time_to_first_token_s"] for s in stats[2:]) > first_two  # queued behind a whole request
+
+
+@pytest.mark.parametrize("policy", [ec.SnapStream(capacity=5, sink=1, window=2, kernel_size=1, recent=2),
+                                    ec.SnapKV(capacity=4, window=2, kernel_size=1)], ids=["snapstream", "snapkv"])
+def test_a_hybrid_models_sliding_layers_keep_their_window_without_counting_against_the_budget(policy):
+    """Gemma 3's sliding-window layers keep the window the model defines, whatever the budget: the budget check reads
+    the compressed layers' kept tokens and allows each sliding layer its window, so an honest run is not flagged,
+    while the same stats with the compressed layers holding the window are."""
+    from test_hybrid import WINDOW, tiny_gemma3
+
+    from evalkit.memory.request_cost import RequestCost
+
+    model = tiny_gemma3()
+    ids = torch.randint(3, 90, (1, 60), generator=torch.Generator().manual_seed(0))
+    stats = ec.generate(model, ids, policy, max_new_tokens=6, return_logits=False).stats[0]
+    kept = stats["kept_prompt_tokens"]
+    assert stats["compressed_layers"] == [1, 3] and kept[0] >= WINDOW - 1 > kept[1]  # the window, the budget
+    cost = RequestCost(model, policy)
+    assert cost.over_budget(stats) is False
+    swollen = {**stats, "kept_prompt_tokens": [kept[0]] * len(kept),
+               "peak_cache_tokens": min(WINDOW, stats["prompt_tokens"] + 6)}
+    assert cost.over_budget(swollen) is True

@@ -5,6 +5,7 @@ measured)."""
 from __future__ import annotations
 
 import evalkit.compression as ec
+from evalkit.compression.methods.sliding_window import layer_policies
 
 
 class RequestCost:
@@ -16,17 +17,31 @@ class RequestCost:
 
     def over_budget(self, stats: dict, compressed: int | None = None, tolerance: float = 0.01) -> bool | None:
         """Whether the request's cache held more than the policy's capacities allow (by more than ``tolerance``):
-        the kept prompt tokens (mean over layers and heads: PyramidKV's and AdaKV's uneven shares average to the
-        budget) against the prompt capacity, the peak against the cache capacity. None without a capacity."""
+        the kept prompt tokens (mean over the layers the policy compressed and their heads: PyramidKV's and AdaKV's
+        uneven shares average to the budget) against the prompt capacity, the peak (mean over layers) against the
+        cache capacity, a hybrid model's sliding-window layers held to their own window. None without a capacity."""
         # a fraction of each prompt removed: the size of this one (its ``compressed`` tokens; default the prompt)
         policy = self.policy if self.policy.removed is None else self.policy.for_prompt(compressed or stats["prompt_tokens"])
         prompt_cap, cache_cap = policy.prompt_capacity(), policy.cache_capacity()
         if prompt_cap is None and cache_cap is None:
             return None
         kept = stats.get("kept_prompt_tokens") or []
+        compressed_layers = stats.get("compressed_layers")
+        if compressed_layers is not None and kept:
+            kept = [kept[i] for i in compressed_layers if i < len(kept)]
         mean_kept = sum(kept) / len(kept) if kept else 0.0
         return bool((prompt_cap is not None and mean_kept > prompt_cap * (1 + tolerance))
-                    or (cache_cap is not None and float(stats["peak_cache_tokens"]) > cache_cap * (1 + tolerance)))
+                    or (cache_cap is not None and float(stats["peak_cache_tokens"]) > self._peak_cap(policy, cache_cap)
+                        * (1 + tolerance)))
+
+    def _peak_cap(self, policy: ec.Policy, cache_cap: int) -> float:
+        """The most tokens a cache may hold at once, mean over layers: ``cache_cap`` on the layers ``policy``
+        compresses, its window on a hybrid model's sliding-window layer."""
+        try:
+            caps = [cache_cap if p is policy else p.cache_capacity() for p in layer_policies(self.model, policy)]
+        except (AttributeError, KeyError, TypeError, ValueError):  # a model without layer kinds: every layer the policy's
+            return cache_cap
+        return sum(caps) / len(caps) if caps and None not in caps else cache_cap
 
     def predicted_bytes(self, compress_prefix: int | None, measured: dict) -> float | None:
         """``evalkit.memory``'s price of a request's cache (the model's geometry read from its config, the policy's

@@ -18,6 +18,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 
 from .kernels import attention_with_sums
 from .layout import additive_mask
+from .methods.think import attend_reduced
 from .model_spec import attention_modules, attention_sinks, family_eager
 from .prefill_store import LayerCall, RecordedPrefill
 
@@ -93,7 +94,11 @@ def _hooked_attention(delegate, eager: bool):
             if layer.layout.policy.selects_while_decoding:
                 attention_mask = _selected(layer.layout.policy, module, query, key, attention_mask, eager)
         forward = family_eager(module, delegate) if eager else delegate
-        output = forward(module, query, key, value, attention_mask, **kwargs)
+        if decoding and layer.key_channels is not None:  # ThinK's reduced prompt keys, then full-width ones
+            output = attend_reduced(query, key, layer.key_channels, layer.later_keys, value, attention_mask,
+                                    scaling), None
+        else:
+            output = forward(module, query, key, value, attention_mask, **kwargs)
         if cache is not None and cache.plan is not None:
             _record(cache, module, query, key, value, scaling)
             cache.prefill_attention(module.layer_idx, module, query, key, value, scaling)

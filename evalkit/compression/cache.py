@@ -31,7 +31,9 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from .kernels import causal_attention_sums
 from .layout import DecodeStep, HeadLayout, HeadState, RowLayout, layout_of, raised_peak, ring_slot
-from .methods.base import Policy
+from .methods.base import UNBOUNDED, Policy
+from .methods.think import reduce_keys
+from .model_spec import attention_sinks
 from .views import PrefillView
 
 
@@ -39,7 +41,7 @@ def _held_bytes(layer) -> int:
     """Bytes a layer's keys and values hold (under exact chunked prefill: the prompt buffers reserved)."""
     if not layer.is_initialized:
         return 0
-    tensors = layer.reserved or (layer.keys, layer.values)
+    tensors = layer.reserved or (layer.keys, layer.values, *layer.split_keys())
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -123,6 +125,10 @@ class CompressedLayer(DynamicLayer):
         # A row layout's text position of the prompt token in each slot, per head ``[B, kv_heads, slots]`` (a head
         # layout keeps them in ``heads``); slots written after prefill have theirs in the row state's ``slot_pos``.
         self.prompt_positions: torch.Tensor | None = None
+        # ThinK's removed key channels: ``keys`` is then the prompt block at reduced width, ``key_channels`` ``[B,
+        # kv_heads, C]`` the channels it keeps per head, ``later_keys`` the full-width keys of the slots after it.
+        self.key_channels: torch.Tensor | None = None
+        self.later_keys: torch.Tensor | None = None
 
     @property
     def cache(self) -> CompressedCache:
@@ -153,6 +159,8 @@ class CompressedLayer(DynamicLayer):
             self.keys = torch.cat([self.keys, key_states], dim=-2)
             self.values = torch.cat([self.values, value_states], dim=-2)
             return self.keys, self.values
+        if self.key_channels is not None:
+            return self._write_later(key_states, value_states)
         self.pad_slots(self.layout.slots_needed(self, key_states.shape[2], self.cache.state.slots))
         self.layout.write(self, self.cache.step.on(self.keys.device), key_states, value_states)
         return self.keys, self.values
@@ -165,6 +173,41 @@ class CompressedLayer(DynamicLayer):
         keys[:, :, held:end].copy_(key_states)
         values[:, :, held:end].copy_(value_states)
         self.keys, self.values = keys[:, :, :end], values[:, :, :end]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.values.shape[-2] if self.key_channels is not None else super().get_seq_length()
+
+    def split_keys(self) -> tuple[torch.Tensor, ...]:
+        """The tensors a layer with reduced prompt keys holds besides ``keys`` and ``values`` (none otherwise)."""
+        return () if self.key_channels is None else (self.later_keys, self.key_channels)
+
+    def remove_channels(self, channels: torch.Tensor) -> None:
+        """Keep the prompt keys at the width of ``channels`` ``[B, kv_heads, C]``; later tokens' keys go to a
+        full-width block after them (:func:`.methods.think.attend_reduced` reads both)."""
+        batch, heads, _, dim = self.keys.shape
+        self.later_keys = self.keys.new_empty(batch, heads, 0, dim)
+        self.keys, self.key_channels = reduce_keys(self.keys, channels), channels
+
+    def widen(self) -> None:
+        """Back to full-width keys over every slot, the removed channels zero (what the engine's slots hold)."""
+        batch, heads, prompt, _ = self.keys.shape
+        index = self.key_channels[:, :, None].expand(-1, -1, prompt, -1)
+        zeroed = self.later_keys.new_zeros(batch, heads, prompt, self.later_keys.shape[-1]).scatter(-1, index, self.keys)
+        self.keys, self.later_keys, self.key_channels = torch.cat([zeroed, self.later_keys], dim=-2), None, None
+
+    def _write_later(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """A decode step's tokens under reduced prompt keys: values at their slots, keys at full width in
+        ``later_keys`` (slot minus the prompt block's)."""
+        step, prompt, slots = self.cache.step.on(self.values.device), self.keys.shape[-2], self.cache.state.slots
+        self.values = torch.nn.functional.pad(self.values, (0, 0, 0, max(0, slots - self.values.shape[-2])))
+        later = max(0, slots - prompt - self.later_keys.shape[-2])
+        self.later_keys = torch.nn.functional.pad(self.later_keys, (0, 0, 0, later))
+        batch, heads = key_states.shape[:2]
+        rows = torch.arange(batch, device=self.values.device)[:, None, None]
+        index = (rows, torch.arange(heads, device=rows.device)[None, :, None], step.slots[:, None, :])
+        self.values.index_put_(index, value_states)
+        self.later_keys.index_put_((*index[:2], index[2] - prompt), key_states)
         return self.keys, self.values
 
     def pad_slots(self, slots: int) -> None:
@@ -307,9 +350,24 @@ class CompressedCache(Cache):
         if not layer.layout.per_head:
             layer.hold_prompt(view.positions, indices)
         layer.compress(indices)
-        if policy.rewrites:
+        channels = policy.kept_channels(view, counts, layer.keys) if self._removes_channels(layer, view, counts) else None
+        if channels is not None:
+            layer.remove_channels(channels)
+        elif policy.rewrites:
             layer.keys, layer.values = policy.rewrite(view, indices, counts, layer.keys, layer.values)
         layer.layout.after_compress(self, layer_idx, view, query, indices, counts, raw)
+
+    def _removes_channels(self, layer: CompressedLayer, view: PrefillView, counts: torch.Tensor) -> bool:
+        """Whether ``layer`` keeps its prompt keys at ThinK's reduced width: not under the engine (its slots are
+        full width), in a row layout whose every row fills its prompt block and whose new tokens follow it (no ring),
+        no quantized format, the plain softmax attention (no learned sinks, no soft-capping)."""
+        policy, module = self.layer_policies[layer.index], view.module
+        if not getattr(policy, "remove_channels", False) or self.targets is not None or layer.layout.per_head:
+            return False
+        ring = policy.decode_layout(torch.ones(1, dtype=torch.long))[1]
+        return (policy.kv_format is None and not policy.evicts_while_decoding and int(ring[0]) >= UNBOUNDED
+                and bool((counts == layer.keys.shape[-2]).all()) and attention_sinks(module) is None
+                and getattr(getattr(module, "config", None), "attn_logit_softcapping", None) is None)
 
     def count_held_bytes(self, extra: int = 0) -> None:
         """Raise the prefill's peak to what every layer holds now, plus ``extra`` bytes held beside them."""

@@ -31,7 +31,7 @@ def _cache_of(source) -> CompressedCache:
 def _row_layer(layer, state, row: int) -> list[torch.Tensor]:
     """A row-layout layer's held positions per head: a slot written after prefill holds ``slot_pos``, a prompt slot
     the position recorded when the prompt was compressed."""
-    slots = min(layer.keys.shape[-2], state.slots)
+    slots = min(layer.values.shape[-2], state.slots)
     written = state.slot_pos[row, :slots].cpu()
     prompt = layer.prompt_positions[row, :, :slots].cpu()  # [H, P]
     recorded = torch.arange(slots) < prompt.shape[-1]

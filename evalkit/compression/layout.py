@@ -197,7 +197,9 @@ class RowLayout:
         return None
 
     def used(self, layer) -> int:
-        """Slots a session's layer uses (what admission copies)."""
+        """Slots a session's layer uses (what admission copies; reduced prompt keys widened to the slots' width)."""
+        if getattr(layer, "key_channels", None) is not None:
+            layer.widen()
         return layer.keys.shape[-2]
 
     def load(self, target, slot: int, source, used: int) -> None:

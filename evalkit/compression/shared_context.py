@@ -133,7 +133,7 @@ def _call_stats(call, turn: int, prompt: int, computed: int, shared: int, ttft: 
     seen = prompt + max(generated - 1, 0)
     peak = realized["peak_cache_tokens"]
     held = held_bytes(call.cache.layers, 0, int(call.state.peak[0]), seen, max(generated - 1, 0),
-                      call.cache.layers[0].keys.shape[-2])
+                      call.cache.layers[0].values.shape[-2])
     return {"turn": turn, "prefill_tokens_computed": computed, "prefill_tokens_shared": shared, "ttft_seconds": ttft,
             "time_to_first_token_s": ttft, "prefill_seconds": ttft, "decode_seconds": decode_seconds,
             "prompt_tokens": prompt, "generated_tokens": generated, "hit_limit": generated >= limit,

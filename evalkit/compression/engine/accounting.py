@@ -48,7 +48,8 @@ class Accounting:
 def held_bytes(layers, row: int, row_peak: int, seen: int, fed_back: int, reserved_tokens: int) -> dict:
     """What a request's cache really took, in bytes, read off the tensors of its cache ``layers`` (row ``row``):
     ``kv_bytes_peak`` the most it held (per layer: its peak tokens, or per head its own peak, times the bytes of a
-    token's keys and values in that layer's dtype and widths: latent widths for MLA), ``kv_bytes_reserved`` what its
+    token's keys and values in that layer's dtype and widths: latent widths for MLA; a prompt's keys held at a reduced
+    width, ThinK's, priced so), ``kv_bytes_reserved`` what its
     ``reserved_tokens`` slots reserve, ``kv_bytes_full`` what a full cache holds for the same ``seen`` tokens (a
     sliding-window layer at most its window), and ``memory_ratio`` = full / peak. Under a quantized KV format also
     ``kv_quantized_tokens``: of the held tokens at the peak (per KV head, the mean over layers, as
@@ -57,14 +58,15 @@ def held_bytes(layers, row: int, row_peak: int, seen: int, fed_back: int, reserv
     peak = reserved = full = 0
     quantized, formats = 0.0, 0
     for layer in layers:
-        key_dim, value_dim, element = layer.keys.shape[-1], layer.values.shape[-1], layer.keys.element_size()
+        key_dim, value_dim, element = _key_width(layer), layer.values.shape[-1], layer.keys.element_size()
         token_bytes = (key_dim + value_dim) * element
         heads = layer.keys.shape[1]
         policy = layer.layout.policy
         shape = (heads, key_dim, value_dim, element)
         held = layer.layout.held(layer, row, row_peak)[1]
-        peak += _price(policy.kv_format, held, *shape, fed_back)
-        reserved += _price(policy.kv_format, reserved_tokens * heads, *shape)
+        saved = _removed_bytes(layer, row)
+        peak += _price(policy.kv_format, held, *shape, fed_back) - saved
+        reserved += _price(policy.kv_format, reserved_tokens * heads, *shape) - saved
         window = policy.cache_capacity() if isinstance(policy, SlidingWindow) else None
         full += (min(seen, window) if window else seen) * heads * token_bytes
         if policy.kv_format is not None:
@@ -74,6 +76,23 @@ def held_bytes(layers, row: int, row_peak: int, seen: int, fed_back: int, reserv
     return {"kv_bytes_peak": peak, "kv_bytes_reserved": reserved, "kv_bytes_full": full,
             "memory_ratio": full / peak if peak else None,
             **({"kv_quantized_tokens": round(quantized / len(layers), 3)} if formats else {})}
+
+
+def _key_width(layer) -> int:
+    """A token's key width in ``layer``: full width also where the prompt's keys are held reduced (ThinK)."""
+    later = getattr(layer, "later_keys", None)
+    return layer.keys.shape[-1] if later is None else later.shape[-1]
+
+
+def _removed_bytes(layer, row: int) -> int:
+    """Bytes row ``row`` of ``layer`` does not hold for its prompt's removed key channels (ThinK), less the index
+    of the channels kept: 0 for full-width keys."""
+    channels = getattr(layer, "key_channels", None)
+    if channels is None:
+        return 0
+    heads, prompt, width = layer.keys.shape[1:]
+    removed = heads * prompt * (_key_width(layer) - width) * layer.keys.element_size()
+    return removed - channels[row].numel() * channels.element_size()
 
 
 def _price(fmt, tokens: float, heads: int, key_dim: int, value_dim: int, element: int,

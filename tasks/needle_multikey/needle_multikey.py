@@ -1,7 +1,7 @@
 """Multi-key needle in a haystack, RULER's ``niah_multikey_1`` shape (Hsieh et al., arXiv 2404.06654; NVIDIA/RULER
 ``scripts/data/synthetic/niah.py``), over Python's reference documentation (the needle task's haystack).
 
-Each prompt hides ``keys`` sentences "One of the special magic numbers for {key} is: {value}." in a stretch of about
+Each prompt (RULER's template: its opening line, the text, the question) hides ``keys`` sentences "One of the special magic numbers for {key} is: {value}." in a stretch of about
 ``length`` tokens; one key is asked for, its needle at relative ``depth`` (snapped to a sentence boundary), the
 others (distractors with other keys) at random depths. Keys are adjective-noun pairs, values 7-digit numbers, as
 RULER draws them. The answer is right when the asked value appears in the response (RULER's ``string_match_all``).
@@ -14,8 +14,10 @@ import random
 from evalkit.tasks.needle.needle import CHARS_PER_TOKEN, _sentence_start, haystack, source  # noqa: F401
 
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
-QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
-ANSWER_PREFIX = "The special magic number for {key} mentioned in the provided text is"
+INTRO = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. I will quiz you "
+         "about the numbers afterwards.")
+QUESTION = "What are all the special magic numbers for {key} mentioned in the provided text?"
+ANSWER_PREFIX = "The special magic numbers for {key} mentioned in the provided text are"
 ADJECTIVES = ("abrupt", "amber", "ancient", "brave", "brisk", "calm", "clever", "crimson", "curious", "damp", "eager",
               "faint", "fierce", "gentle", "glossy", "hollow", "humble", "icy", "jolly", "keen", "lively", "lucky",
               "mellow", "misty", "noble", "odd", "pale", "quiet", "rapid", "rustic", "silent", "sturdy", "tender",
@@ -61,7 +63,7 @@ def build_examples(lengths: list[int], depths: list[float], keys: int = 4, per_c
                 values = [str(rng.randrange(1_000_000, 10_000_000)) for _ in names]
                 needles = [(float(depth), NEEDLE.format(key=names[0], value=values[0]))]
                 needles += [(rng.random(), NEEDLE.format(key=k, value=v)) for k, v in zip(names[1:], values[1:])]
-                rows.append({"id": f"len{length}-depth{depth}-{index}", "context": _insert(chunk, needles),
+                rows.append({"id": f"len{length}-depth{depth}-{index}", "context": f"{INTRO}\n{_insert(chunk, needles)}",
                              "key": names[0], "answer": values[0], "length": str(length), "depth": f"{float(depth):g}"})
     return rows
 

@@ -16,7 +16,7 @@ def doc_to_text(doc):
 
 def doc_to_question(doc):
     """What follows the document in the prompt: compression_scope=context compresses only what precedes it."""
-    return "\n\n" + needle_multikey.QUESTION.format(key=doc["key"])
+    return "\n" + needle_multikey.QUESTION.format(key=doc["key"])
 
 
 def dataset_identity(dataset_kwargs):

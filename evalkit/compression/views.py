@@ -128,3 +128,19 @@ def span(view: PrefillView, start: int, end: int, heads: slice = slice(None)) ->
                                values=view.values[:, heads, start:end], key_valid=view.key_valid[:, start:end],
                                positions=view.positions[:, start:end], prior_sums=None,
                                hidden=None if view.hidden is None else view.hidden[:, start:end])
+
+
+def dropped_by_reselection(view: DecodeView, select) -> torch.Tensor:
+    """``[B, Hkv, S]``: the slots ``select(prompt, kv_heads)`` drops when it selects from a decode step's cache as from
+    a prompt (:func:`held_as_prompt`: each head's tokens in text order, its empty slots before them as left padding)."""
+    valid = view.valid
+    config = getattr(view.module, "config", None)
+    prompt, order = held_as_prompt(valid, view.keys, view.values, view.positions, query=view.query_buffer,
+                                   scaling=view.scaling, layer_idx=getattr(view.module, "layer_idx", 0),
+                                   num_layers=getattr(config, "num_hidden_layers", 1), module=view.module,
+                                   rotary=view.rotary)
+    held = valid.gather(-1, order)
+    indices, counts, _ = select(prompt, valid.shape[1])
+    picked = torch.arange(indices.shape[-1], device=valid.device) < counts[..., None]
+    kept = torch.zeros_like(held).scatter_(-1, indices, picked)
+    return torch.zeros_like(valid).scatter_(-1, order, held & ~kept)

@@ -9,7 +9,7 @@ import torch
 
 from evalkit.core.method_settings import check, setting
 
-from ..views import DecodeView, held_as_prompt
+from ..views import DecodeView, dropped_by_reselection
 from .wrapper import Wrapper
 
 
@@ -80,14 +80,4 @@ class CompressionRatioDecoding(Wrapper):
     def _reapply(self, view: DecodeView) -> torch.Tensor:
         """The slots the scorer drops when it selects from the cache as from a prompt (each head's tokens in text
         order, its empty slots before them as left padding), keeping each row's target."""
-        valid = view.valid
-        config = getattr(view.module, "config", None)
-        prompt, order = held_as_prompt(valid, view.keys, view.values, view.positions, query=view.query_buffer,
-                                       scaling=view.scaling, layer_idx=getattr(view.module, "layer_idx", 0),
-                                       num_layers=getattr(config, "num_hidden_layers", 1), module=view.module,
-                                       rotary=view.rotary)
-        held = valid.gather(-1, order)
-        indices, counts, _ = self.select(prompt, valid.shape[1])
-        picked = torch.arange(indices.shape[-1], device=valid.device) < counts[..., None]
-        kept = torch.zeros_like(held).scatter_(-1, indices, picked)
-        return torch.zeros_like(valid).scatter_(-1, order, held & ~kept)
+        return dropped_by_reselection(view, self.select)

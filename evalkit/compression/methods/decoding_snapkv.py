@@ -13,7 +13,7 @@ import torch
 from evalkit.core.method_settings import check, setting
 
 from ..kernels import attention_probabilities, pool_scores, reduce_groups, slots_visible
-from ..views import DecodeView, held_as_prompt
+from ..views import DecodeView, dropped_by_reselection
 from .snapkv import SnapKV
 from .wrapper import Wrapper
 
@@ -140,17 +140,7 @@ class DecodingSnapKV(Wrapper):
     def _reapply(self, view: DecodeView) -> torch.Tensor:
         """The slots the wrapped method drops when it selects from the cache as from a prompt (see the class): each
         head's tokens in text order, its empty slots before them as a prompt's left padding."""
-        valid = view.valid
-        config = getattr(view.module, "config", None)
-        prompt, order = held_as_prompt(valid, view.keys, view.values, view.positions, query=view.query_buffer,
-                                       scaling=view.scaling, layer_idx=getattr(view.module, "layer_idx", 0),
-                                       num_layers=getattr(config, "num_hidden_layers", 1), module=view.module,
-                                       rotary=view.rotary)
-        held = valid.gather(-1, order)
-        indices, counts, _ = self.reselect(prompt, valid.shape[1])
-        picked = torch.arange(indices.shape[-1], device=valid.device) < counts[..., None]
-        kept = torch.zeros_like(held).scatter_(-1, indices, picked)
-        return torch.zeros_like(valid).scatter_(-1, order, held & ~kept)
+        return dropped_by_reselection(view, self.reselect)
 
 
 def dropped_beyond(scores: torch.Tensor, order: torch.Tensor, valid: torch.Tensor, target: int) -> torch.Tensor:

@@ -37,11 +37,8 @@ class RequestCost:
     def _peak_cap(self, policy: ec.Policy, cache_cap: int) -> float:
         """The most tokens a cache may hold at once, mean over layers: ``cache_cap`` on the layers ``policy``
         compresses, its window on a hybrid model's sliding-window layer."""
-        try:
-            caps = [cache_cap if p is policy else p.cache_capacity() for p in layer_policies(self.model, policy)]
-        except (AttributeError, KeyError, TypeError, ValueError):  # a model without layer kinds: every layer the policy's
-            return cache_cap
-        return sum(caps) / len(caps) if caps and None not in caps else cache_cap
+        caps = [cache_cap if p is policy else p.cache_capacity() for p in layer_policies(self.model, policy)]
+        return sum(caps) / len(caps)
 
     def predicted_bytes(self, compress_prefix: int | None, measured: dict) -> float | None:
         """``evalkit.memory``'s price of a request's cache (the model's geometry read from its config, the policy's

@@ -86,6 +86,13 @@ def measured(fn, device: str):
     return tokens, time.perf_counter() - start, peak_since(device, mark)
 
 
+def report(name: str, rows: dict, args) -> None:
+    """One scheme's figures as soon as it has them (a run stopped at its time limit keeps what it measured)."""
+    _, seconds, peak = rows[name]
+    print(f"{name}: {args.requests * args.new / seconds:.0f} tok/s, {seconds:.1f} s, peak {peak / 2**30:.2f} GiB",
+          flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model_arguments(parser)
@@ -110,24 +117,24 @@ def main() -> None:
           f"{args.prompt_min}..{args.prompt_max} tokens, {args.new} new tokens each, greedy, Full cache", flush=True)
     rows = {}
     rows["evalkit engine (compiled)"] = engine_row(model, prompts, warm, width, args)
-    print(f"engine: {rows['evalkit engine (compiled)'][1]:.1f} s", flush=True)
+    report("evalkit engine (compiled)", rows, args)
     gc.collect()
     torch._dynamo.reset()  # the engine's compiled step lets go of its cache
     if args.device == "cuda":
         torch.cuda.empty_cache()
-    if "static" not in args.skip:
-        static_run(model, warm, args.new, args.slots, width, args.device)
-        rows["transformers generate, static cache"] = measured(
-            lambda: static_run(model, prompts, args.new, args.slots, width, args.device), args.device)
-        print(f"generate, static: {rows['transformers generate, static cache'][1]:.1f} s", flush=True)
     if "batching" not in args.skip:
         try:
             batching_run(model, warm, args.new)
             rows["transformers generate_batch (continuous)"] = measured(
                 lambda: batching_run(model, prompts, args.new), args.device)
-            print(f"generate_batch: {rows['transformers generate_batch (continuous)'][1]:.1f} s", flush=True)
+            report("transformers generate_batch (continuous)", rows, args)
         except Exception as error:  # noqa: BLE001  (the row says why it is missing)
             print(f"generate_batch failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
+    if "static" not in args.skip:
+        static_run(model, warm, args.new, args.slots, width, args.device)
+        rows["transformers generate, static cache"] = measured(
+            lambda: static_run(model, prompts, args.new, args.slots, width, args.device), args.device)
+        report("transformers generate, static cache", rows, args)
     reference = rows["evalkit engine (compiled)"][0]
     total = args.requests * args.new
     print(f"\n{'scheme':<44}{'tok/s':>10}{'seconds':>10}{'vs engine':>11}{'peak GiB':>10}{'same tokens':>13}")

@@ -5,6 +5,8 @@
 #   bash benchmarks/gpu_round.sh tier        # pytest -m gpu, 8 processes (~3 min)
 #   bash benchmarks/gpu_round.sh workloads   # the AIME-shaped stream; beside transformers' continuous batching;
 #                                            # multi_request over one shared context (~6 min)
+#   bash benchmarks/gpu_round.sh followup    # the tier; beside transformers (generate_batch before static); the
+#                                            # stream's score-based row beside SnapStream on the same card (~9.5 min)
 # Measured on an H100 (2026-11-27): the machine's start takes 1-2 min; a 15-minute lease holds about two phases.
 set -u
 cd "$(dirname "$0")/.."
@@ -40,5 +42,12 @@ workloads)
         --json "$OUT/vs_hf.json"
     step multi_request 80 python3 $B/bench_multi_request.py --device cuda --shape 8b --context 8192 --queries 32 \
         --slots 16 --json "$OUT/multi_request.json"
+    ;;
+followup)
+    step gpu_tier 180 python3 -m pytest -q -m gpu tests/test_gpu.py -n 8 -rf --durations=5
+    step vs_hf 160 python3 $B/bench_vs_hf_batching.py --device cuda --shape 8b --requests 64 --slots 32 --new 128 \
+        --json "$OUT/vs_hf.json"
+    step stream 220 python3 $B/bench_stream.py --device cuda --shape 8b --slots 48 --prompts 30 --repeats 2 \
+        --fraction 0.03125 --methods snapstream h2o --json "$OUT/stream.json"
     ;;
 esac

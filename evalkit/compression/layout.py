@@ -179,7 +179,8 @@ class RowLayout:
 
     # -- both caches -------------------------------------------------------------------------------------------------
     def write(self, layer, step: DecodeStep, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        put_tokens(layer, step.slots[:, None, :], key_states, value_states)
+        hold_packed(layer, put_tokens(layer, step.slots[:, None, :], key_states, value_states), step, key_states,
+                    value_states)
 
     def decode_mask(self, layer, step: DecodeStep, mask, query_heads: int, dtype):
         """The layer's attention mask: the row mask the model was given (none where every slot is visible)."""
@@ -244,10 +245,10 @@ class HeadLayout:
         """The layer's slots once every head has ``count`` free ones (growing by at least 64 at a time)."""
         shortfall = count - int((~layer.heads.valid).sum(dim=-1).min())
         if shortfall <= 0:
-            return layer.keys.shape[-2]
+            return layer.slot_count
         if self.policy.cache_capacity() is not None:
             raise RuntimeError(f"{self.policy.name} left no free slot in a full cache; its eviction is broken")
-        return layer.keys.shape[-2] + max(shortfall, 64)
+        return layer.slot_count + max(shortfall, 64)
 
     def after_compress(self, cache, layer_idx: int, view, query, indices, counts, raw) -> None:
         """The compressed layer's validity and text positions per head (kept tokens first, then empty slots)."""
@@ -270,6 +271,7 @@ class HeadLayout:
         """Each head's new tokens go to its first free slots."""
         heads = layer.heads
         index = put_tokens(layer, first_free(heads.valid, key_states.shape[2]), key_states, value_states)
+        hold_packed(layer, index, step, key_states, value_states)
         heads.occupy(index, step.positions[:, None, :])
         heads.peak.copy_(raised_peak(heads.peak, heads.valid.sum(dim=-1), step.active))
 
@@ -336,10 +338,19 @@ class HeadLayout:
         return float(peak.float().mean()), int(peak.sum())
 
 
+def hold_packed(layer, index: tuple[torch.Tensor, ...], step: DecodeStep, key_states: torch.Tensor,
+                value_states: torch.Tensor) -> None:
+    """A packed layer's new tokens (written at ``index`` of its workspace) into its residual (:mod:`.packed_kv`)."""
+    if getattr(layer, "packed", None) is not None:
+        layer.packed.hold(index, step.positions[:, None, :], key_states, value_states)
+
+
 def settle_format(layer, policy: Policy, positions: torch.Tensor, step: DecodeStep) -> None:
     """Under a quantized KV format (:mod:`.kv_format`), what this step's end quantizes of the layer's held tokens
-    (``positions`` ``[B, H or 1, S]``)."""
-    if policy.kv_format is not None:
+    (``positions`` ``[B, H or 1, S]``); a packed layer then gives its workspace back."""
+    if getattr(layer, "packed", None) is not None:
+        layer.close_step(positions, step)
+    elif policy.kv_format is not None:
         policy.kv_format.settle(layer.keys, layer.values, positions, step.positions[:, -1], step.steps)
 
 

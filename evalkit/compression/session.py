@@ -14,6 +14,7 @@ from .layout import DecodeStep, additive_mask, layout_of
 from .methods.base import Policy
 from .methods.sliding_window import layer_policies
 from .model_spec import cache_kwargs, check_hookable, rotary_embedding
+from .packed_kv import packs
 from .reconstruction import compress_by_passes
 
 CHUNK_MODES = ("exact", "compress")
@@ -224,7 +225,10 @@ class CompressionSession:
                 continue
             held = layer.heads.valid if layer.heads is not None else \
                 self.cache.state.valid[:, None, : layer.keys.shape[-2]].to(layer.keys.device)
-            layer.keys, layer.values = fmt.quantize_prompt(layer.keys, layer.values, held)
+            if packs(layer, self.cache):
+                layer.pack(fmt, held)
+            else:
+                layer.keys, layer.values = fmt.quantize_prompt(layer.keys, layer.values, held)
 
     def _check_chunking(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, chunk: int,
                         chunk_mode: str) -> None:

@@ -1,0 +1,297 @@
+"""A layer's keys and values stored as a quantized KV format stores them (:mod:`.kv_format`): what ``kv_bits`` frees.
+
+Per layer, ``[B, H, S]`` slots of width ``D``, ``G`` the format's group, ``R`` its residual:
+
+* codes ``key_codes`` / ``value_codes`` ``[B, H, S, D * bits / 8]`` uint8, planar: byte ``j`` holds channels ``j``,
+  ``j + D / per``, ... of its token (``per = 8 / bits`` codes a byte), so unpacking is one shift and mask a field;
+* the keys' groups: ``key_table`` ``[B, H, E, 2, D]`` (a group's scale and minimum per channel; entry 0 all zero)
+  and each slot's entry ``key_group`` ``[B, H, S]`` (0: not quantized); entries no held slot uses are reused;
+* the values' groups: ``value_params`` ``[B, H, S, 2, D / G]`` (scale and minimum per token and channel group);
+* the full-precision residual: ``residual_keys`` / ``residual_values`` ``[B, H, R + 1, D]`` at ``position % (R +
+  1)`` (a value leaves after the step that sees it ``R`` tokens old, so ``R + 1`` are held at once), each slot's
+  index there ``residual_slot`` (-1: none), and whether its key, its value, is still there (``key_fresh``,
+  ``value_fresh``).
+
+A decode step dequantizes the layer into a workspace its cache lends (one layer at a time), writes the step's tokens
+there and in the residual, attends, and quantizes what the format's rules release (:meth:`.KVFormat.settle`'s: the
+value ``R`` tokens old, the keys of a complete block of ``R`` generated tokens). The workspace holds exactly the
+dense format's ``codes * scale + minimum``: the outputs are the dense format's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from .kv_format import KVFormat
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Whole-number codes ``[..., D]`` (any dtype) as planar bytes ``[..., D * bits / 8]``."""
+    codes = codes.to(torch.uint8)
+    per = 8 // bits
+    fields = codes.unflatten(-1, (per, -1))
+    packed = fields[..., 0, :].clone()
+    for j in range(1, per):
+        packed |= fields[..., j, :] << (j * bits)
+    return packed
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Planar bytes ``[..., W]`` back to codes ``[..., W * 8 / bits]`` (uint8), into ``out`` if given."""
+    per = 8 // bits
+    if per == 1:
+        return packed
+    out = packed.new_empty(*packed.shape[:-1], per * packed.shape[-1]) if out is None else out
+    fields, mask = out.unflatten(-1, (per, -1)), (1 << bits) - 1
+    for j in range(per):
+        torch.bitwise_and(packed >> (j * bits) if j else packed, mask, out=fields[..., j, :])
+    return out
+
+
+@dataclasses.dataclass
+class PackedKV:
+    fmt: KVFormat
+    key_codes: torch.Tensor
+    value_codes: torch.Tensor
+    key_table: torch.Tensor
+    key_group: torch.Tensor
+    value_params: torch.Tensor
+    residual_keys: torch.Tensor
+    residual_values: torch.Tensor
+    residual_slot: torch.Tensor
+    key_fresh: torch.Tensor
+    value_fresh: torch.Tensor
+
+    @classmethod
+    def from_prompt(cls, fmt: KVFormat, keys: torch.Tensor, values: torch.Tensor, held: torch.Tensor) -> PackedKV:
+        """The kept prompt ``[B, H, S, D]`` packed whole (:meth:`.KVFormat.quantize_prompt`'s groups: keys in groups
+        of ``G`` held tokens in slot order); ``held`` ``[B, H or 1, S]``."""
+        batch, heads, slots, dim = keys.shape
+        held = held.expand(batch, heads, slots)
+        groups = math.ceil(slots / fmt.group_size)
+        group = ((held.long().cumsum(dim=-1) - 1).clamp(min=0) // fmt.group_size).masked_fill(~held, groups)
+        low, high = _group_bounds(keys, group, groups)
+        index = group[..., None].expand_as(keys)
+        codes, _ = fmt.encode(keys, low.gather(2, index), high.gather(2, index))
+        table = torch.stack([(high - low) / (2 ** fmt.bits - 1), low], dim=3)[:, :, :groups]
+        table = torch.cat([table.new_zeros(batch, heads, 1, 2, dim), table.nan_to_num(0.0, 0.0, 0.0)], dim=2)
+        value_codes, value_params = _values_encoded(fmt, values)
+        residual = keys.new_zeros(batch, heads, fmt.residual + 1, dim)
+        return cls(fmt, pack_codes(torch.where(held[..., None], codes, 0), fmt.bits), pack_codes(value_codes, fmt.bits),
+                   table, torch.where(held, group + 1, 0).int(), torch.where(held[..., None, None], value_params, 0.0),
+                   residual,
+                   residual.clone(), torch.full_like(group, -1, dtype=torch.int16), torch.zeros_like(held),
+                   torch.zeros_like(held))
+
+    @property
+    def slots(self) -> int:
+        return self.key_codes.shape[2]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [value for value in vars(self).values() if isinstance(value, torch.Tensor)]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def pad(self, slots: int) -> None:
+        """Room for ``slots`` slots; new ones empty."""
+        extra = slots - self.slots
+        if extra <= 0:
+            return
+        for name, fill in (("key_codes", 0), ("value_codes", 0), ("value_params", 0.0)):
+            tensor = getattr(self, name)
+            setattr(self, name, torch.cat([tensor, tensor.new_full((*tensor.shape[:2], extra, *tensor.shape[3:]),
+                                                                  fill)], dim=2))
+        for name, fill in (("key_group", 0), ("residual_slot", -1), ("key_fresh", False), ("value_fresh", False)):
+            setattr(self, name, torch.nn.functional.pad(getattr(self, name), (0, extra), value=fill))
+
+    # -- a decode step -----------------------------------------------------------------------------------------------
+    def dequantize(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Every slot's key and value into ``keys``, ``values`` ``[B, H, S, D]``: codes times scale plus minimum, the
+        residual's where it holds them."""
+        bits, group = self.fmt.bits, self.fmt.group_size
+        batch, heads, slots, dim = keys.shape
+        codes = unpack_codes(self.key_codes, bits)
+        params = self.key_table.gather(2, self.key_group.long()[..., None, None].expand(-1, -1, -1, 2, dim))
+        torch.mul(codes, params[..., 0, :], out=keys)
+        keys.add_(params[..., 1, :])
+        codes = unpack_codes(self.value_codes, bits).view(batch, heads, slots, dim // group, group)
+        grouped = values.view(batch, heads, slots, dim // group, group)
+        torch.mul(codes, self.value_params[..., 0, :, None], out=grouped)
+        grouped.add_(self.value_params[..., 1, :, None])
+        for fresh, residual, target in ((self.key_fresh, self.residual_keys, keys),
+                                        (self.value_fresh, self.residual_values, values)):
+            rows, head, slot = fresh.nonzero(as_tuple=True)
+            target[rows, head, slot] = residual[rows, head, self.residual_slot[rows, head, slot].long()]
+
+    def hold(self, index: tuple[torch.Tensor, ...], positions: torch.Tensor, key_states: torch.Tensor,
+             value_states: torch.Tensor) -> None:
+        """New tokens written at ``index`` (``(rows, heads, slots)``, as :func:`.layout.put_tokens` writes) at text
+        ``positions`` (broadcast like the slots): into the residual, their slots no longer quantized."""
+        rows, heads, slots = index
+        at = (positions % self.residual_keys.shape[2]).expand_as(slots)
+        busy = torch.zeros_like(self.key_fresh)
+        for j in range(at.shape[-1]):
+            busy |= self.residual_slot == at[..., j:j + 1]
+        busy &= self.key_fresh | self.value_fresh
+        busy.index_put_(index, torch.zeros_like(slots, dtype=torch.bool))  # the slots written now give theirs up
+        if bool(busy.any()):
+            raise ValueError("kv_bits storage takes one new token a decode step: a residual entry was still in use")
+        self.residual_keys.index_put_((rows, heads, at), key_states)
+        self.residual_values.index_put_((rows, heads, at), value_states)
+        self.residual_slot.index_put_(index, at.to(self.residual_slot.dtype))
+        for name in ("key_fresh", "value_fresh"):
+            getattr(self, name).index_put_(index, torch.ones_like(slots, dtype=torch.bool))
+        self.key_group.index_put_(index, torch.zeros_like(slots, dtype=self.key_group.dtype))
+
+    def settle(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, position: torch.Tensor,
+               steps: torch.Tensor, held: torch.Tensor) -> None:
+        """After a step's attention over ``keys``, ``values`` (the dequantized workspace), quantize what leaves the
+        residual: :meth:`.KVFormat.settle`'s tokens, with its arguments; ``held`` ``[B, H or 1, S]`` the valid
+        slots (the key groups they use stay allocated)."""
+        fmt, residual = self.fmt, self.fmt.residual
+        first = (position - steps + 1)[:, None, None]
+        here = position[:, None, None]
+        generated = positions >= first
+        leaving = (generated & (positions <= here - residual)).expand_as(self.value_fresh) & self.value_fresh
+        complete = ((position - first[:, 0, 0] + 1) % residual == 0)[:, None, None]
+        block = (generated & (positions > here - residual) & complete).expand_as(self.key_fresh) & self.key_fresh
+        if bool(leaving.any()):
+            self._quantize_values(values, leaving)
+        if bool(block.any()):
+            group = ((positions - (here - residual + 1)).clamp(min=0) // fmt.group_size).expand_as(block)
+            self._quantize_block(keys, block, group, held.expand_as(block))
+
+    def _quantize_values(self, values: torch.Tensor, leaving: torch.Tensor) -> None:
+        rows, heads, slots = leaving.nonzero(as_tuple=True)
+        codes, params = _values_encoded(self.fmt, values[rows, heads, slots])
+        self.value_codes[rows, heads, slots] = pack_codes(codes, self.fmt.bits)
+        self.value_params[rows, heads, slots] = params
+        self.value_fresh[rows, heads, slots] = False
+
+    def _quantize_block(self, keys: torch.Tensor, block: torch.Tensor, group: torch.Tensor, held: torch.Tensor) -> None:
+        """The keys of a complete block, per channel over their groups, into newly allocated table entries."""
+        fmt, count = self.fmt, self.fmt.residual // self.fmt.group_size
+        low, high = _group_bounds(keys, group.masked_fill(~block, count), count)
+        index = group.clamp(max=count - 1)[..., None].expand_as(keys)
+        codes, _ = fmt.encode(keys, low.gather(2, index), high.gather(2, index))
+        entries = self._allocate(count, held & ~self.key_fresh)
+        scales = torch.stack([(high - low) / (2 ** fmt.bits - 1), low], dim=3)[:, :, :count].nan_to_num(0.0, 0.0, 0.0)
+        completes = block.any(dim=-1)  # [B, H]: the (row, head) pairs whose block is complete
+        rows, heads = completes.nonzero(as_tuple=True)
+        self.key_table[rows[:, None], heads[:, None], entries[rows, heads]] = scales[rows, heads]
+        rows, heads, slots = block.nonzero(as_tuple=True)
+        self.key_codes[rows, heads, slots] = pack_codes(codes[rows, heads, slots], fmt.bits)
+        self.key_group[rows, heads, slots] = entries[rows, heads, group[rows, heads, slots]].to(self.key_group.dtype)
+        self.key_fresh[rows, heads, slots] = False
+
+    def _allocate(self, count: int, quantized: torch.Tensor) -> torch.Tensor:
+        """``count`` table entries per row and head ``[B, H, count]`` that no ``quantized`` slot uses (entry 0 never);
+        the table grows where too few are free."""
+        used = torch.zeros(self.key_table.shape[:3], dtype=torch.bool, device=self.key_table.device)
+        used.scatter_(2, self.key_group.long() * quantized, True)  # unquantized slots mark entry 0, always used
+        used[:, :, 0] = True
+        short = count - int((~used).sum(dim=-1).min())
+        if short > 0:
+            self.key_table = torch.cat([self.key_table, self.key_table.new_zeros(
+                *self.key_table.shape[:2], short, *self.key_table.shape[3:])], dim=2)
+            used = torch.nn.functional.pad(used, (0, short), value=False)
+        return used.to(torch.uint8).argsort(dim=-1, stable=True)[..., :count]
+
+
+def _group_bounds(keys: torch.Tensor, group: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per channel, the minimum and maximum of ``keys`` ``[B, H, S, D]`` over each of ``groups`` groups (``group``
+    ``[B, H, S]``; ``groups`` itself: in none) ``[B, H, groups + 1, D]``."""
+    index = group[..., None].expand_as(keys)
+    shape = (*keys.shape[:2], groups + 1, keys.shape[-1])
+    low = keys.new_full(shape, math.inf).scatter_reduce(2, index, keys, "amin")
+    high = keys.new_full(shape, -math.inf).scatter_reduce(2, index, keys, "amax")
+    return low, high
+
+
+def _values_encoded(fmt: KVFormat, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values ``[..., D]`` per token over groups of channels: their codes ``[..., D]`` and params ``[..., 2, D / G]``
+    (scale, minimum), as :meth:`.KVFormat.values_per_token` quantizes them."""
+    grouped = values.unflatten(-1, (-1, fmt.group_size))
+    low, high = grouped.amin(dim=-1, keepdim=True), grouped.amax(dim=-1, keepdim=True)
+    codes, scale = fmt.encode(grouped, low, high)
+    return codes.flatten(-2), torch.stack([scale[..., 0], low[..., 0]], dim=-2)
+
+
+class PackedStorage:
+    """What a session's cache layer needs to hold its keys and values packed: ``keys`` and ``values`` read the
+    dense tensors, or a packed layer's dequantized form (the step's workspace while a decode step runs in the layer;
+    else a fresh copy)."""
+
+    packed: PackedKV | None = None
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None  # the dequantized layer of the step running now
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.__dict__.get("_keys") if self.packed is None else self._dense()[0]
+
+    @keys.setter
+    def keys(self, tensor: torch.Tensor) -> None:
+        self._dense_only()
+        self._keys = tensor
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.__dict__.get("_values") if self.packed is None else self._dense()[1]
+
+    @values.setter
+    def values(self, tensor: torch.Tensor) -> None:
+        self._dense_only()
+        self._values = tensor
+
+    @property
+    def slot_count(self) -> int:
+        return self.packed.slots if self.packed is not None else self.keys.shape[-2]
+
+    def pack(self, fmt: KVFormat, held: torch.Tensor) -> None:
+        """Hold the kept prompt packed from now on (``held`` ``[B, H or 1, S]``: the slots holding tokens)."""
+        self.packed = PackedKV.from_prompt(fmt, self._keys, self._values, held)
+        self._keys = self._values = None
+
+    def open_step(self) -> None:
+        """Dequantize the layer into its cache's workspace for the decode step about to run in it."""
+        packed = self.packed
+        shape = (*packed.key_codes.shape[:3], packed.residual_keys.shape[-1])
+        spaces = self.cache.__dict__.setdefault("workspaces", {})
+        key = (shape, packed.residual_keys.dtype, packed.residual_keys.device)
+        if key not in spaces:  # one per shape, lent to each layer in turn: no fresh tensors (page faults) per step
+            spaces[key] = (packed.residual_keys.new_empty(shape), packed.residual_keys.new_empty(shape))
+        packed.dequantize(*spaces[key])
+        self.workspace = spaces[key]
+
+    def close_step(self, positions: torch.Tensor, step) -> None:
+        """After the step's attention: quantize what leaves the residual (``positions`` ``[B, H or 1, S]`` of the
+        held tokens, as :meth:`.KVFormat.settle` takes them), and give the workspace back."""
+        held = self.heads.valid if self.heads is not None else self.cache.state.valid[:, None, : self.packed.slots]
+        self.packed.key_fresh &= held  # an evicted token gives its residual entry up
+        self.packed.value_fresh &= held
+        self.packed.settle(*self.workspace, positions, step.positions[:, -1], step.steps, held)
+        self.workspace = None
+
+    def _dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.workspace is not None:
+            return self.workspace
+        packed = self.packed
+        shape = (*packed.key_codes.shape[:3], packed.residual_keys.shape[-1])
+        keys, values = packed.residual_keys.new_empty(shape), packed.residual_keys.new_empty(shape)
+        packed.dequantize(keys, values)
+        return keys, values
+
+    def _dense_only(self) -> None:
+        if self.packed is not None:
+            raise RuntimeError("a packed layer's keys and values change only through its decode steps")
+
+
+def packs(layer, cache) -> bool:
+    """Whether a session's ``layer`` holds its quantized cache packed: not while the engine admits a request (its
+    slots hold the dense format, into which admission copies), and where the head width splits into whole bytes."""
+    fmt = layer.layout.policy.kv_format
+    return cache.targets is None and layer.keys.shape[-1] % (8 // fmt.bits) == 0

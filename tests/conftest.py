@@ -94,6 +94,8 @@ SMALL_SETTINGS = {
     "full": lambda: ec.Full(),
     "snapstream": lambda: ec.SnapStream(capacity=64, window=8, sink=4, recent=16, kernel_size=5),
     "snapkv": lambda: ec.SnapKV(capacity=48, window=8, kernel_size=5),
+    "headkv": lambda: ec.HeadKV.from_config(40, scores=str(learned_files.headkv_scores())),
+    "nacl": lambda: ec.NACL(capacity=40, window=8, random_budget=8, seed=3),  # its seeded draws too
     "streaming_llm": lambda: ec.StreamingLLM(sink=4, window=40),
     "pyramidkv": lambda: ec.PyramidKV.from_config(48, window=8),
     "adakv": lambda: ec.AdaKV.from_config(48, window=4, alpha_safeguard=0.5),

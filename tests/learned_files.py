@@ -98,6 +98,20 @@ def fastkvzip_gates(layers: int = 2, input_dim: int = 64, kv_heads: int = 2, gro
     return path
 
 
+def headkv_scores(layers: int = 2, heads: int = 4, seed: int = 0, folder: Path | None = None) -> Path:
+    """HeadKV's head scores as KVCache-Factory publishes them (``data/heads_score/<model>_retrieval_reasoning_heads
+    .json``): one line of JSON, every query head (``"layer-head"``, layer by layer) to its scores on the probe
+    samples; some heads score 0, as many do in the published files."""
+    path = (folder or ROOT) / f"headkv-{layers}-{heads}-{seed}_retrieval_reasoning_heads.json"
+    if not path.exists():
+        generator = torch.Generator().manual_seed(seed)
+        scores = torch.rand(layers, heads, 3, generator=generator, dtype=torch.float64) ** 3
+        scores[torch.rand(layers, heads, generator=generator) < 0.2] = 0
+        path.write_text(json.dumps({f"{layer}-{head}": scores[layer, head].tolist()
+                                    for layer in range(layers) for head in range(heads)}))
+    return path
+
+
 def copy_of(source: Path) -> Path:
     """A copy of a learned file or folder in a folder of its own (same name), to damage without touching the
     original that other tests read."""

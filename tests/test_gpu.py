@@ -31,6 +31,7 @@ POLICIES = SMALL_POLICIES | {
     "kvzap": lambda: ec.KVzap(capacity=40, weights=str(learned_files.kvzap(_LAYERS, _HIDDEN, _KV, hidden_dim=24))),
     "threshold": lambda: ec.Threshold(threshold=0.0, sliding_window_size=8, scorer={
         "name": "kvzap", "weights": str(learned_files.kvzap(_LAYERS, _HIDDEN, _KV))}),
+    "headkv": lambda: ec.HeadKV.from_config(40, scores=str(learned_files.headkv_scores(_LAYERS, 8))),
 }
 
 

@@ -571,3 +571,10 @@ def test_the_code_passes_its_lint_configuration():
         pytest.skip("ruff is not installed (pip install -e '.[test]' installs it)")
     result = subprocess.run([ruff, "check", "."], cwd=README.parent, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout[-3000:]
+
+
+def test_the_readme_counts_every_registered_method():
+    import evalkit.compression as ec
+
+    count = re.search(r"(\d+) methods, from", README.read_text())
+    assert count and int(count.group(1)) == len(ec.POLICIES), "README.md's method count is not the registry's"

@@ -109,19 +109,22 @@ class PackedKV:
             setattr(self, name, torch.nn.functional.pad(getattr(self, name), (0, extra), value=fill))
 
     # -- a decode step -----------------------------------------------------------------------------------------------
-    def dequantize(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def dequantize(self, keys: torch.Tensor, values: torch.Tensor, scratch: tuple | None = None) -> None:
         """Every slot's key and value into ``keys``, ``values`` ``[B, H, S, D]``: codes times scale plus minimum, the
-        residual's where it holds them."""
+        residual's where it holds them. ``scratch``: buffers for the codes ``[B, H, S, D]`` (uint8) and the keys'
+        scales and minima ``[B * H * S, 2 * D]`` (reused step after step: no fresh tensors, no page faults)."""
         bits, group = self.fmt.bits, self.fmt.group_size
         batch, heads, slots, dim = keys.shape
-        codes = unpack_codes(self.key_codes, bits)
-        params = self.key_table.gather(2, self.key_group.long()[..., None, None].expand(-1, -1, -1, 2, dim))
-        torch.mul(codes, params[..., 0, :], out=keys)
-        keys.add_(params[..., 1, :])
-        codes = unpack_codes(self.value_codes, bits).view(batch, heads, slots, dim // group, group)
+        codes, params = scratch or (None, None)
+        table = self.key_table.view(-1, 2 * dim)
+        rows = (torch.arange(batch * heads, device=table.device)[:, None] * self.key_table.shape[2]
+                + self.key_group.view(batch * heads, slots)).view(-1)
+        params = torch.index_select(table, 0, rows, out=params).view(batch, heads, slots, 2, dim)
+        keys.copy_(unpack_codes(self.key_codes, bits, codes))
+        keys.mul_(params[..., 0, :]).add_(params[..., 1, :])
+        values.copy_(unpack_codes(self.value_codes, bits, codes))
         grouped = values.view(batch, heads, slots, dim // group, group)
-        torch.mul(codes, self.value_params[..., 0, :, None], out=grouped)
-        grouped.add_(self.value_params[..., 1, :, None])
+        grouped.mul_(self.value_params[..., 0, :, None]).add_(self.value_params[..., 1, :, None])
         for fresh, residual, target in ((self.key_fresh, self.residual_keys, keys),
                                         (self.value_fresh, self.residual_values, values)):
             rows, head, slot = fresh.nonzero(as_tuple=True)
@@ -263,9 +266,12 @@ class PackedStorage:
         spaces = self.cache.__dict__.setdefault("workspaces", {})
         key = (shape, packed.residual_keys.dtype, packed.residual_keys.device)
         if key not in spaces:  # one per shape, lent to each layer in turn: no fresh tensors (page faults) per step
-            spaces[key] = (packed.residual_keys.new_empty(shape), packed.residual_keys.new_empty(shape))
-        packed.dequantize(*spaces[key])
-        self.workspace = spaces[key]
+            scratch = (packed.key_codes.new_empty(shape), packed.residual_keys.new_empty(shape[0] * shape[1] * shape[2],
+                                                                                       2 * shape[3]))
+            spaces[key] = (packed.residual_keys.new_empty(shape), packed.residual_keys.new_empty(shape), scratch)
+        keys, values, scratch = spaces[key]
+        packed.dequantize(keys, values, scratch)
+        self.workspace = keys, values
 
     def close_step(self, positions: torch.Tensor, step) -> None:
         """After the step's attention: quantize what leaves the residual (``positions`` ``[B, H or 1, S]`` of the

@@ -4,9 +4,9 @@ Per layer, ``[B, H, S]`` slots of width ``D``, ``G`` the format's group, ``R`` i
 
 * codes ``key_codes`` / ``value_codes`` ``[B, H, S, D * bits / 8]`` uint8, planar: byte ``j`` holds channels ``j``,
   ``j + D / per``, ... of its token (``per = 8 / bits`` codes a byte), so unpacking is one shift and mask a field;
-* the keys' groups: ``key_table`` ``[B, H, E, 2, D]`` (a group's scale and minimum per channel; entry 0 all zero)
-  and each slot's entry ``key_group`` ``[B, H, S]`` (0: not quantized); entries no held slot uses are reused;
-* the values' groups: ``value_params`` ``[B, H, S, 2, D / G]`` (scale and minimum per token and channel group);
+* the keys' groups: ``key_scale`` and ``key_min`` ``[B, H, E, D]`` (a group's per channel; entry 0 all zero) and
+  each slot's entry ``key_group`` ``[B, H, S]`` (0: not quantized); entries no held slot uses are reused;
+* the values' groups: ``value_scale`` and ``value_min`` ``[B, H, S, D / G]`` (per token and channel group);
 * the full-precision residual: ``residual_keys`` / ``residual_values`` ``[B, H, R + 1, D]`` at ``position % (R +
   1)`` (a value leaves after the step that sees it ``R`` tokens old, so ``R + 1`` are held at once), each slot's
   index there ``residual_slot`` (-1: none), and whether its key, its value, is still there (``key_fresh``,
@@ -56,9 +56,11 @@ class PackedKV:
     fmt: KVFormat
     key_codes: torch.Tensor
     value_codes: torch.Tensor
-    key_table: torch.Tensor
+    key_scale: torch.Tensor
+    key_min: torch.Tensor
     key_group: torch.Tensor
-    value_params: torch.Tensor
+    value_scale: torch.Tensor
+    value_min: torch.Tensor
     residual_keys: torch.Tensor
     residual_values: torch.Tensor
     residual_slot: torch.Tensor
@@ -76,13 +78,13 @@ class PackedKV:
         low, high = _group_bounds(keys, group, groups)
         index = group[..., None].expand_as(keys)
         codes, _ = fmt.encode(keys, low.gather(2, index), high.gather(2, index))
-        table = torch.stack([(high - low) / (2 ** fmt.bits - 1), low], dim=3)[:, :, :groups]
-        table = torch.cat([table.new_zeros(batch, heads, 1, 2, dim), table.nan_to_num(0.0, 0.0, 0.0)], dim=2)
-        value_codes, value_params = _values_encoded(fmt, values)
+        tables = [torch.cat([t.new_zeros(batch, heads, 1, dim), t[:, :, :groups].nan_to_num(0.0, 0.0, 0.0)], dim=2)
+                  for t in ((high - low) / (2 ** fmt.bits - 1), low)]
+        value_codes, value_scale, value_min = _values_encoded(fmt, values)
         residual = keys.new_zeros(batch, heads, fmt.residual + 1, dim)
         return cls(fmt, pack_codes(torch.where(held[..., None], codes, 0), fmt.bits), pack_codes(value_codes, fmt.bits),
-                   table, torch.where(held, group + 1, 0).int(), torch.where(held[..., None, None], value_params, 0.0),
-                   residual,
+                   *tables, torch.where(held, group + 1, 0).int(), torch.where(held[..., None], value_scale, 0.0),
+                   torch.where(held[..., None], value_min, 0.0), residual,
                    residual.clone(), torch.full_like(group, -1, dtype=torch.int16), torch.zeros_like(held),
                    torch.zeros_like(held))
 
@@ -101,7 +103,7 @@ class PackedKV:
         extra = slots - self.slots
         if extra <= 0:
             return
-        for name, fill in (("key_codes", 0), ("value_codes", 0), ("value_params", 0.0)):
+        for name, fill in (("key_codes", 0), ("value_codes", 0), ("value_scale", 0.0), ("value_min", 0.0)):
             tensor = getattr(self, name)
             setattr(self, name, torch.cat([tensor, tensor.new_full((*tensor.shape[:2], extra, *tensor.shape[3:]),
                                                                   fill)], dim=2))
@@ -111,20 +113,22 @@ class PackedKV:
     # -- a decode step -----------------------------------------------------------------------------------------------
     def dequantize(self, keys: torch.Tensor, values: torch.Tensor, scratch: tuple | None = None) -> None:
         """Every slot's key and value into ``keys``, ``values`` ``[B, H, S, D]``: codes times scale plus minimum, the
-        residual's where it holds them. ``scratch``: buffers for the codes ``[B, H, S, D]`` (uint8) and the keys'
-        scales and minima ``[B * H * S, 2 * D]`` (reused step after step: no fresh tensors, no page faults)."""
+        residual's where it holds them. ``scratch``: buffers for the codes ``[B, H, S, D]`` (uint8) and each slot's
+        key scale and minimum ``[2, B * H * S, D]`` (reused step after step: no fresh tensors, no page faults)."""
         bits, group = self.fmt.bits, self.fmt.group_size
         batch, heads, slots, dim = keys.shape
-        codes, params = scratch or (None, None)
-        table = self.key_table.view(-1, 2 * dim)
-        rows = (torch.arange(batch * heads, device=table.device)[:, None] * self.key_table.shape[2]
+        codes, params = scratch or (None, keys.new_empty(2, batch * heads * slots, dim))
+        rows = (torch.arange(batch * heads, device=keys.device)[:, None] * self.key_scale.shape[2]
                 + self.key_group.view(batch * heads, slots)).view(-1)
-        params = torch.index_select(table, 0, rows, out=params).view(batch, heads, slots, 2, dim)
-        keys.copy_(unpack_codes(self.key_codes, bits, codes))
-        keys.mul_(params[..., 0, :]).add_(params[..., 1, :])
-        values.copy_(unpack_codes(self.value_codes, bits, codes))
+        for table, out in zip((self.key_scale, self.key_min), params):
+            torch.index_select(table.view(-1, dim), 0, rows, out=out)
+        # codes * scale, then + minimum: two roundings, as the dense format (a fused multiply-add differs by CPU)
+        torch.mul(unpack_codes(self.key_codes, bits, codes), params[0].view(keys.shape), out=keys)
+        keys.add_(params[1].view(keys.shape))
         grouped = values.view(batch, heads, slots, dim // group, group)
-        grouped.mul_(self.value_params[..., 0, :, None]).add_(self.value_params[..., 1, :, None])
+        torch.mul(unpack_codes(self.value_codes, bits, codes).view(grouped.shape), self.value_scale[..., None],
+                  out=grouped)
+        grouped.add_(self.value_min[..., None])
         for fresh, residual, target in ((self.key_fresh, self.residual_keys, keys),
                                         (self.value_fresh, self.residual_values, values)):
             rows, head, slot = fresh.nonzero(as_tuple=True)
@@ -170,9 +174,9 @@ class PackedKV:
 
     def _quantize_values(self, values: torch.Tensor, leaving: torch.Tensor) -> None:
         rows, heads, slots = leaving.nonzero(as_tuple=True)
-        codes, params = _values_encoded(self.fmt, values[rows, heads, slots])
+        codes, scale, low = _values_encoded(self.fmt, values[rows, heads, slots])
         self.value_codes[rows, heads, slots] = pack_codes(codes, self.fmt.bits)
-        self.value_params[rows, heads, slots] = params
+        self.value_scale[rows, heads, slots], self.value_min[rows, heads, slots] = scale, low
         self.value_fresh[rows, heads, slots] = False
 
     def _quantize_block(self, keys: torch.Tensor, block: torch.Tensor, group: torch.Tensor, held: torch.Tensor) -> None:
@@ -182,10 +186,11 @@ class PackedKV:
         index = group.clamp(max=count - 1)[..., None].expand_as(keys)
         codes, _ = fmt.encode(keys, low.gather(2, index), high.gather(2, index))
         entries = self._allocate(count, held & ~self.key_fresh)
-        scales = torch.stack([(high - low) / (2 ** fmt.bits - 1), low], dim=3)[:, :, :count].nan_to_num(0.0, 0.0, 0.0)
         completes = block.any(dim=-1)  # [B, H]: the (row, head) pairs whose block is complete
         rows, heads = completes.nonzero(as_tuple=True)
-        self.key_table[rows[:, None], heads[:, None], entries[rows, heads]] = scales[rows, heads]
+        for table, new in ((self.key_scale, (high - low) / (2 ** fmt.bits - 1)), (self.key_min, low)):
+            table[rows[:, None], heads[:, None], entries[rows, heads]] = new[:, :, :count].nan_to_num(
+                0.0, 0.0, 0.0)[rows, heads]
         rows, heads, slots = block.nonzero(as_tuple=True)
         self.key_codes[rows, heads, slots] = pack_codes(codes[rows, heads, slots], fmt.bits)
         self.key_group[rows, heads, slots] = entries[rows, heads, group[rows, heads, slots]].to(self.key_group.dtype)
@@ -194,13 +199,14 @@ class PackedKV:
     def _allocate(self, count: int, quantized: torch.Tensor) -> torch.Tensor:
         """``count`` table entries per row and head ``[B, H, count]`` that no ``quantized`` slot uses (entry 0 never);
         the table grows where too few are free."""
-        used = torch.zeros(self.key_table.shape[:3], dtype=torch.bool, device=self.key_table.device)
+        used = torch.zeros(self.key_scale.shape[:3], dtype=torch.bool, device=self.key_scale.device)
         used.scatter_(2, self.key_group.long() * quantized, True)  # unquantized slots mark entry 0, always used
         used[:, :, 0] = True
         short = count - int((~used).sum(dim=-1).min())
         if short > 0:
-            self.key_table = torch.cat([self.key_table, self.key_table.new_zeros(
-                *self.key_table.shape[:2], short, *self.key_table.shape[3:])], dim=2)
+            for name in ("key_scale", "key_min"):
+                table = getattr(self, name)
+                setattr(self, name, torch.cat([table, table.new_zeros(*table.shape[:2], short, table.shape[3])], dim=2))
             used = torch.nn.functional.pad(used, (0, short), value=False)
         return used.to(torch.uint8).argsort(dim=-1, stable=True)[..., :count]
 
@@ -215,13 +221,14 @@ def _group_bounds(keys: torch.Tensor, group: torch.Tensor, groups: int) -> tuple
     return low, high
 
 
-def _values_encoded(fmt: KVFormat, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Values ``[..., D]`` per token over groups of channels: their codes ``[..., D]`` and params ``[..., 2, D / G]``
-    (scale, minimum), as :meth:`.KVFormat.values_per_token` quantizes them."""
+def _values_encoded(fmt: KVFormat, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Values ``[..., D]`` per token over groups of channels: their codes ``[..., D]``, scales and minima ``[..., D /
+    G]``, as :meth:`.KVFormat.values_per_token` quantizes them."""
     grouped = values.unflatten(-1, (-1, fmt.group_size))
     low, high = grouped.amin(dim=-1, keepdim=True), grouped.amax(dim=-1, keepdim=True)
     codes, scale = fmt.encode(grouped, low, high)
-    return codes.flatten(-2), torch.stack([scale[..., 0], low[..., 0]], dim=-2)
+    return codes.flatten(-2), scale[..., 0], low[..., 0]
+
 
 
 class PackedStorage:
@@ -261,15 +268,12 @@ class PackedStorage:
 
     def open_step(self) -> None:
         """Dequantize the layer into its cache's workspace for the decode step about to run in it."""
-        packed = self.packed
-        shape = (*packed.key_codes.shape[:3], packed.residual_keys.shape[-1])
-        spaces = self.cache.__dict__.setdefault("workspaces", {})
-        key = (shape, packed.residual_keys.dtype, packed.residual_keys.device)
-        if key not in spaces:  # one per shape, lent to each layer in turn: no fresh tensors (page faults) per step
-            scratch = (packed.key_codes.new_empty(shape), packed.residual_keys.new_empty(shape[0] * shape[1] * shape[2],
-                                                                                       2 * shape[3]))
-            spaces[key] = (packed.residual_keys.new_empty(shape), packed.residual_keys.new_empty(shape), scratch)
-        keys, values, scratch = spaces[key]
+        packed, cache = self.packed, self.cache
+        batch, heads, slots = packed.key_codes.shape[:3]
+        shape, like = (batch, heads, slots, packed.residual_keys.shape[-1]), packed.residual_keys
+        keys, values = _lent(cache, "keys", shape, like), _lent(cache, "values", shape, like)
+        scratch = _lent(cache, "codes", shape, packed.key_codes), _lent(cache, "params", (2, batch * heads * slots,
+                                                                                         shape[-1]), like)
         packed.dequantize(keys, values, scratch)
         self.workspace = keys, values
 
@@ -294,6 +298,17 @@ class PackedStorage:
     def _dense_only(self) -> None:
         if self.packed is not None:
             raise RuntimeError("a packed layer's keys and values change only through its decode steps")
+
+
+def _lent(cache, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A contiguous ``shape`` tensor of ``like``'s dtype and device from the cache's workspace ``name``: one buffer,
+    lent to each layer in turn and kept from step to step (grown by a quarter when too small), so that a decode step
+    makes no fresh tensors (their page faults cost more than the arithmetic) and a growing cache no new ones."""
+    spaces = cache.__dict__.setdefault("workspaces", {})
+    key, count = (name, like.dtype, like.device), math.prod(shape)
+    if key not in spaces or spaces[key].numel() < count:
+        spaces[key] = like.new_empty(count + count // 4)
+    return spaces[key][:count].view(shape)
 
 
 def packs(layer, cache) -> bool:

@@ -237,3 +237,31 @@ def test_trace_costs_against_the_full_cache_flag_what_held_less_but_spent_more(t
     assert "## Held less per step, spent more in total" in text and "| h2o" in text.split("spent more in total")[1]
     assert "snapstream" not in text.split("## Held less per step, spent more in total")[1].split("![")[0]
     assert paths["accuracy_vs_byte_seconds"].exists()
+
+
+def test_a_needle_grid_run_length_by_length_is_one_line_per_method_along_length_and_depth(tmp_path):
+    """Each length its own run (its own max_context); the lines pool a method's runs, the heatmaps do not."""
+    from evalkit.results.heatmaps import heatmap_axes
+    from evalkit.results.subset_lines import field_scores
+
+    for method, budget, lost in (("full", None, set()), ("snapkv", "4x", {0.5})):
+        for length in (2048, 4096):
+            run_id = f"needle-{method}-{length}"
+            config = {"run_id": run_id, "model": "smol", "task": "needle", "method": method, "budget": budget,
+                      "max_context": length + 64}
+            samples = [{"doc_id": i, "sample_id": f"{length}-{depth}", "subset": f"{length}/{depth:g}", "repeat": 0,
+                        "score": 0.0 if depth in lost and length == 4096 else 1.0}
+                       for i, depth in enumerate((0.0, 0.5, 1.0))]
+            metrics = [{"subset": "all", "metric": "exact_match", "value": sum(s["score"] for s in samples) / 3,
+                        "stderr": 0.1, "n": 3}]
+            write_table(samples_table(samples, config), tmp_path, "samples", run_id)
+            write_table(metrics_table(metrics, config), tmp_path, "metrics", run_id)
+    tables = field_scores(pd.read_parquet(tmp_path / "samples"), "needle", heatmap_axes("needle"))
+    by_length = tables["length"].set_index(["method", "length"])["score"]
+    assert by_length[("snapkv", 2048)] == 1.0 and by_length[("snapkv", 4096)] == 2 / 3
+    assert by_length[("full", 4096)] == 1.0 and len(by_length) == 4  # one line a method, both lengths on it
+    by_depth = tables["depth"].set_index(["method", "depth"])
+    assert by_depth.loc[("snapkv", 0.5), "score"] == 0.5 and by_depth.loc[("snapkv", 0.5), "n"] == 2
+    paths = write_report(tmp_path, iterations=100)
+    assert paths["needle_lines"].read_bytes()[:4] == b"\x89PNG"
+    assert "needle_by_length_and_depth.png" in paths["markdown"].read_text()

@@ -20,6 +20,7 @@ import pandas as pd
 from evalkit.benchmark import task_names, task_of
 
 from .heatmaps import heatmap_axes, subset_grid
+from .subset_lines import subset_lines
 from .outputs import output_folder
 from .summary import (
     RUN_KEYS,
@@ -198,6 +199,11 @@ def write_report(results_dir: str | Path, out: str | Path | None = None, iterati
             paths[name] = subset_heatmaps(chosen, samples, task, out / f"{name}_heatmap.png", axes, label)
             (rows_field, columns_field), _ = axes
             text += [f"## {task}: {label} by {rows_field} and {columns_field}", "", f"![{task}]({paths[name].name})", ""]
+            if not registry:  # every run of a method and budget as one line, along each field
+                paths[f"{name}_lines"] = subset_lines(samples[samples["run_id"].isin(chosen["run_id"])], task,
+                                                      out / f"{name}_by_{columns_field}_and_{rows_field}.png", axes,
+                                                      label)
+                text += [f"![{task} lines]({paths[f'{name}_lines'].name})", ""]
     paths["markdown"].write_text("\n".join(text))
     return paths
 

@@ -5,7 +5,7 @@ one run, through the engine.
 
     python benchmarks/method_memory.py [--tokens 1024] [--budget 4x] [--new 16] [--methods snapkv h2o ...]
 
-Methods with learned weights (QFilter, KVzap, Threshold, FastKVzip, LUKV, DuoAttention, HeadKV) read random files in their
+Methods with learned weights (QFilter, KVzap, Threshold, FastKVzip, LUKV, DuoAttention, HeadKV, ExpectedAttentionStats) read random files in their
 publishers' formats, shaped for SmolLM2 (tests/learned_files.py): what a budgeted one keeps is its budget whatever its
 weights; Threshold and DuoAttention, which take no budget, keep what their random weights decide. Prints one markdown
 row per method: kept prompt tokens (mean over layers), peak cache tokens, held and full bytes, and the memory freed.
@@ -44,7 +44,9 @@ def learned_settings(config) -> dict[str, dict]:
             "fastkvzip": {"gates": str(learned_files.fastkvzip_gates(layers, hidden, kv_heads, group=group))},
             "lukv": {"curve": str(learned_files.lukv_curve(layers, kv_heads))},
             "duo_attention": {"patterns": str(learned_files.duo_pattern([[0.9, 0.1, 0.5]] * layers))},
-            "headkv": {"scores": str(learned_files.headkv_scores(layers, config.num_attention_heads))}}
+            "headkv": {"scores": str(learned_files.headkv_scores(layers, config.num_attention_heads))},
+            "expected_attention_stats": {"stats": str(learned_files.expected_attention_stats(
+                layers, config.num_attention_heads, head_dim))}}
 
 
 def main() -> None:

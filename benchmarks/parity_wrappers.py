@@ -189,6 +189,7 @@ def run_evalkit(model, prompt, files: Path) -> dict:
         for r in RATIOS:
             method, picks = make_method(ec, int(n * (1 - r))), {}
             method.rewrite = recording_picks(method.rewrite, picks)
+            method.remove_channels = False  # ThinK: the zeroed keys kvpress holds (the same logits as removed ones)
             session = ec.CompressionSession(model, method)
             session.prefill(prompt)
             out["caches"][f"{case}@{r}"] = [in_text_order(picks[i], layer.keys, layer.values)

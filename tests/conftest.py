@@ -96,6 +96,8 @@ SMALL_SETTINGS = {
     "snapkv": lambda: ec.SnapKV(capacity=48, window=8, kernel_size=5),
     "headkv": lambda: ec.HeadKV.from_config(40, scores=str(learned_files.headkv_scores())),
     "nacl": lambda: ec.NACL(capacity=40, window=8, random_budget=8, seed=3),  # its seeded draws too
+    "expected_attention_stats": lambda: ec.ExpectedAttentionStats(capacity=40, n_future_positions=16, stats=str(
+        learned_files.expected_attention_stats())),
     "streaming_llm": lambda: ec.StreamingLLM(sink=4, window=40),
     "pyramidkv": lambda: ec.PyramidKV.from_config(48, window=8),
     "adakv": lambda: ec.AdaKV.from_config(48, window=4, alpha_safeguard=0.5),

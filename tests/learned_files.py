@@ -112,6 +112,25 @@ def headkv_scores(layers: int = 2, heads: int = 4, seed: int = 0, folder: Path |
     return path
 
 
+def expected_attention_stats(layers: int = 2, heads: int = 4, head_dim: int = 16, seed: int = 0) -> Path:
+    """ExpectedAttention query statistics as kvpress' ``ExpectedAttentionStats`` (``PyTorchModelHubMixin``) saves them:
+    ``config.json`` and ``model.safetensors`` (``query_mean [L, H, D]``, ``query_cov [L, H, D, D]``; H: query heads)."""
+    from safetensors.torch import save_file
+
+    folder = ROOT / f"eastats-{layers}-{heads}-{head_dim}-{seed}"
+    if not folder.exists():
+        folder.mkdir(parents=True)
+        generator = torch.Generator().manual_seed(seed)
+        mean = torch.randint(-16, 17, (layers, heads, head_dim), generator=generator) / 8
+        factor = torch.randint(-8, 9, (layers, heads, head_dim, head_dim), generator=generator) / 4
+        cov = 4 * factor @ factor.transpose(-1, -2) / head_dim  # exact sums: the same bytes on every CPU
+        save_file({"query_mean": mean, "query_cov": cov.contiguous()}, str(folder / "model.safetensors"))
+        (folder / "config.json").write_text(json.dumps({
+            "dataset_name": "kmfoda/booksum", "head_dim": head_dim, "model_name": "tiny-llama", "n_sink": 4,
+            "num_heads": heads, "num_layers": layers, "num_samples": 100, "sample_seq_len": 1000}, indent=2))
+    return folder
+
+
 def copy_of(source: Path) -> Path:
     """A copy of a learned file or folder in a folder of its own (same name), to damage without touching the
     original that other tests read."""

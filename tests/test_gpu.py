@@ -32,6 +32,8 @@ POLICIES = SMALL_POLICIES | {
     "threshold": lambda: ec.Threshold(threshold=0.0, sliding_window_size=8, scorer={
         "name": "kvzap", "weights": str(learned_files.kvzap(_LAYERS, _HIDDEN, _KV))}),
     "headkv": lambda: ec.HeadKV.from_config(40, scores=str(learned_files.headkv_scores(_LAYERS, 8))),
+    "expected_attention_stats": lambda: ec.ExpectedAttentionStats(capacity=40, n_future_positions=16, stats=str(
+        learned_files.expected_attention_stats(_LAYERS, 8, _HEAD))),
 }
 
 

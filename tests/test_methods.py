@@ -10,7 +10,15 @@ import pytest
 import torch
 from baseline_reference import kept_prompt, kept_snapkv_budgets, simulate_decoding
 from conftest import SMALL_POLICIES, TINY_RECONSTRUCTION, random_prompt, registered, tiny_model
-from learned_files import duo_pattern, fastkvzip_gates, headkv_scores, kvzap, lukv_curve, qfilters
+from learned_files import (
+    duo_pattern,
+    expected_attention_stats,
+    fastkvzip_gates,
+    headkv_scores,
+    kvzap,
+    lukv_curve,
+    qfilters,
+)
 from masked_reference import module_scaling
 
 import evalkit.compression as ec
@@ -34,6 +42,8 @@ DECODING = {
 }
 SIZED = {**PREFILL, **DECODING, "rkv": lambda: ec.RKV(capacity=40, window=4, interval=8, kernel_size=3),
          "headkv": lambda: ec.HeadKV.from_config(20, scores=str(headkv_scores())),
+         "expected_attention_stats": lambda: ec.ExpectedAttentionStats(capacity=20, n_future_positions=16,
+                                                                       stats=str(expected_attention_stats())),
          "pyramidkv": lambda: ec.PyramidKV.from_config(20, window=6, kernel_size=5),
          "per_layer": lambda: ec.PerLayer.from_config(20, window=4, kernel_size=5, weights=(1.5, 0.5)),
          "composed": lambda: ec.Composed(capacity=20, then={"name": "snapkv", "window": 4, "kernel_size": 5}),

@@ -97,3 +97,13 @@ def test_a_forked_packed_session_decodes_as_the_original(model, monkeypatch):
     fork = session.fork()
     for token in random_prompt(25, seed=5)[0]:
         assert torch.equal(session.step(token.view(1, 1)), fork.step(token.view(1, 1)))
+
+
+def test_a_step_of_more_tokens_than_the_residual_holds_is_one_line(model, monkeypatch):
+    policy = ec.Full()
+    policy.kv_format = ec.KVFormat(4, 8, 16)
+    _, session = run(model, policy, [random_prompt(40, seed=6)[0]], 2, True, monkeypatch)
+    session.step(random_prompt(10, seed=7))  # 12 generated tokens in a residual of 17 entries
+    with pytest.raises(ValueError, match="overruns kv_bits' full-precision residual") as caught:
+        session.step(random_prompt(20, seed=8))
+    assert "\n" not in str(caught.value)

@@ -16,7 +16,7 @@ from baseline_reference import (
     smallest_norms,
 )
 from conftest import VOCAB, random_prompt, tiny_model
-from learned_files import qfilters
+from learned_files import expected_attention_stats, qfilters
 from masked_reference import module_scaling
 from test_methods import held_positions, reference_keys
 
@@ -204,7 +204,8 @@ def test_every_scorer_can_be_reapplied_while_decoding(llama, name):
     capacity - interval per head at each re-application, never exceeds the capacity, and the engine gives the tokens
     of running alone."""
     settings = {"name": name, **({"window": 4, "kernel_size": 3} if name in ("snapkv", "snapstream") else {}),
-                **({"filters": str(qfilters())} if name == "qfilter" else {})}
+                **({"filters": str(qfilters())} if name == "qfilter" else {}),
+                **({"stats": str(expected_attention_stats())} if name == "expected_attention_stats" else {})}
     policy = ec.DecodingSnapKV(capacity=42, window=8, interval=10, scorer=settings)
     prompt = random_prompt(50, seed=2)
     session = ec.CompressionSession(llama, policy)

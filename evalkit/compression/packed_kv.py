@@ -145,8 +145,10 @@ class PackedKV:
             busy |= self.residual_slot == at[..., j:j + 1]
         busy &= self.key_fresh | self.value_fresh
         busy.index_put_(index, torch.zeros_like(slots, dtype=torch.bool))  # the slots written now give theirs up
-        if bool(busy.any()):
-            raise ValueError("kv_bits storage takes one new token a decode step: a residual entry was still in use")
+        if at.shape[-1] > self.residual_keys.shape[2] or bool(busy.any()):
+            raise ValueError(f"a step of {at.shape[-1]} tokens overruns kv_bits' full-precision residual "
+                             f"(kv_residual={self.fmt.residual}: the tokens of its last steps are still held there); "
+                             "feed fewer tokens a step")
         self.residual_keys.index_put_((rows, heads, at), key_states)
         self.residual_values.index_put_((rows, heads, at), value_states)
         self.residual_slot.index_put_(index, at.to(self.residual_slot.dtype))

@@ -20,8 +20,8 @@ import pandas as pd
 from evalkit.benchmark import task_names, task_of
 
 from .heatmaps import heatmap_axes, subset_grid
-from .subset_lines import subset_lines
 from .outputs import output_folder
+from .subset_lines import subset_lines
 from .summary import (
     RUN_KEYS,
     cell_text,

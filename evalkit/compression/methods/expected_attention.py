@@ -42,7 +42,7 @@ class ExpectedAttention(PromptScoring):
     def score(self, view: PrefillView) -> torch.Tensor:
         query, keys = view.query.float(), view.keys.float()
         batch, q_heads, _, dim = query.shape
-        kv_heads, n = keys.shape[1], keys.shape[2]
+        n = keys.shape[2]
         pre_rope = unrotated(query, view.query_positions, view.rotary)
         rank = view.key_valid.long().cumsum(dim=1) - 1
         # The queries' statistics: those held (all of the prompt's, or under chunked prefill compressed as it goes
@@ -55,12 +55,20 @@ class ExpectedAttention(PromptScoring):
         rotation = average_future_rotation(view, self.n_future_positions)  # [B, D, D]
         mean = torch.einsum("bhd,bed->bhe", mean.squeeze(2), rotation)  # mu R^T, [B, Hq, D]
         covariance = torch.einsum("bij,bhjk,blk->bhil", rotation, covariance, rotation)  # R S R^T
-        groups = q_heads // kv_heads
-        mean = mean.reshape(batch, kv_heads, groups, dim)
-        logits = torch.einsum("bhnd,bhgd->bhgn", keys, mean) / math.sqrt(dim)
+        return self.expected_scores(view, keys, mean, covariance)
+
+    def expected_scores(self, view: PrefillView, keys: torch.Tensor, mean: torch.Tensor,
+                        covariance: torch.Tensor | None) -> torch.Tensor:
+        """The keys' ``[B, Hkv, n, D]`` attention expected from queries of ``mean`` ``[B, Hq, D]`` and ``covariance``
+        ``[B, Hq, D, D]`` (both in the future's average rotation), softmaxed after ``sink``, averaged over each KV
+        group's heads, times the values' norms."""
+        batch, kv_heads, _, dim = keys.shape
+        groups = mean.shape[1] // kv_heads
+        logits = torch.einsum("bhnd,bhgd->bhgn", keys, mean.reshape(batch, kv_heads, groups, dim)) / math.sqrt(dim)
         if self.use_covariance:
             covariance = covariance.reshape(batch, kv_heads, groups, dim, dim)
             logits = logits + torch.einsum("bhnd,bhgde,bhne->bhgn", keys, covariance, keys) / dim / 2
+        rank = view.key_valid.long().cumsum(dim=1) - 1
         scored = view.key_valid & (rank >= self.sink)
         logits = logits.masked_fill(~scored[:, None, None], float("-inf"))
         scores = torch.nan_to_num(logits.softmax(dim=-1), nan=0.0).mean(dim=2)  # [B, Hkv, n]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import ClassVar
 
 import torch
@@ -62,7 +61,7 @@ class ExpectedAttentionStats(ExpectedAttention):
     def score(self, view: PrefillView) -> torch.Tensor:
         mean, covariance = self._stats()
         keys = view.keys.float()
-        batch, kv_heads, n, dim = keys.shape
+        dim = keys.shape[-1]
         q_heads = view.query.shape[1]
         layer = view.layer_idx
         if mean.shape[0] <= layer or mean.shape[1:] != (q_heads, dim):
@@ -73,20 +72,9 @@ class ExpectedAttentionStats(ExpectedAttention):
         fp32 = dataclasses.replace(view, query=view.query[:, :, :0].float())
         rotation = average_future_rotation(fp32, self.n_future_positions)  # [B, D, D]
         mean = torch.einsum("hd,bed->bhe", mean, rotation)  # R mu, [B, Hq, D]
-        groups = q_heads // kv_heads
-        logits = torch.einsum("bhnd,bhgd->bhgn", keys, mean.reshape(batch, kv_heads, groups, dim)) / math.sqrt(dim)
         if self.use_covariance:
             covariance = torch.einsum("bij,hjk,blk->bhil", rotation, covariance, rotation)  # R S R^T
-            covariance = covariance.reshape(batch, kv_heads, groups, dim, dim)
-            logits = logits + torch.einsum("bhnd,bhgde,bhne->bhgn", keys, covariance, keys) / dim / 2
-        rank = view.key_valid.long().cumsum(dim=1) - 1
-        scored = view.key_valid & (rank >= self.sink)
-        logits = logits.masked_fill(~scored[:, None, None], float("-inf"))
-        scores = torch.nan_to_num(logits.softmax(dim=-1), nan=0.0).mean(dim=2)  # [B, Hkv, n]
-        if self.use_vnorm:
-            scores = (scores + self.epsilon) * view.values.float().norm(dim=-1)
-        return scores
-
+        return self.expected_scores(view, keys, mean, covariance)
 
 def stats_path(source: str) -> str:
     return str(weights_file(source, "model.safetensors", METHOD))

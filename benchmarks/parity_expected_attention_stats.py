@@ -21,6 +21,9 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from parity_presses import full_keys, held  # noqa: E402
+
 N = 60
 STATS = {"layers": 2, "heads": 4, "head_dim": 16, "seed": 0}  # the tiny Llama's: 2 layers, 4 query heads of 16
 CASES = {  # case: (compression_ratio, kvpress' settings, evalkit's)
@@ -46,28 +49,6 @@ def prompt():
 
 def digest(folder: Path) -> str:
     return hashlib.sha256((Path(folder) / "model.safetensors").read_bytes()).hexdigest()[:16]
-
-
-def held(full, keys) -> list[list[int]]:
-    """Per KV head, the positions of ``full`` ``[H, T, D]`` nearest the keys ``keys`` (per head ``[m, D]``)."""
-    import torch
-
-    out = []
-    for head in range(len(keys)):
-        distances = torch.cdist(keys[head].double(), full[head].double())
-        assert bool((distances.min(dim=1).values < 1e-3).all()), "a cached key matches no key of the prompt"
-        out.append(sorted(distances.argmin(dim=1).tolist()))
-    return out
-
-
-def full_keys(model, ids):
-    import torch
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
-    return [layer.keys[0] for layer in cache.layers]
 
 
 def run_kvpress(folder: str, stats: str) -> dict:

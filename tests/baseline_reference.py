@@ -312,13 +312,23 @@ def simulate_decoding(model, policy, prompt: torch.Tensor, tokens: list[int], ke
     positions held per layer and KV head."""
     scaling = module_scaling(model)
     run = full_run(model, prompt)
-    n = prompt.shape[1]
     held = {layer: [set(heads) for heads in per_head] for layer, per_head in kept.items()}
     sums = {}
     if isinstance(policy, ec.H2O):
         sums = {layer: [{j: s[j] for j in held[layer][h]} for h, s in enumerate(h2o_prefill_scores(r, scaling))]
                 for layer, r in run.items()}
     windows = {layer: [] for layer in run}  # DecodingSnapKV: (position, queries [Hq, D]) of recent tokens
+    return replay_decoding(model, prompt, tokens, held, lambda layer, per_head, query, keys, position, steps: _evict(
+        policy, layer, per_head, query, keys, position, steps, scaling, sums, windows))
+
+
+@torch.no_grad()
+def replay_decoding(model, prompt: torch.Tensor, tokens: list[int], held: dict[int, list[set[int]]], evict):
+    """Feed ``tokens`` after ``prompt`` with a full cache, each layer and KV head attending only to the positions
+    ``held`` says (each new token added first); after each step ``evict(layer, per_head, query [Hq, D], keys [Hkv,
+    position + 1, D], position, steps)`` (float64) updates ``held[layer]`` in place. Returns each step's logits and,
+    after each step, the positions held per layer and KV head."""
+    n = prompt.shape[1]
     original = model.config._attn_implementation
     model.config._attn_implementation = "reference_masked"
     cache = DynamicCache(config=model.config)
@@ -340,7 +350,7 @@ def simulate_decoding(model, policy, prompt: torch.Tensor, tokens: list[int], ke
             for layer, per_head in held.items():
                 query = _RECORD["queries"][layer][0, :, 0].double()  # [Hq, D]
                 keys = _RECORD["keys"][layer][0].double()  # [Hkv, position + 1, D]
-                _evict(policy, layer, per_head, query, keys, position, step + 1, scaling, sums, windows)
+                evict(layer, per_head, query, keys, position, step + 1)
             history.append({layer: [set(h) for h in per_head] for layer, per_head in held.items()})
         return torch.stack(logits), history
     finally:

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from baseline_reference import _probabilities, causal_probabilities, full_run
+from baseline_reference import _probabilities, causal_probabilities, full_run, replay_decoding
 from conftest import random_prompt, tiny_model
-from masked_reference import _RECORD, module_scaling
-from transformers import DynamicCache
+from masked_reference import module_scaling
 
 import evalkit.compression as ec
-from evalkit.compression.model_spec import cache_kwargs
 
 # fp32 attention sums agree with fp64 to about 1e-6: a cut between two importances closer than this would hang on
 # the CPU kernels' rounding, and the reference says so instead.
@@ -92,39 +90,16 @@ def simulate(model, policy, prompt: torch.Tensor, tokens: list[int]):
     scaling = module_scaling(model)
     held, importance = kept_after_prefill(full_run(model, prompt), policy, scaling)
     prefill = {layer: [set(h) for h in per_head] for layer, per_head in held.items()}
-    n = prompt.shape[1]
-    original = model.config._attn_implementation
-    model.config._attn_implementation = "reference_masked"
-    cache = DynamicCache(config=model.config)
-    logits, history = [], []
-    try:
-        _RECORD.clear()
-        model(input_ids=prompt, **cache_kwargs(model, cache), use_cache=True)
-        for step, token in enumerate(tokens):
-            position = n + step
-            for per_head in held.values():
-                for heads in per_head:
-                    heads.add(position)
-            _RECORD["visible"] = {
-                layer: torch.stack([torch.tensor([j in heads for j in range(position + 1)]) for heads in per_head])
-                for layer, per_head in held.items()}
-            out = model(input_ids=torch.tensor([[token]]), **cache_kwargs(model, cache), use_cache=True)
-            logits.append(out.logits[0, -1].float())
-            for layer, per_head in held.items():
-                query = _RECORD["queries"][layer][0, :, 0].double()  # [Hq, D]
-                keys = _RECORD["keys"][layer][0].double()  # [Hkv, position + 1, D]
-                group = query.shape[0] // keys.shape[0]
-                for h, heads in enumerate(per_head):
-                    order = sorted(heads)
-                    probabilities = group_reduce([torch.tensor(_probabilities(query[h * group + g], keys[h], order,
-                                                                              scaling)) for g in range(group)],
-                                                 policy.gqa_reduce).tolist()
-                    decode_step(policy, heads, importance[layer][h], probabilities)
-            history.append({layer: [set(h) for h in per_head] for layer, per_head in held.items()})
-        return prefill, torch.stack(logits), history
-    finally:
-        model.config._attn_implementation = original
-        _RECORD.clear()
+
+    def evict(layer, per_head, query, keys, position, steps):
+        group = query.shape[0] // keys.shape[0]
+        for h, heads in enumerate(per_head):
+            order = sorted(heads)
+            probabilities = group_reduce([torch.tensor(_probabilities(query[h * group + g], keys[h], order, scaling))
+                                          for g in range(group)], policy.gqa_reduce).tolist()
+            decode_step(policy, heads, importance[layer][h], probabilities)
+
+    return prefill, *replay_decoding(model, prompt, tokens, held, evict)
 
 
 def held_now(session) -> dict[int, list[set[int]]]:

@@ -92,6 +92,11 @@ class PackedKV:
     def slots(self) -> int:
         return self.key_codes.shape[2]
 
+    @property
+    def dense_shape(self) -> tuple[int, int, int, int]:
+        """``[B, H, S, D]``: the keys' (and values') shape dequantized."""
+        return (*self.key_codes.shape[:3], self.residual_keys.shape[-1])
+
     def tensors(self) -> list[torch.Tensor]:
         return [value for value in vars(self).values() if isinstance(value, torch.Tensor)]
 
@@ -271,10 +276,9 @@ class PackedStorage:
     def open_step(self) -> None:
         """Dequantize the layer into its cache's workspace for the decode step about to run in it."""
         packed, cache = self.packed, self.cache
-        batch, heads, slots = packed.key_codes.shape[:3]
-        shape, like = (batch, heads, slots, packed.residual_keys.shape[-1]), packed.residual_keys
+        shape, like = packed.dense_shape, packed.residual_keys
         keys, values = _lent(cache, "keys", shape, like), _lent(cache, "values", shape, like)
-        scratch = _lent(cache, "codes", shape, packed.key_codes), _lent(cache, "params", (2, batch * heads * slots,
+        scratch = _lent(cache, "codes", shape, packed.key_codes), _lent(cache, "params", (2, math.prod(shape[:3]),
                                                                                          shape[-1]), like)
         packed.dequantize(keys, values, scratch)
         self.workspace = keys, values
@@ -292,8 +296,7 @@ class PackedStorage:
         if self.workspace is not None:
             return self.workspace
         packed = self.packed
-        shape = (*packed.key_codes.shape[:3], packed.residual_keys.shape[-1])
-        keys, values = packed.residual_keys.new_empty(shape), packed.residual_keys.new_empty(shape)
+        keys, values = (packed.residual_keys.new_empty(packed.dense_shape) for _ in range(2))
         packed.dequantize(keys, values)
         return keys, values
 

@@ -10,8 +10,9 @@ from conftest import random_prompt, tiny_model
 
 import evalkit.compression as ec
 import evalkit.compression.session as session_module
+from evalkit.compression import packed_dequant
 from evalkit.compression.cache import _held_bytes
-from evalkit.compression.packed_kv import pack_codes, unpack_codes
+from evalkit.compression.packed_kv import PackedKV, pack_codes, unpack_codes
 
 METHODS = {
     "full": lambda: ec.Full(),
@@ -34,6 +35,33 @@ def test_codes_pack_into_bytes_and_back(bits):
     packed = pack_codes(codes, bits)
     assert packed.dtype == torch.uint8 and packed.shape == (3, 5, 16 * bits // 8)
     assert torch.equal(unpack_codes(packed, bits).long(), codes)
+
+
+@pytest.mark.parametrize("bits,group,dim", [(2, 8, 16), (4, 8, 16), (8, 16, 32), (4, 32, 64), (2, 32, 64)])
+def test_the_compiled_dequantization_is_the_torch_paths_bit_for_bit(bits, group, dim, monkeypatch):
+    """Codes, the keys' table entries per slot, the values' groups and the residual's rows: the one-pass kernel
+    (built with the machine's C compiler) writes exactly what the torch path writes."""
+    if not packed_dequant.library():
+        pytest.skip("no C compiler: the torch path runs")
+    generator = torch.Generator().manual_seed(bits * dim)
+    keys, values = (torch.randn(2, 3, 70, dim, generator=generator) * 4 for _ in range(2))
+    held = torch.rand(2, 3, 70, generator=generator) > 0.2
+    packed = PackedKV.from_prompt(ec.KVFormat(bits, group, 2 * group), keys, values, held)
+    packed.pad(74)  # the fields now views of a larger storage, four slots empty
+    assert packed.room > packed.slots == 74 and not packed.key_codes.is_contiguous()
+    packed.key_group[:, :, :10] = packed.key_group[:, :, 10:20]  # slots share entries out of order
+    packed.key_fresh[:, :, -13:-4] = True
+    packed.value_fresh[:, :, -9:-4] = True
+    packed.residual_slot[:, :, -13:-4] = torch.arange(9, dtype=torch.int16).flip(0)
+    packed.residual_keys.normal_(generator=generator)
+    packed.residual_values.normal_(generator=generator)
+    compiled = [keys.new_full(packed.dense_shape, float("nan")) for _ in range(2)]
+    packed.dequantize(*compiled)
+    monkeypatch.setenv("EVALKIT_TORCH_DEQUANTIZE", "1")
+    reference = [keys.new_full(packed.dense_shape, float("nan")) for _ in range(2)]
+    packed.dequantize(*reference)
+    assert torch.equal(compiled[0], reference[0]) and torch.equal(compiled[1], reference[1])
+    assert not torch.equal(compiled[0][:, :, :10], compiled[0][:, :, 10:20])  # the codes differ, not only tables
 
 
 def run(model, policy, prompts, steps: int, packed: bool, monkeypatch):
@@ -79,7 +107,8 @@ def test_the_bytes_held_are_the_packed_tensors_and_a_fraction_of_the_dense_forma
     _, packed = run(model, policy, prompt, 20, True, monkeypatch)
     for dense_layer, packed_layer in zip(dense.cache.layers, packed.cache.layers):
         storage = packed_layer.packed
-        assert _held_bytes(packed_layer) == sum(t.numel() * t.element_size() for t in storage.tensors())
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in storage.tensors()}
+        assert _held_bytes(packed_layer) == sum(storages.values())  # the slots' views count their whole storage
         assert "_keys" not in vars(packed_layer) or packed_layer.__dict__["_keys"] is None  # no dense copy kept
         # a token and head: codes 8 + 8 bytes, value scales 16, key scales 16 (groups of 8), its entry and residual
         # index 6, against 128 dense; the format's price leaves the bookkeeping out

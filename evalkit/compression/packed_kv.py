@@ -25,7 +25,12 @@ import math
 
 import torch
 
+from . import packed_dequant
 from .kv_format import KVFormat
+
+# The per-slot fields ``[B, H, S, ...]`` and what an empty slot holds.
+SLOT_FIELDS = (("key_codes", 0), ("value_codes", 0), ("value_scale", 0.0), ("value_min", 0.0), ("key_group", 0),
+               ("residual_slot", -1), ("key_fresh", False), ("value_fresh", False))
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -101,19 +106,30 @@ class PackedKV:
         return [value for value in vars(self).values() if isinstance(value, torch.Tensor)]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+        """The bytes of the tensors' storage, the room kept for later slots included."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.tensors()}
+        return sum(storages.values())
+
+    @property
+    def room(self) -> int:
+        """The slots the storage has room for (the tensors are views of their first :attr:`slots`)."""
+        return self.key_codes.stride(1) // self.key_codes.stride(2)
 
     def pad(self, slots: int) -> None:
-        """Room for ``slots`` slots; new ones empty."""
-        extra = slots - self.slots
-        if extra <= 0:
+        """Room for ``slots`` slots; new ones empty. The storage grows by a sixteenth at a time (a growing cache
+        allocates once every so many steps, not every step) and the fields are views of its first ``slots``."""
+        if slots <= self.slots:
             return
-        for name, fill in (("key_codes", 0), ("value_codes", 0), ("value_scale", 0.0), ("value_min", 0.0)):
+        grown = slots > self.room
+        room = slots + max(16, slots // 16) if grown else self.room
+        for name, fill in SLOT_FIELDS:
             tensor = getattr(self, name)
-            setattr(self, name, torch.cat([tensor, tensor.new_full((*tensor.shape[:2], extra, *tensor.shape[3:]),
-                                                                  fill)], dim=2))
-        for name, fill in (("key_group", 0), ("residual_slot", -1), ("key_fresh", False), ("value_fresh", False)):
-            setattr(self, name, torch.nn.functional.pad(getattr(self, name), (0, extra), value=fill))
+            if grown:
+                storage = tensor.new_full((*tensor.shape[:2], room, *tensor.shape[3:]), fill)
+                storage[:, :, : tensor.shape[2]] = tensor
+            else:
+                storage = tensor.as_strided((*tensor.shape[:2], room, *tensor.shape[3:]), tensor.stride())
+            setattr(self, name, storage[:, :, :slots])
 
     # -- a decode step -----------------------------------------------------------------------------------------------
     def dequantize(self, keys: torch.Tensor, values: torch.Tensor, scratch: tuple | None = None) -> None:
@@ -121,10 +137,12 @@ class PackedKV:
         residual's where it holds them. ``scratch``: buffers for the codes ``[B, H, S, D]`` (uint8) and each slot's
         key scale and minimum ``[2, B * H * S, D]`` (reused step after step: no fresh tensors, no page faults)."""
         bits, group = self.fmt.bits, self.fmt.group_size
+        if packed_dequant.applies(self.key_codes, self.room, keys, values):  # the fields are views alike (pad)
+            return packed_dequant.dequantize(self, keys, values)
         batch, heads, slots, dim = keys.shape
         codes, params = scratch or (None, keys.new_empty(2, batch * heads * slots, dim))
         rows = (torch.arange(batch * heads, device=keys.device)[:, None] * self.key_scale.shape[2]
-                + self.key_group.view(batch * heads, slots)).view(-1)
+                + self.key_group.reshape(batch * heads, slots)).view(-1)
         for table, out in zip((self.key_scale, self.key_min), params):
             torch.index_select(table.view(-1, dim), 0, rows, out=out)
         # codes * scale, then + minimum: two roundings, as the dense format (a fused multiply-add differs by CPU)
@@ -145,11 +163,11 @@ class PackedKV:
         ``positions`` (broadcast like the slots): into the residual, their slots no longer quantized."""
         rows, heads, slots = index
         at = (positions % self.residual_keys.shape[2]).expand_as(slots)
-        busy = torch.zeros_like(self.key_fresh)
-        for j in range(at.shape[-1]):
+        busy = self.residual_slot == at[..., :1]
+        for j in range(1, at.shape[-1]):
             busy |= self.residual_slot == at[..., j:j + 1]
         busy &= self.key_fresh | self.value_fresh
-        busy.index_put_(index, torch.zeros_like(slots, dtype=torch.bool))  # the slots written now give theirs up
+        busy[index] = False  # the slots written now give theirs up
         if at.shape[-1] > self.residual_keys.shape[2] or bool(busy.any()):
             raise ValueError(f"a step of {at.shape[-1]} tokens overruns kv_bits' full-precision residual "
                              f"(kv_residual={self.fmt.residual}: the tokens of its last steps are still held there); "
@@ -157,9 +175,8 @@ class PackedKV:
         self.residual_keys.index_put_((rows, heads, at), key_states)
         self.residual_values.index_put_((rows, heads, at), value_states)
         self.residual_slot.index_put_(index, at.to(self.residual_slot.dtype))
-        for name in ("key_fresh", "value_fresh"):
-            getattr(self, name).index_put_(index, torch.ones_like(slots, dtype=torch.bool))
-        self.key_group.index_put_(index, torch.zeros_like(slots, dtype=self.key_group.dtype))
+        self.key_fresh[index] = self.value_fresh[index] = True
+        self.key_group[index] = 0
 
     def settle(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, position: torch.Tensor,
                steps: torch.Tensor, held: torch.Tensor) -> None:

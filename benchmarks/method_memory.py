@@ -38,6 +38,8 @@ def learned_settings(config) -> dict[str, dict]:
     head_dim = hidden // config.num_attention_heads
     group = config.num_attention_heads // kv_heads
     kvzap = str(learned_files.kvzap(layers, hidden, kv_heads))
+    restorekv = str(learned_files.restorekv(layers, hidden, config.num_attention_heads, kv_heads, head_dim,
+                                            config.intermediate_size, tokens=8))
     return {"qfilter": {"filters": str(learned_files.qfilters(layers, kv_heads, head_dim))},
             "kvzap": {"weights": kvzap},
             "threshold": {"threshold": 0.0, "scorer": {"name": "kvzap", "weights": kvzap}},
@@ -46,7 +48,10 @@ def learned_settings(config) -> dict[str, dict]:
             "duo_attention": {"patterns": str(learned_files.duo_pattern([[0.9, 0.1, 0.5]] * layers))},
             "headkv": {"scores": str(learned_files.headkv_scores(layers, config.num_attention_heads))},
             "expected_attention_stats": {"stats": str(learned_files.expected_attention_stats(
-                layers, config.num_attention_heads, head_dim))}}
+                layers, config.num_attention_heads, head_dim))},
+            "cam": {"interval": 64},  # the default interval (512) exceeds 4x of 1,024 tokens
+            "restorekv": {"adapter": restorekv},
+            "restorekv_plus": {"adapter": restorekv}}
 
 
 def main() -> None:
@@ -77,6 +82,11 @@ def main() -> None:
         held, full = stats["kv_bytes_peak"], stats["kv_bytes_full"]
         print(f"| {name} | {kept:.0f} | {stats['peak_cache_tokens']:.0f} | {held / 1024:.0f} | {full / 1024:.0f} | "
               f"{1 - held / full:.1%} |", flush=True)
+        if hasattr(policy, "merged_bytes"):  # MiniCache: its merged layers as it would hold them (priced, not held)
+            merged = policy.merged_bytes()
+            priced = held - merged["kv_bytes_dense"] + merged["kv_bytes_merged"]
+            print(f"| {name} (priced) | {kept:.0f} | {stats['peak_cache_tokens']:.0f} | {priced / 1024:.0f} | "
+                  f"{full / 1024:.0f} | {1 - priced / full:.1%} |", flush=True)
 
 
 if __name__ == "__main__":

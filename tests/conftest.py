@@ -128,11 +128,19 @@ SMALL_SETTINGS = {
                                       scorer={"name": "kvzap", "weights": str(learned_files.kvzap())}),
     "kvzip": lambda: ec.KVzip(capacity=40, chunk_size=64).with_prompts(TINY_RECONSTRUCTION),
     "kvzip_plus": lambda: ec.KVzipPlus(capacity=40, chunk_size=64).with_prompts(TINY_RECONSTRUCTION),
+    "kvgrad": lambda: ec.KVgrad(capacity=40, chunk_size=64).with_prompts(TINY_RECONSTRUCTION),
     "quest": lambda: ec.Quest(capacity=24, page_size=8, dense_layers=1),  # the tiny models have 2 layers
     "rkv": lambda: ec.RKV(capacity=64, window=4, interval=8, kernel_size=3),
     "snapkv_d": lambda: ec.SnapKVD(capacity=40, window=8, kernel_size=3),
     "raas": lambda: ec.RaaS(capacity=48, alpha=0.02),
     "compression_ratio_decoding": lambda: ec.CompressionRatioDecoding(capacity=40, interval=8, buffer=8),
+    # CaM on TOVA: KNorm's layer-0 ties between repeated tokens fall to the keys' last bit
+    "cam": lambda: ec.CaM.from_config(64, interval=8, merge_budget=4, scorer="tova"),
+    "minicache": lambda: ec.MiniCache(start_layer=0),  # the tiny models have 2 layers: one merged pair
+    "restorekv": lambda: ec.RestoreKV(capacity=40, chunk_size=64, adapter=str(learned_files.restorekv(
+        targets=learned_files.ATTENTION_TARGETS))).with_prompts(TINY_RECONSTRUCTION),
+    "restorekv_plus": lambda: ec.RestoreKVPlus(capacity=40, chunk_size=64, adapter=str(learned_files.restorekv(
+        targets=learned_files.ATTENTION_TARGETS))).with_prompts(TINY_RECONSTRUCTION),
 }
 
 

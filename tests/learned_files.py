@@ -142,3 +142,46 @@ def copy_of(source: Path) -> Path:
     else:
         shutil.copy(source, target)
     return target
+
+
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+LLAMA_TARGETS = (*ATTENTION_TARGETS, "gate_proj", "up_proj", "down_proj")
+
+
+def restorekv(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
+              intermediate: int = 96, tokens: int = 4, rank: int = 4, alpha: float = 8.0, seed: int = 0,
+              targets: tuple[str, ...] = LLAMA_TARGETS) -> Path:
+    """A RestoreKV adapter as ``higokri/RestoreKV-<model>`` publishes it, for a Llama of these sizes:
+    ``restore_embeddings.safetensors`` (``restore_embeddings [tokens, hidden]``) and a PEFT LoRA adapter as
+    ``save_pretrained`` writes it (``adapter_config.json``; ``adapter_model.safetensors`` with
+    ``base_model.model.model.layers.<i>.<self_attn|mlp>.<target>.lora_A.weight [rank, in]`` and ``lora_B.weight
+    [out, rank]``, B not zero so that the adapter changes what the restore tokens compute)."""
+    from safetensors.torch import save_file
+
+    folder = ROOT / (f"restorekv-{layers}-{hidden}-{heads}-{kv_heads}-{head_dim}-{intermediate}-{tokens}-{rank}-{alpha}-"
+                     f"{seed}-{'_'.join(target.split('_')[0] for target in targets)}")
+    if not folder.exists():
+        folder.mkdir(parents=True)
+        generator = torch.Generator().manual_seed(seed)
+        shapes = {"q_proj": (heads * head_dim, hidden), "k_proj": (kv_heads * head_dim, hidden),
+                  "v_proj": (kv_heads * head_dim, hidden), "o_proj": (hidden, heads * head_dim),
+                  "gate_proj": (intermediate, hidden), "up_proj": (intermediate, hidden),
+                  "down_proj": (hidden, intermediate)}
+        tensors = {}
+        for layer in range(layers):
+            for target in targets:
+                out, inp = shapes[target]
+                block = "mlp" if target in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+                name = f"base_model.model.model.layers.{layer}.{block}.{target}"
+                tensors[f"{name}.lora_A.weight"] = torch.randn(rank, inp, generator=generator) / inp ** 0.5
+                tensors[f"{name}.lora_B.weight"] = torch.randn(out, rank, generator=generator) * 0.05
+        save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+        embeddings = torch.randn(tokens, hidden, generator=generator)
+        save_file({"restore_embeddings": embeddings}, str(folder / "restore_embeddings.safetensors"))
+        (folder / "adapter_config.json").write_text(json.dumps({
+            "alpha_pattern": {}, "base_model_name_or_path": "tiny-llama", "bias": "none", "fan_in_fan_out": False,
+            "inference_mode": True, "init_lora_weights": True, "layers_pattern": None, "layers_to_transform": None,
+            "lora_alpha": alpha, "lora_dropout": 0.05, "modules_to_save": None, "peft_type": "LORA", "r": rank,
+            "rank_pattern": {}, "revision": None, "target_modules": list(targets), "task_type": "CAUSAL_LM",
+            "use_dora": False, "use_rslora": False}, indent=2))
+    return folder

@@ -20,8 +20,9 @@ POLICIES = SMALL_POLICIES
 def chunk_lengths(model) -> list[int]:
     """Record the number of tokens of every forward call of ``model``."""
     seen: list[int] = []
-    model.model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape[1]),
-                                          with_kwargs=True)
+    model.model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(
+        (kwargs["input_ids"] if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]).shape[1]),
+        with_kwargs=True)
     return seen
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import learned_files
 import pytest
 import torch
-from conftest import SMALL_POLICIES
+from conftest import SMALL_POLICIES, TINY_RECONSTRUCTION
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import evalkit.compression as ec
@@ -34,6 +34,10 @@ POLICIES = SMALL_POLICIES | {
     "headkv": lambda: ec.HeadKV.from_config(40, scores=str(learned_files.headkv_scores(_LAYERS, 8))),
     "expected_attention_stats": lambda: ec.ExpectedAttentionStats(capacity=40, n_future_positions=16, stats=str(
         learned_files.expected_attention_stats(_LAYERS, 8, _HEAD))),
+    "restorekv": lambda: ec.RestoreKV(capacity=40, chunk_size=64, adapter=str(learned_files.restorekv(
+        _LAYERS, _HIDDEN, 8, _KV, _HEAD, 512))).with_prompts(TINY_RECONSTRUCTION),
+    "restorekv_plus": lambda: ec.RestoreKVPlus(capacity=40, chunk_size=64, adapter=str(learned_files.restorekv(
+        _LAYERS, _HIDDEN, 8, _KV, _HEAD, 512))).with_prompts(TINY_RECONSTRUCTION),
 }
 
 

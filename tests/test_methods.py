@@ -18,6 +18,7 @@ from learned_files import (
     kvzap,
     lukv_curve,
     qfilters,
+    restorekv,
 )
 from masked_reference import module_scaling
 
@@ -67,7 +68,14 @@ SIZED = {**PREFILL, **DECODING, "rkv": lambda: ec.RKV(capacity=40, window=4, int
                                            scorer={"name": "kvzap", "weights": str(kvzap(hidden_dim=24))}),
          "kvzip": lambda: ec.KVzip(capacity=20, chunk_size=16).with_prompts(TINY_RECONSTRUCTION),
          "kvzip_plus": lambda: ec.KVzipPlus(capacity=20, chunk_size=16).with_prompts(TINY_RECONSTRUCTION),
-         "quest": lambda: ec.Quest(capacity=16, page_size=4, dense_layers=1)}
+         "kvgrad": lambda: ec.KVgrad(capacity=20, chunk_size=16).with_prompts(TINY_RECONSTRUCTION),
+         "restorekv": lambda: ec.RestoreKV(capacity=20, chunk_size=16, adapter=str(restorekv()))
+         .with_prompts(TINY_RECONSTRUCTION),
+         "restorekv_plus": lambda: ec.RestoreKVPlus(capacity=20, chunk_size=16, adapter=str(restorekv()))
+         .with_prompts(TINY_RECONSTRUCTION),
+         "quest": lambda: ec.Quest(capacity=16, page_size=4, dense_layers=1),
+         "minicache": lambda: ec.MiniCache(start_layer=0),
+         "cam": lambda: ec.CaM.from_config(40, interval=8, merge_budget=4, scorer="tova")}
 # Every registered method but those test_compression.py holds to its own references; a new one at its defaults.
 EVERY = {name: SIZED.get(name) or registered(name, 20) for name in sorted(ec.POLICIES)
          if name not in ("full", "snapkv", "snapstream", "streaming_llm")}
@@ -193,6 +201,10 @@ def test_every_registered_method_compresses_at_its_small_size(llama, name):
     session.prefill(random_prompt(200, seed=5))
     held = max(int(layer.heads.valid[0].sum(dim=-1).max()) if layer.heads is not None else layer.keys.shape[2]
                for layer in session.cache.layers)
+    if name == "minicache":  # every token kept, adjacent layers merged instead (tests/test_minicache.py)
+        merged = policy.merged_bytes()
+        assert 0 < merged["kv_bytes_merged"] < merged["kv_bytes_dense"], f"{name} at {policy} merged nothing"
+        return
     keeps_all = name == "full" or policy.selects_while_decoding  # Quest holds everything and reads part of it
     assert (held < 200) != keeps_all, f"{name} at {policy} holds {held} of 200 prompt tokens"
 
@@ -212,6 +224,7 @@ def test_capacity_beyond_the_sequence_equals_full(llama, name):
         "duo_attention": ec.DuoAttention(patterns=str(duo_pattern([[0.9, 0.1], [0.3, 0.7]])), head_ratio=0),
         "threshold": ec.Threshold(threshold=-1e30, scorer={"name": "kvzap", "weights": str(kvzap())}),
         "think": ec.ThinK.from_config(200, window=4, kernel_size=5, key_channel_compression_ratio=0.0),
+        "minicache": ec.MiniCache(start_layer=0, retention_ratio=1.0),  # every token retained unmerged
     }
     policy = roomy.get(name) or dataclasses.replace(EVERY[name](), capacity=200)
     prompt = random_prompt(40, seed=2)

@@ -45,6 +45,7 @@ def tiny_deepseek(version: int = 3, attn_implementation: str = "sdpa"):
 # Sized for a 50-token prompt where a method's defaults are not; every other registered method that works on a
 # latent cache runs at capacity 20 with its defaults.
 SMALL = {
+    "cam": lambda: ec.CaM.from_config(40, interval=8),  # refuses a latent cache
     "snapkv": lambda: ec.SnapKV(capacity=20, window=6, kernel_size=5),
     "snapstream": lambda: ec.SnapStream(capacity=28, sink=3, window=6, kernel_size=5, recent=8),
     "streaming_llm": lambda: ec.StreamingLLM(sink=4, window=12),

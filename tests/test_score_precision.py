@@ -18,6 +18,10 @@ NOT_FP32 = {
     "rkv": "R-KV's reference computes its importance in the keys' dtype; evalkit follows it (parity_rkv.py)",
     "kvzip": "scored in pass_scores, from fp32 copies of the pass's queries, keys and values, not in score",
     "kvzip_plus": "scored in pass_scores, from fp32 copies of the pass's queries, keys and values, not in score",
+    "kvgrad": "scored in pass_scores and run_pass, from fp32 copies of the pass's queries, keys and values and of the "
+              "gradients' norms, not in score",
+    "restorekv": "scored in pass_scores (KVzip's), from fp32 copies of the pass's queries, keys and values",
+    "restorekv_plus": "scored in pass_scores (KVzip's), from fp32 copies of the pass's queries, keys and values",
     "kvcompose": "scored in pass_scores, in fp32 or wider, not in score",
 }
 SCORED = [name for name, make in POLICIES.items() if make().needs_scores and name not in NOT_FP32]

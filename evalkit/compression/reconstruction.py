@@ -11,6 +11,9 @@ peak (``kv_bytes_prefill_peak``).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -57,18 +60,32 @@ class PassObserver:
         cache.count_held_bytes(self.pass_cache.pass_bytes())
         hidden = self.inputs.pop(layer_idx, [None])[-1]
         span = cache.policy.pass_scores(module, query, keys, values, hidden, scaling, self.start, self.end)
-        self.scores[layer_idx, self.row, :, self.first + self.start : self.first + self.end] = span.float()[0]
+        if span is not None:  # (None: the policy writes the layer's span once its pass is over, as KVgrad does)
+            self.write(layer_idx, span)
         self.pass_cache.reset(layer_idx)
+
+    def write(self, layer_idx: int, span: torch.Tensor) -> None:
+        """The scores ``[1, Hkv, end - start]`` of this pass's span of the prompt in layer ``layer_idx``."""
+        self.scores[layer_idx, self.row, :, self.first + self.start : self.first + self.end] = span.float()[0]
+
+
+def run_pass(model, call, observer: PassObserver) -> None:
+    """A pass as the model call ``call()`` alone, each layer scored as its attention runs; a policy with a
+    ``run_pass(model, call, observer)`` of its own runs its passes so (KVgrad: a backward pass after each)."""
+    call()
 
 
 @torch.no_grad()
-def compress_by_passes(session, input_ids: torch.Tensor, key_valid: torch.Tensor, positions: torch.Tensor) -> None:
-    """Run the policy's passes over every row's prompt and compress every deferred layer (see the module)."""
+def compress_by_passes(session, input_ids: torch.Tensor, key_valid: torch.Tensor,
+                       positions: torch.Tensor) -> torch.Tensor | None:
+    """Run the policy's passes over every row's prompt and compress every deferred layer (see the module); how
+    many positions each row's appended tokens take after its prompt ``[B]`` (None: the policy appends none)."""
     cache, model, policy = session.cache, session.model, session.policy
     layers = cache.layers
     batch, n = input_ids.shape
     scores = torch.zeros(len(layers), batch, layers[0].keys.shape[1], n, device=layers[0].keys.device)
     inputs: dict[int, list[torch.Tensor]] = {}
+    appended: dict[int, tuple | None] = {}  # row: (first position, each layer's keys and values) of its own tokens
     for row in range(batch if cache.plan.compress else 0):  # (nothing to compress: every prompt is kept whole)
         first = n - int(key_valid[row].sum())
         prompt = [(layer.keys[row : row + 1, :, first:], layer.values[row : row + 1, :, first:]) for layer in layers]
@@ -77,12 +94,19 @@ def compress_by_passes(session, input_ids: torch.Tensor, key_valid: torch.Tensor
         for start, end, ids in policy.passes(input_ids[row, first:]):
             ids = ids.to(input_ids.device)[None]
             observer = PassObserver(session, pass_cache, scores, row, first, start, end, inputs)
+            call = functools.partial(model, input_ids=ids, position_ids=after + torch.arange(ids.shape[1],
+                                     device=ids.device)[None], use_cache=True, logits_to_keep=1, evalkit_cache=observer,
+                                     **cache_kwargs(model, pass_cache))
             with hooked(model), recording_inputs(model, inputs):
-                model(input_ids=ids, position_ids=after + torch.arange(ids.shape[1], device=ids.device)[None],
-                      use_cache=True, logits_to_keep=1, evalkit_cache=observer, **cache_kwargs(model, pass_cache))
+                getattr(policy, "run_pass", run_pass)(model, call, observer)
             pass_cache.reset()
+        if getattr(policy, "appends", False):
+            appended[row] = append_pass(session, pass_cache, after)
     scores = scores.masked_fill(~key_valid.to(scores.device)[None, :, None], float("-inf"))
     scores, counts = policy.allocate_layers(scores, key_valid.sum(dim=1).to(scores.device))  # counts [L, B, Hkv]
+    added = None
+    if any(tokens is not None for tokens in appended.values()):
+        scores, counts, added = join_appended(cache, appended, scores, counts)
     deferred, cache.deferred = cache.deferred, {}
     for layer_idx, (module, scaling) in sorted(deferred.items()):
         layer = layers[layer_idx]
@@ -90,3 +114,62 @@ def compress_by_passes(session, input_ids: torch.Tensor, key_valid: torch.Tensor
         view = cache._view(layer_idx, module, query, layer.keys, layer.values, scaling)
         indices = best_in_order(scores[layer_idx], counts[layer_idx])
         cache.keep(layer_idx, view, query, indices, counts[layer_idx], scores[layer_idx])
+    return added
+
+
+class AppendObserver:
+    """Handed to the attention hook while a policy's own tokens run after a row's prompt (RestoreKV's restore tokens):
+    each layer's keys and values of them are kept, then the layer's pass tokens go."""
+
+    extra_pass = True
+
+    def __init__(self, session, pass_cache: PassCache, count: int):
+        self.session, self.pass_cache, self.count, self.kept = session, pass_cache, count, {}
+
+    def observe(self, module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> None:
+        self.session.cache.count_held_bytes(self.pass_cache.pass_bytes())
+        self.kept[module.layer_idx] = (keys[:, :, -self.count :].clone(), values[:, :, -self.count :].clone())
+        self.pass_cache.reset(module.layer_idx)
+
+
+def append_pass(session, pass_cache: PassCache, after: int) -> tuple | None:
+    """The policy's own tokens (``appended_embeddings``) run once over the row's whole prompt from position ``after``
+    on, as the policy has the model then (``appending``): ``(after, [each layer's (keys, values) [1, Hkv, count,
+    D]])``, or None where the row takes none."""
+    model, policy = session.model, session.policy
+    embeddings = policy.appended_embeddings(model, pass_cache.prompt[0][0].shape[-2])
+    if embeddings is None:
+        return None
+    observer = AppendObserver(session, pass_cache, embeddings.shape[0])
+    position_ids = after + torch.arange(embeddings.shape[0], device=embeddings.device)[None]
+    with hooked(model), policy.appending(model):
+        model(inputs_embeds=embeddings[None], position_ids=position_ids, use_cache=True, logits_to_keep=1,
+              evalkit_cache=observer, **cache_kwargs(model, pass_cache))
+    pass_cache.reset()
+    return after, [observer.kept[index] for index in range(len(pass_cache.layers))]
+
+
+def join_appended(cache, appended: dict, scores: torch.Tensor, counts: torch.Tensor) -> tuple:
+    """Every layer's prompt followed by the rows' appended tokens (empty, invalid slots in a row without them),
+    scored to be kept on top of ``counts``: the scores, the counts and how many positions each row's appended
+    tokens take ``[B]``."""
+    plan, batch = cache.plan, scores.shape[1]
+    count = next(tokens for tokens in appended.values() if tokens is not None)[1][0][0].shape[-2]
+    rows = torch.tensor([appended.get(row) is not None for row in range(batch)], device=plan.key_valid.device)
+    first = torch.tensor([tokens[0] if tokens is not None else 0 for tokens in map(appended.get, range(batch))],
+                         device=plan.positions.device)
+    cache.plan = dataclasses.replace(plan, key_valid=torch.cat([plan.key_valid, rows[:, None].expand(-1, count)], 1),
+                                     positions=torch.cat([plan.positions, first[:, None] + torch.arange(
+                                         count, device=first.device)], 1))
+    for index, layer in enumerate(cache.layers):
+        keys = layer.keys.new_zeros(*layer.keys.shape[:2], count, layer.keys.shape[-1])
+        values = layer.values.new_zeros(*layer.values.shape[:2], count, layer.values.shape[-1])
+        for row, tokens in appended.items():
+            if tokens is not None:
+                keys[row], values[row] = tokens[1][index][0][0], tokens[1][index][1][0]
+        layer.keys, layer.values = torch.cat([layer.keys, keys], dim=2), torch.cat([layer.values, values], dim=2)
+    cache.count_held_bytes()
+    kept = rows.to(scores.device)[None, :, None, None].expand(*scores.shape[:3], count)
+    scores = torch.cat([scores, torch.where(kept, float("inf"), float("-inf"))], dim=-1)
+    added = rows.to(counts.device).long() * count
+    return scores, counts + added[None, :, None], added

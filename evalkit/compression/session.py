@@ -144,11 +144,15 @@ class CompressionSession:
                            chunk_mode=chunk_mode if chunked else None, reserve=n if chunked and chunk_mode == "exact" else None,
                            defer=self.policy.extra_passes)
         logits = self._run_prompt(input_ids, None if chunked else attention_mask, positions, bounds, plan, keep)
+        appended = None
         if self.cache.deferred:
             self.cache.plan = plan
-            compress_by_passes(self, input_ids, key_valid, positions)
+            appended = compress_by_passes(self, input_ids, key_valid, positions)
             self.cache.plan = None
         seq_len = real_len.cpu() if position_ids is None else (position_ids.max(dim=1).values + 1).cpu()
+        # the method's own tokens after the prompt (RestoreKV's): decoding goes on after them
+        self.appended = torch.zeros_like(seq_len) if appended is None else appended.cpu()
+        seq_len = seq_len + self.appended
         self._finish_prefill(real_len, keep, seq_len)
         return logits
 

@@ -180,7 +180,8 @@ class SlotPool:
         row.steps[0] = 1 + session.cache.decode_steps  # the steps its session took (a query after the context) go on
         self.rows.load(slot, row)
         realized = session.realized(0)
-        shared = int(request.prefix.state.seq_len[0]) if request.prefix is not None else 0
+        prefix = request.prefix  # the context's own tokens; not a method's tokens after it (RestoreKV's)
+        shared = int(prefix.state.seq_len[0] - prefix.appended[0]) if prefix is not None else 0
         stats = {"prompt_tokens": shared + request.input_ids.numel(), "kept_prompt_tokens": realized["kept_prompt_tokens"],
                  "kept_prompt_tokens_per_head": realized["kept_prompt_tokens_per_head"],
                  "compressed_layers": realized["compressed_layers"], "prefill_seconds": seconds,

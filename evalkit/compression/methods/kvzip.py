@@ -46,6 +46,15 @@ class ReconstructionPrompts:
         return cls(ids(prefix), ids(suffix), ids(FIRST_PROMPT), ids(NEXT_PROMPT))
 
 
+def value_output_norms(module, values: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[1, Hkv, G, t]``: ``||v W_O||``, what each value ``values`` ``[1, Hkv, t, D]`` (fp32) writes into the
+    residual stream through each query head of its group (``module.o_proj``)."""
+    out = module.o_proj.weight.float().view(-1, values.shape[1], groups, values.shape[-1])  # [d_model, Hkv, G, D]
+    # ||v W_O||^2 = v^T (W_O^T W_O) v: a D x D Gram matrix per query head instead of a d_model row per key
+    gram = torch.einsum("jhgi,jhgk->hgik", out, out)
+    return torch.einsum("bhti,hgik,bhtk->bhgt", values, gram, values).clamp(min=0).sqrt()
+
+
 @dataclasses.dataclass
 class KVzip(Policy):
     """Each prompt token is scored by how much the model attends to it when asked to repeat the prompt: after the
@@ -114,6 +123,13 @@ class KVzip(Policy):
         """``[1, Hkv, end - start]``: the most attention a pass's query gives each token of ``[start, end)``.
         ``query`` ``[1, Hq, q, D]`` (post-RoPE), ``keys``/``values`` ``[1, Hkv, n + q, D]`` (the prompt's, then the
         pass's), ``hidden`` ``[1, q, d_model]`` the attention's input."""
+        return self.pass_weights(module, query, keys, values, hidden, scaling, start, end).amax(dim=(2, 3))
+
+    def pass_weights(self, module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     hidden: torch.Tensor | None, scaling: float, start: int, end: int) -> torch.Tensor:
+        """``[1, Hkv, G, q, end - start]`` (fp32): each pass query's softmax weight on each token of ``[start, end)``,
+        over the first ``sink`` tokens, the span and the pass's own keys up to the query (arguments as
+        :meth:`pass_scores`)."""
         count, kv_heads = query.shape[2], keys.shape[1]
         groups = query.shape[1] // kv_heads
         sink = min(self.sink, start)
@@ -127,12 +143,12 @@ class KVzip(Policy):
         weights = logits.softmax(dim=-1)
         if self.normalized:
             weights = weights / hidden.float().norm(dim=-1)[:, None, None, :, None]
-            out = module.o_proj.weight.float().view(-1, kv_heads, groups, v.shape[-1])  # [d_model, Hkv, G, D]
-            # ||v W_O||^2 = v^T (W_O^T W_O) v: a D x D Gram matrix per query head instead of a d_model row per key
-            gram = torch.einsum("jhgi,jhgk->hgik", out, out)
-            written = torch.einsum("bhti,hgik,bhtk->bhgt", v, gram, v).clamp(min=0).sqrt()
-            weights = weights * written[:, :, :, None, :]
-        return weights[..., sink : sink + end - start].amax(dim=(2, 3))
+            weights = weights * value_output_norms(module, v, groups)[:, :, :, None, :]
+        return weights[..., sink : sink + end - start]
+
+    def kept_context(self, real_len: torch.Tensor) -> torch.Tensor:
+        """The prompt tokens each row keeps per layer and KV head on average, of its length ``real_len`` ``[B]``."""
+        return real_len.clamp(max=self.capacity)
 
     def allocate_layers(self, scores: torch.Tensor, real_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """From every layer's scores ``[L, B, Hkv, n]`` (``-inf`` on padding) and each row's prompt length ``[B]``:
@@ -142,7 +158,7 @@ class KVzip(Policy):
         position = torch.arange(n, device=scores.device)
         sinks = (position >= first) & (position < first + self.sink)
         scores = scores.masked_fill(sinks, float("inf"))
-        budget = real_len.clamp(max=self.capacity)
+        budget = self.kept_context(real_len)
         if self.layerwise:
             return scores, torch.stack([pooled_counts(layer, budget) for layer in scores])
         flat = scores.permute(1, 0, 2, 3).reshape(batch, -1)  # a row's every layer and head

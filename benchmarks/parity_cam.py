@@ -1,0 +1,186 @@
+"""kvpress 0.5.5's ``CAMPress`` beside evalkit's ``cam``: the same random GQA Llama, prompt and decode tokens through
+kvpress' press around the model's forward and evalkit's ``CompressionSession``; after the last step, do they hold
+the same positions per layer and KV head, with the same keys and the same merged values?
+
+    python benchmarks/parity_cam.py [--venv .kvpress-venv]
+
+The model (4 layers, 8 query and 2 KV heads of 32, fp32, seeded) is parity_model.py's, saved once and loaded by both
+sides, kvpress 0.5.5 in its own environment (made on demand as in bench_vs_kvpress.py; where it cannot be made, one
+line and exit 0). Both rank by KNorm (kvpress ``CAMPress(KnormPress())``, evalkit ``cam`` with its default scorer,
+``capacity = target_size + compression_interval``) and are fed the same tokens: a prompt within ``target_size``
+(kvpress' press alone compresses nothing at prefill; evalkit keeps such a prompt whole), then ``STEPS`` tokens one at
+a time at their positions, all of them distinct (in layer 0 a repeated token's key has the same norm at every
+position: a tie the last bit would break). One case compresses every ``interval`` steps from the first; in the other
+the cache is still within its target when ``interval`` steps have passed, and kvpress' step counter runs on until it
+exceeds it.
+
+The draws: kvpress draws its merge mask with ``torch.bernoulli`` from torch's global generator; its worker hands that
+call the generator evalkit's ``cam`` seeds for the same layer and step (``merge_generator``: from ``SEED``, the layer
+and the step's position), so that both sides draw alike. kvpress' kept slots are read at each compression as the rows
+of the keys its pruned cache holds (gathered, equal bit for bit), its positions tracked from them. The table prints,
+per case, the heads (over all layers) whose held positions agree, the positions that differ, the largest absolute
+difference of keys and of values over the agreeing heads, the draws that merged on each side, and on how many steps
+the two sides' next greedy tokens agree.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+STEPS, SEED = 100, 0
+# case: (kvpress' target_size, compression_interval, merge_budget, prompt tokens)
+CASES = {
+    "every interval": (192, 24, 32, 192),
+    "counter past the interval": (256, 32, 8, 200),
+}
+
+
+def merge_generator(layer: int, position: int):
+    """evalkit's ``evalkit.compression.methods.cam.merge_generator`` at ``SEED`` (kvpress' environment does not
+    import evalkit)."""
+    import torch
+
+    return torch.Generator().manual_seed((position + 1_000_003 * (layer + 1_000_003 * SEED)) % 2 ** 32)
+
+
+def sequence(length: int):
+    """The prompt ``[1, length]`` and the ``STEPS`` tokens fed after it, all distinct."""
+    import torch
+
+    ids = 3 + torch.randperm(997, generator=torch.Generator().manual_seed(1))[: length + STEPS]
+    return ids[None, :length], ids[length:].tolist()
+
+
+def heads_of(positions, valid, keys, values) -> list[dict]:
+    """Per KV head, its held positions (``positions`` ``[H, S]`` where ``valid``) in text order with their keys and
+    values (``[1, H, S, D]``)."""
+    out = []
+    for head in range(keys.shape[1]):
+        slots = valid[head].nonzero().flatten()
+        slots = slots[positions[head, slots].argsort()]
+        out.append({"kept": positions[head, slots].tolist(), "keys": keys[0, head, slots].tolist(),
+                    "values": values[0, head, slots].tolist()})
+    return out
+
+
+def counting_bernoulli(state: dict, give_generator: bool):
+    """``torch.bernoulli`` counting the draws that merged into ``state["merged"]``; for kvpress, drawing from the
+    generator of ``state``'s layer and position."""
+    import torch
+
+    draw = torch.bernoulli
+
+    def bernoulli(p, *args, **kwargs):
+        if give_generator:
+            drawn = draw(p.float().cpu(), generator=merge_generator(state["layer"], state["position"])).to(p)
+        else:
+            drawn = draw(p, *args, **kwargs)
+        state["merged"] += int(drawn.sum())
+        return drawn
+
+    torch.bernoulli = bernoulli
+
+
+def run_kvpress(model) -> dict:
+    import kvpress
+    import torch
+    from transformers import DynamicCache
+
+    out, state = {}, {"merged": 0}
+    counting_bernoulli(state, give_generator=True)
+    for case, (target, interval, budget, length) in CASES.items():
+        prompt, tokens = sequence(length)
+        press = kvpress.CAMPress(kvpress.KnormPress(), compression_interval=interval, target_size=target,
+                                 merge_budget=budget)
+        positions = {index: torch.arange(length) for index in range(model.config.num_hidden_layers)}
+        original, state["merged"] = press.compress, 0
+
+        def compress(module, hidden_states, keys, values, attentions, kwargs, original=original, positions=positions):
+            state["layer"] = module.layer_idx
+            kept_keys, kept_values = original(module, hidden_states, keys, values, attentions, kwargs)
+            rows = (kept_keys[0, 0][:, None, :] == keys[0, 0][None, :, :]).all(dim=-1).float().argmax(dim=-1)
+            positions[module.layer_idx] = positions[module.layer_idx][rows]
+            return kept_keys, kept_values
+
+        press.compress = compress
+        cache, greedy = DynamicCache(), []
+        with torch.no_grad(), press(model):
+            logits = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1]
+            for step, token in enumerate(tokens):
+                greedy.append(int(logits.argmax()))
+                state["position"] = length + step
+                for index in positions:
+                    positions[index] = torch.cat([positions[index], torch.tensor([length + step])])
+                logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True,
+                               position_ids=torch.tensor([[length + step]])).logits[:, -1]
+        heads = [heads_of(positions[i].expand(layer.keys.shape[1], -1), torch.ones(layer.keys.shape[1:3], dtype=bool),
+                          layer.keys, layer.values) for i, layer in enumerate(cache.layers)]
+        out[case] = {"heads": heads, "tokens": greedy, "merged": state["merged"]}
+    return out
+
+
+def run_evalkit(model) -> dict:
+    import torch
+
+    import evalkit.compression as ec
+
+    out, state = {}, {"merged": 0}
+    counting_bernoulli(state, give_generator=False)
+    for case, (target, interval, budget, length) in CASES.items():
+        prompt, tokens = sequence(length)
+        state["merged"] = 0
+        session = ec.CompressionSession(model, ec.CaM.from_config(target + interval, interval=interval,
+                                                                  merge_budget=budget, seed=SEED))
+        logits, greedy = session.prefill(prompt), []
+        for token in tokens:
+            greedy.append(int(logits.argmax()))
+            logits = session.step(torch.tensor([[token]]))[:, -1]
+        heads = [heads_of(layer.heads.positions[0], layer.heads.valid[0], layer.keys, layer.values)
+                 for layer in session.cache.layers]
+        out[case] = {"heads": heads, "tokens": greedy, "merged": state["merged"]}
+    return out
+
+
+def largest_difference(pairs: list, name: str) -> float:
+    return max((abs(x - y) for a, b in pairs for ra, rb in zip(a[name], b[name]) for x, y in zip(ra, rb)),
+               default=float("nan"))
+
+
+def main() -> None:
+    sys.path.insert(0, str(HERE))
+    from parity_model import agreement, load_saved, model_parser, save_model
+
+    args = model_parser(__doc__.splitlines()[0]).parse_args()
+    from bench_vs_kvpress import kvpress_python, report, run_worker
+
+    if args.worker:
+        import torch
+
+        torch.set_grad_enabled(False)
+        model, _ = load_saved(args.model)
+        return report((run_kvpress if args.worker == "kvpress" else run_evalkit)(model))
+    python = kvpress_python(Path(args.venv))
+    if python is None:
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        save_model(Path(folder), 8)  # the prompt is this script's own
+        sides = {side: run_worker(python if side == "kvpress" else Path(sys.executable), Path(__file__), side,
+                                  "--model", folder) for side in ("kvpress", "evalkit")}
+    print(f"{'case':<26} heads agreeing  positions differing  max |dkeys|  max |dvalues|  merged (kvpress, evalkit)  "
+          "next tokens agreeing")
+    for case, theirs in sides["kvpress"].items():
+        ours = sides["evalkit"][case]
+        same, heads, differ = agreement([[h["kept"] for h in layer] for layer in theirs["heads"]],
+                                        [[h["kept"] for h in layer] for layer in ours["heads"]])
+        pairs = [(a, b) for la, lb in zip(theirs["heads"], ours["heads"]) for a, b in zip(la, lb) if a["kept"] == b["kept"]]
+        agree = sum(a == b for a, b in zip(theirs["tokens"], ours["tokens"]))
+        print(f"{case:<26} {same}/{heads:<13} {differ:<20} {largest_difference(pairs, 'keys'):>11.2e}  "
+              f"{largest_difference(pairs, 'values'):>12.2e}  {theirs['merged']:>7}, {ours['merged']:<17} "
+              f"{agree}/{STEPS}")
+
+
+if __name__ == "__main__":
+    main()

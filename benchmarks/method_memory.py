@@ -82,11 +82,6 @@ def main() -> None:
         held, full = stats["kv_bytes_peak"], stats["kv_bytes_full"]
         print(f"| {name} | {kept:.0f} | {stats['peak_cache_tokens']:.0f} | {held / 1024:.0f} | {full / 1024:.0f} | "
               f"{1 - held / full:.1%} |", flush=True)
-        if hasattr(policy, "merged_bytes"):  # MiniCache: its merged layers as it would hold them (priced, not held)
-            merged = policy.merged_bytes()
-            priced = held - merged["kv_bytes_dense"] + merged["kv_bytes_merged"]
-            print(f"| {name} (priced) | {kept:.0f} | {stats['peak_cache_tokens']:.0f} | {priced / 1024:.0f} | "
-                  f"{full / 1024:.0f} | {1 - priced / full:.1%} |", flush=True)
 
 
 if __name__ == "__main__":

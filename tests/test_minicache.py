@@ -228,3 +228,80 @@ def test_the_paritys_evalkit_side_agrees_with_the_port_bit_for_bit():
         cells = [cell.strip() for cell in row.strip("|").split("|")]
         assert cells[2:4] == ["2/2 heads", "identical"], row
         assert cells[4] == "2/2 heads" and (cells[5] == "identical" or float(cells[5].split()[-1]) < 1e-6), row
+
+
+def _held(layers) -> int:
+    from evalkit.compression.cache import _held_bytes
+
+    return sum(_held_bytes(layer) for layer in layers)
+
+
+def _dense(layers) -> int:
+    """What the layers' slots take held dense: keys and values of every slot, in the cache's dtype."""
+    return sum(2 * layer.keys.shape[1] * layer.slot_count * layer.keys.shape[-1] * layer.keys.element_size()
+               for layer in layers)
+
+
+def test_merged_layers_hold_each_direction_once_and_the_held_bytes_fall_by_the_merged_share():
+    """A session's merged layers hold what MiniCache holds (the direction and retained positions once per pair, each
+    layer its magnitudes and retained tokens, its generated tokens dense): the measured held bytes, after prefill and
+    after decode steps (past a growth of the slots), are the dense layers' less the merged share; a fork shares
+    its pairs as the session does."""
+    from evalkit.compression.merged_storage import MergedKV
+
+    model, prompt, policy = tiny_model("llama", num_hidden_layers=6), random_prompt(N, seed=3), ec.MiniCache(start_layer=1)
+    session = ec.CompressionSession(model, policy)
+    session.prefill(prompt)
+    layers = session.cache.layers
+    assert [isinstance(layer.packed, MergedKV) for layer in layers] == [False, True, True, True, True, False]
+    assert all(a is b for a, b in zip(layers[1].packed.rows[0], layers[2].packed.rows[0]))
+    merged = policy.merged_bytes()
+    share = merged["kv_bytes_dense"] - merged["kv_bytes_merged"]
+    heads, dim, r = 2, 16, math.ceil(N * policy.retention_ratio)
+    assert share == 2 * 2 * (2 * heads * N * dim * 4 - (heads * N * dim * 4 + 2 * heads * N * 4
+                                                       + 2 * heads * r * dim * 4 + heads * r * 8))
+    full = ec.CompressionSession(model, ec.Full())
+    full.prefill(prompt)
+    assert _held(layers) == _held(full.cache.layers) - share == _dense(layers) - share
+    token = torch.tensor([[5]])
+    for step in range(70):
+        session.step(token)
+        if step in (0, 3, 69):
+            assert _held(layers) == _dense(layers) - share, step
+            assert all(layer.workspace is None for layer in layers)
+    assert layers[1].slot_count > N + 64  # the slots grew: the dense blocks with them
+    fork = session.fork()
+    assert all(a is b for a, b in zip(fork.cache.layers[3].packed.rows[0], fork.cache.layers[4].packed.rows[0]))
+    assert fork.cache.layers[3].packed.rows[0][0] is not layers[3].packed.rows[0][0]
+    assert torch.equal(fork.step(token), session.step(token))
+
+
+def test_the_engine_holds_its_slots_dense_and_prices_the_merged_share():
+    """Engine slots hold keys and values dense (as under kv_bits): its admission keeps the layers restored, and
+    ``kv_bytes_peak`` prices the merged layers as MiniCache holds them, as a session's accounting counts them."""
+    from evalkit.compression.engine.accounting import held_bytes
+
+    model, prompt = tiny_model("llama", num_hidden_layers=4), random_prompt(N, seed=3)[0]
+    policy = ec.MiniCache(start_layer=0, retention_ratio=0.1)
+    stats = ec.Engine(model, policy, slots=1).run([ec.Request(prompt, max_new_tokens=NEW)])[0].stats
+    merged = policy.merged_bytes()
+    share = merged["kv_bytes_dense"] - merged["kv_bytes_merged"]
+    full = ec.Engine(model, ec.Full(), slots=1).run([ec.Request(prompt, max_new_tokens=NEW)])[0].stats
+    assert stats["kv_bytes_peak"] == full["kv_bytes_peak"] - share
+    assert stats["kv_bytes_full"] == full["kv_bytes_full"]
+    session = ec.CompressionSession(model, policy)
+    session.prefill(prompt[None])
+    dense = held_bytes(session.cache.layers, 0, N, N, 0, N)["kv_bytes_peak"]
+    assert dense == full["kv_bytes_full"] * N // (N + NEW - 1) - share == _held(session.cache.layers)
+
+
+def test_a_quantized_kv_format_packs_the_restored_layers():
+    """Under kv_bits the merged layers are held restored and packed as the format holds them (no merged storage)."""
+    from evalkit.compression.packed_kv import PackedKV
+
+    policy = ec.MiniCache(start_layer=0)
+    policy.kv_format = ec.KVFormat(4, 8, 16)
+    session = ec.CompressionSession(tiny_model("llama", num_hidden_layers=4), policy)
+    session.prefill(random_prompt(N, seed=3))
+    assert all(isinstance(layer.packed, PackedKV) for layer in session.cache.layers)
+    session.step(torch.tensor([[5]]))

@@ -31,6 +31,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from .kernels import causal_attention_sums
 from .layout import DecodeStep, HeadLayout, HeadState, RowLayout, layout_of, raised_peak, ring_slot
+from .merged_storage import hold_merged
 from .methods.base import UNBOUNDED, Policy
 from .methods.think import reduce_keys
 from .model_spec import attention_sinks
@@ -364,6 +365,7 @@ class CompressedCache(Cache):
             layer.remove_channels(channels)
         elif policy.rewrites:
             layer.keys, layer.values = policy.rewrite(view, indices, counts, layer.keys, layer.values)
+            hold_merged(self, layer_idx)
         layer.layout.after_compress(self, layer_idx, view, query, indices, counts, raw)
 
     def _removes_channels(self, layer: CompressedLayer, view: PrefillView, counts: torch.Tensor) -> bool:

@@ -60,6 +60,7 @@ class CompressionSession:
         if getattr(model.config, "kv_lora_rank", None) and not policy.supports_latent:
             raise ValueError(f"{policy.name} cannot score a latent (MLA) cache: {policy.latent_refusal}")
         policy.check_layers(model.config.num_hidden_layers)
+        policy.bind_model(model)
         self.model = model
         self._build(policy)
         if policy.extra_passes and any(p is not policy for p in self.cache.layer_policies):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import time
 
+from ..merged_storage import merged_saving
 from ..methods.sliding_window import SlidingWindow
 from .request import Completion, Resident
 from .slot_pool import SlotPool
@@ -49,7 +50,7 @@ def held_bytes(layers, row: int, row_peak: int, seen: int, fed_back: int, reserv
     """What a request's cache really took, in bytes, read off the tensors of its cache ``layers`` (row ``row``):
     ``kv_bytes_peak`` the most it held (per layer: its peak tokens, or per head its own peak, times the bytes of a
     token's keys and values in that layer's dtype and widths: latent widths for MLA; a prompt's keys held at a reduced
-    width, ThinK's, priced so), ``kv_bytes_reserved`` what its
+    width, ThinK's, priced so; MiniCache's merged tokens as it holds them), ``kv_bytes_reserved`` what its
     ``reserved_tokens`` slots reserve, ``kv_bytes_full`` what a full cache holds for the same ``seen`` tokens (a
     sliding-window layer at most its window), and ``memory_ratio`` = full / peak. Under a quantized KV format also
     ``kv_quantized_tokens``: of the held tokens at the peak (per KV head, the mean over layers, as
@@ -57,14 +58,14 @@ def held_bytes(layers, row: int, row_peak: int, seen: int, fed_back: int, reserv
     beyond the full-precision residual (the ``fed_back`` generated tokens the cache took)."""
     peak = reserved = full = 0
     quantized, formats = 0.0, 0
-    for layer in layers:
+    for index, layer in enumerate(layers):
         key_dim, value_dim, element = _key_width(layer), layer.values.shape[-1], layer.keys.element_size()
         token_bytes = (key_dim + value_dim) * element
         heads = layer.keys.shape[1]
         policy = layer.layout.policy
         shape = (heads, key_dim, value_dim, element)
         held = layer.layout.held(layer, row, row_peak)[1]
-        saved = _removed_bytes(layer, row)
+        saved = _removed_bytes(layer, row) + merged_saving(layers, index, row, row_peak - fed_back)
         peak += _price(policy.kv_format, held, *shape, fed_back) - saved
         reserved += _price(policy.kv_format, reserved_tokens * heads, *shape) - saved
         window = policy.cache_capacity() if isinstance(policy, SlidingWindow) else None

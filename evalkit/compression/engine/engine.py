@@ -60,6 +60,7 @@ class Engine:
         check_hookable(model)
         if tokenizer is not None:
             policy.bind_tokenizer(tokenizer)
+        policy.bind_model(model)
         # Each layer's policy: a hybrid model's sliding-window layers keep their window.
         self.pool = SlotPool(model, policy, slots, layer_policies(model, policy), layer_devices(model), grow=grow,
                              static=compile, out_width=max(OUT_RING, 2 * (sync_every + 1)),

@@ -130,6 +130,10 @@ class Policy:
         """Read what the method needs of the model's tokenizer (KVzip: its reconstruction prompt). Most need
         nothing."""
 
+    def bind_model(self, model) -> None:
+        """Read what the method needs of the model itself before its first prompt (DuoAttention's pattern estimated
+        on the fly). Most need nothing."""
+
     def kept_sink(self) -> int:
         """Leading prompt tokens always kept (attention sinks)."""
         return 0

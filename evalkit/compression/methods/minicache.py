@@ -73,18 +73,36 @@ class MergedPair:
         return cls(shared.to(dtype), current_magnitude.to(dtype), previous_magnitude.to(dtype),
                    _gather(current, retained), _gather(previous, retained), retained)
 
-    def restore(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``restore_minicache_pair`` in float64 from what is held: the shared direction renormalized times each
-        layer's magnitude, its retained tokens scattered back; (current, previous) in the held dtype."""
+    def unit(self) -> torch.Tensor:
+        """The shared direction renormalized, in float64 (what both layers' restored states scale)."""
         direction = self.direction.double()
-        unit = direction / direction.norm(dim=-1, keepdim=True).clamp_min(EPS)
-        index = self.retained[..., None].expand_as(self.current_retained)
-        return tuple((unit * magnitude.double()).to(self.direction.dtype).scatter(-2, index, tokens)
-                     for magnitude, tokens in ((self.current_magnitude, self.current_retained),
-                                               (self.previous_magnitude, self.previous_retained)))
+        return direction / direction.norm(dim=-1, keepdim=True).clamp_min(EPS)
+
+    def restore_layer(self, deeper: bool, out: torch.Tensor | None = None,
+                      unit: torch.Tensor | None = None) -> torch.Tensor:
+        """``restore_minicache_pair`` for one layer (``deeper``: the pair's current one) from what is held, in float64:
+        the shared direction renormalized (``unit``, if computed already) times its magnitude, in the held dtype (into
+        ``out`` ``[H, n, D]`` if given), its retained tokens put back."""
+        magnitude, tokens = ((self.current_magnitude, self.current_retained) if deeper
+                             else (self.previous_magnitude, self.previous_retained))
+        restored = (self.unit() if unit is None else unit) * magnitude.double()
+        out = restored.to(self.direction.dtype) if out is None else out.copy_(restored)
+        return out.scatter_(-2, self.retained[..., None].expand_as(tokens), tokens)
+
+    def restore(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both layers' restored states: (current, previous) in the held dtype."""
+        unit = self.unit()
+        return self.restore_layer(True, unit=unit), self.restore_layer(False, unit=unit)
+
+    def layer_bytes(self, deeper: bool) -> int:
+        """The bytes one layer of the pair holds: the deeper one its magnitudes and retained tokens, the shared
+        direction and the retained positions (held once per pair); the other its magnitudes and retained tokens."""
+        own = (self.current_magnitude, self.current_retained) if deeper else (self.previous_magnitude,
+                                                                              self.previous_retained)
+        return sum(t.numel() * t.element_size() for t in (*own, *((self.direction, self.retained) if deeper else ())))
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in dataclasses.astuple(self))
+        return self.layer_bytes(True) + self.layer_bytes(False)
 
 
 @dataclasses.dataclass
@@ -104,11 +122,14 @@ class MiniCache(Policy):
     tokens are not merged. KVCache-Factory ships these functions without a runtime and applies them to nothing
     else, so MiniCache runs alone and takes no budget.
 
-    Storage: the cache holds each layer's restored keys and values (one dense block per layer), so ``kv_bytes_peak``
-    counts them whole; what MiniCache itself would hold, one shared direction per pair plus the magnitudes and
-    retained tokens, is priced in :meth:`merged_bytes` (the last prefill's). The previous layer of a pair is rewritten
-    in place when the deeper one is merged, so the layout is per head (a row layout's layer may already have been
-    copied into an engine slot by then)."""
+    Storage (:mod:`..merged_storage`): a session's merged layers hold what MiniCache holds, the pair's shared
+    direction and retained positions once, each layer its magnitudes and retained tokens, and after the prompt its
+    generated tokens dense; a decode step restores the layer into a workspace its cache lends, so ``kv_bytes_peak``
+    falls by the merged share. The engine's slots hold keys and values dense (as under ``kv_bits``): there the
+    merged layers are held restored and priced as MiniCache holds them (:meth:`layer_bytes`); so are they under a
+    quantized KV format, which packs the restored layers. :meth:`merged_bytes` reports the last prefill's pairs. The
+    previous layer of a pair is rewritten in place when the deeper one is merged, so the layout is per head (a row
+    layout's layer may already have been copied into an engine slot by then)."""
 
     name: ClassVar[str] = "minicache"
     per_head: ClassVar[bool] = True
@@ -124,6 +145,7 @@ class MiniCache(Policy):
         super().__post_init__()
         self._pending: dict[int, tuple] = {}  # the previous layer of the pair being merged: its kept tensors
         self.merged: dict[tuple[int, int], tuple[int, int]] = {}  # (previous, current): (bytes held, dense bytes)
+        self._held: dict[int, tuple[int, list]] = {}  # a pair just merged, by its deeper layer: (previous, per row)
 
     def first_layer(self, num_layers: int) -> int:
         return num_layers // 2 if self.start_layer is None else self.start_layer
@@ -144,6 +166,27 @@ class MiniCache(Policy):
         return {"kv_bytes_merged": sum(held for held, _ in self.merged.values()),
                 "kv_bytes_dense": sum(dense for _, dense in self.merged.values())}
 
+    def take_merged(self, layer: int) -> tuple[int, list[tuple[MergedPair, MergedPair]]] | None:
+        """The pair whose deeper layer ``layer`` was just merged, for its cache to hold: the previous layer and per row
+        the keys' and the values' :class:`MergedPair` (None: ``layer`` merged nothing)."""
+        return self._held.pop(layer, None)
+
+    def layer_bytes(self, layer: int, num_layers: int, tokens: int, heads: int, widths: tuple[int, int],
+                    element: int) -> int | None:
+        """The bytes layer ``layer`` of ``num_layers`` holds of ``tokens`` merged tokens per head over ``heads`` heads
+        (key and value ``widths``, ``element`` bytes an entry; retained positions int64), as :meth:`MergedPair.
+        layer_bytes` counts them; None where the layer is in no pair."""
+        deeper = {current: True for _, current in self.pairs(num_layers)}
+        deeper.update({previous: False for previous, _ in self.pairs(num_layers)})
+        if layer not in deeper:
+            return None
+        retained = min(tokens, math.ceil(tokens * self.retention_ratio))
+        held = 0
+        for width in widths:
+            held += heads * (tokens + retained * width) * element  # its magnitudes and retained tokens
+            held += heads * (tokens * width * element + retained * 8) if deeper[layer] else 0
+        return held
+
     def rewrite(self, view: PrefillView, indices: torch.Tensor, counts: torch.Tensor, keys: torch.Tensor,
                 values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         layer, pairs = view.layer_idx, self.pairs(view.num_layers)
@@ -159,13 +202,17 @@ class MiniCache(Policy):
             raise RuntimeError(f"MiniCache cannot merge layers {layer - 1} and {layer}: they kept different tokens")
         keys, values = keys.clone(), values.clone()
         held = dense = 0
+        rows = []
         for row in range(keys.shape[0]):
             n = int(counts[row].max())
+            rows.append([])
             for current, previous in ((keys, pending[2]), (values, pending[3])):
                 pair = MergedPair.merge(current[row, :, :n], previous[row, :, :n], self.interpolation,
                                         self.retention_ratio)
                 current[row, :, :n], previous[row, :, :n] = pair.restore()  # previous: its layer's tensor, in place
+                rows[-1].append(pair)
                 held += pair.nbytes()
                 dense += 2 * current[row, :, :n].numel() * current.element_size()
         self.merged[(layer - 1, layer)] = (held, dense)
+        self._held = {layer: (layer - 1, [tuple(pairs) for pairs in rows])}
         return keys, values

@@ -170,6 +170,8 @@ BENCHMARK_TESTS = {
         "tests/test_kv_format.py::test_the_quantizers_agree_bit_for_bit_with_the_shipped_records_of_kivis_and_transformers",
     "fit_sn40l_links.py": "tests/test_memory.py::test_sn40l_link_figures_are_fitted_and_say_so",
     "parity_presses.py": "tests/test_kvpress_presses.py::test_the_parity_scripts_evalkit_side_gives_kvpress_kept_sets",
+    "parity_dms_decoding.py":
+        "tests/test_threshold_decoding.py::test_the_dms_decoding_paritys_evalkit_side_evicts_while_decoding",
     "peer_llamacpp.py":
         "tests/test_peer_llamacpp.py::test_the_llamacpp_peers_evalkit_side_generates_greedy_tokens_on_the_quick_prompts",
 }

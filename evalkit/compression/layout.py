@@ -262,6 +262,8 @@ class HeadLayout:
         if window:
             heads.queries = query[:, :, -window:]
         cache.layers[layer_idx].heads = heads
+        if self.policy.evicts_while_decoding and self.policy.reads_hidden_states and view.module is not None:
+            hand_decode_inputs(view.module)
 
     def realized(self, layer, row: int, state, prefill_slots: int) -> tuple[list[int], float]:
         return layer.heads.kept_prompt[row].tolist(), float(layer.heads.peak[row].float().mean())
@@ -301,7 +303,10 @@ class HeadLayout:
             positions=heads.positions, position=step.positions[:, -1], scores=heads.scores,
             query_buffer=heads.queries, keys=keys, scaling=scaling, steps=step.steps,
             capacity=policy.cache_capacity(), sinks=sinks, values=values, module=module, rotary=self.rotary,
+            hidden=getattr(layer, "decode_input", None),
         )
+        if view.hidden is not None:
+            layer.decode_input = None  # the step's own: not held past it
         freed = policy.decode_evict(view)
         if freed is not None:
             heads.free(freed)
@@ -343,6 +348,25 @@ def hold_packed(layer, index: tuple[torch.Tensor, ...], step: DecodeStep, key_st
     """A packed layer's new tokens (written at ``index`` of its workspace) into its residual (:mod:`.packed_kv`)."""
     if getattr(layer, "packed", None) is not None:
         layer.packed.hold(index, step.positions[:, None, :], key_states, value_states)
+
+
+def hand_decode_inputs(module: torch.nn.Module) -> None:
+    """Once per attention module: a forward pre-hook that hands each decode step's attention input to the layer of
+    the cache the step runs with (``layer.decode_input``, read into :attr:`DecodeView.hidden`), where the layer's
+    policy scores new tokens from it. It stays on the module and does nothing for other policies."""
+    if not getattr(module, "evalkit_hands_inputs", False):
+        module.register_forward_pre_hook(_hand_decode_input, with_kwargs=True)
+        module.evalkit_hands_inputs = True
+
+
+def _hand_decode_input(module, args, kwargs) -> None:
+    cache = kwargs.get("evalkit_cache")  # the attention hook's cache argument (``attention.CACHE_ARGUMENT``)
+    if cache is None or getattr(cache, "plan", None) is not None or getattr(cache, "extra_pass", False):
+        return  # not a decode step
+    layer = cache.layers[module.layer_idx]
+    policy = layer.layout.policy
+    if policy.evicts_while_decoding and policy.reads_hidden_states:
+        layer.decode_input = kwargs.get("hidden_states", args[0] if args else None)
 
 
 def settle_format(layer, policy: Policy, positions: torch.Tensor, step: DecodeStep) -> None:

@@ -63,6 +63,9 @@ class DecodeView:
     values: torch.Tensor | None = None
     module: torch.nn.Module | None = None
     rotary: object = None
+    # ``[B, 1, d_model]``: this step's attention input, for a policy that scores new tokens from it
+    # (``evicts_while_decoding`` and ``reads_hidden_states``: Threshold over KVzap); else None
+    hidden: torch.Tensor | None = None
 
 
 def held_as_prompt(held: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, *,

@@ -64,6 +64,7 @@ SIZED = {**PREFILL, **DECODING, "rkv": lambda: ec.RKV(capacity=40, window=4, int
          "lukv": lambda: ec.LUKV.from_config(20, curve=str(lukv_curve()), n_future_positions=16),
          "key_rerotation": lambda: ec.KeyRerotation.from_config(20, window=4, kernel_size=5),
          "merging": lambda: ec.Merging.from_config(20, window=4, kernel_size=5),
+         "gear": lambda: ec.GEAR.from_config(20, window=4, kernel_size=5, group_size=16, streaming_gap=16),
          "think": lambda: ec.ThinK.from_config(20, window=4, kernel_size=5, window_size=4),
          "threshold": lambda: ec.Threshold(threshold=0.0, sliding_window_size=4,
                                            scorer={"name": "kvzap", "weights": str(kvzap(hidden_dim=24))}),
@@ -227,6 +228,7 @@ def test_capacity_beyond_the_sequence_equals_full(llama, name):
         "threshold": ec.Threshold(threshold=-1e30, scorer={"name": "kvzap", "weights": str(kvzap())}),
         "think": ec.ThinK.from_config(200, window=4, kernel_size=5, key_channel_compression_ratio=0.0),
         "minicache": ec.MiniCache(start_layer=0, retention_ratio=1.0),  # every token retained unmerged
+        "gear": ec.GEAR.from_config(200, window=4, kernel_size=5, group_size=16, streaming_gap=256),  # all exact
     }
     policy = roomy.get(name) or dataclasses.replace(EVERY[name](), capacity=200)
     prompt = random_prompt(40, seed=2)

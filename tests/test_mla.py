@@ -67,6 +67,7 @@ SMALL = {
                                                                 prefill="knorm"),
     "key_rerotation": lambda: ec.KeyRerotation.from_config(20, window=4),  # refuse a latent cache
     "merging": lambda: ec.Merging.from_config(20, window=4),
+    "gear": lambda: ec.GEAR.from_config(20, window=4),  # refuses a latent cache
     "think": lambda: ec.ThinK.from_config(20, window=4),
 }
 POLICIES = {name: SMALL.get(name) or registered(name, 20) for name in sorted(ec.POLICIES)

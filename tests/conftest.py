@@ -121,6 +121,7 @@ SMALL_SETTINGS = {
     "fastkvzip": lambda: ec.FastKVzip(capacity=40, gates=str(learned_files.fastkvzip_gates())),
     "lukv": lambda: ec.LUKV.from_config(40, curve=str(learned_files.lukv_curve()), n_future_positions=16),
     "key_rerotation": lambda: ec.KeyRerotation.from_config(40, window=8),
+    "lacache": lambda: ec.LaCache(capacity=40, start_size=4, span=1),
     "gear": lambda: ec.GEAR.from_config(40, window=8, group_size=16, streaming_gap=16),  # H*D = 32: groups of 16
     "merging": lambda: ec.Merging.from_config(40, window=8),
     "think": lambda: ec.ThinK.from_config(40, window=8, window_size=8),

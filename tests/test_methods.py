@@ -62,6 +62,7 @@ SIZED = {**PREFILL, **DECODING, "rkv": lambda: ec.RKV(capacity=40, window=4, int
                                                                     prefill="knorm"),
          "fastkvzip": lambda: ec.FastKVzip(capacity=20, gates=str(fastkvzip_gates())),
          "lukv": lambda: ec.LUKV.from_config(20, curve=str(lukv_curve()), n_future_positions=16),
+         "lacache": lambda: ec.LaCache(capacity=20, start_size=4, span=1),
          "key_rerotation": lambda: ec.KeyRerotation.from_config(20, window=4, kernel_size=5),
          "merging": lambda: ec.Merging.from_config(20, window=4, kernel_size=5),
          "gear": lambda: ec.GEAR.from_config(20, window=4, kernel_size=5, group_size=16, streaming_gap=16),

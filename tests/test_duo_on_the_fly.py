@@ -60,16 +60,15 @@ def calibration(tmp_path):
 
 
 # -- the definition, float64, explicit loops -------------------------------------------------------------------------
-def rope(vector: torch.Tensor, position: int, theta: float) -> torch.Tensor:
+def rope(vector: torch.Tensor, positions: int, theta: float) -> torch.Tensor:
+    """``vector`` ``[D]`` (float64) rotated to each position ``0 .. positions - 1``: ``[positions, D]``, the halves
+    rotated pairwise by ``position * theta ** (-2 i / D)``."""
     dim = vector.shape[0]
     half = dim // 2
-    out = torch.empty_like(vector)
-    for i in range(half):
-        angle = position * theta ** (-2 * i / dim)
-        c, s = math.cos(angle), math.sin(angle)
-        out[i] = vector[i] * c - vector[i + half] * s
-        out[i + half] = vector[i + half] * c + vector[i] * s
-    return out
+    angle = torch.arange(positions, dtype=torch.float64)[:, None] * torch.tensor(
+        [theta ** (-2 * i / dim) for i in range(half)], dtype=torch.float64)
+    low, high = vector[:half], vector[half:]
+    return torch.cat([low * angle.cos() - high * angle.sin(), high * angle.cos() + low * angle.sin()], dim=-1)
 
 
 def text_scores(model, ids: torch.Tensor, queries: int = 500) -> list[list[float]]:
@@ -81,11 +80,11 @@ def text_scores(model, ids: torch.Tensor, queries: int = 500) -> list[list[float
     for r in full_run(model, ids).values():
         query, key = r["pre_rope"].mean(dim=1), r["pre_rope_key"].mean(dim=1)  # [H, D]
         groups, dim = query.shape[0] // key.shape[0], query.shape[1]
-        keys = [[rope(key[h], p, theta) for p in range(queries)] for h in range(key.shape[0])]
+        keys = [rope(key[h].double(), queries, theta) for h in range(key.shape[0])]  # [queries, D] each
         heads = []
         for h in range(query.shape[0]):
-            last = rope(query[h], queries - 1, theta)
-            logits = [float(last @ k) / math.sqrt(dim) for k in keys[h // groups]]
+            last = rope(query[h].double(), queries, theta)[-1]
+            logits = [float(value) / math.sqrt(dim) for value in keys[h // groups] @ last]
             top = max(logits)
             weights = [math.exp(x - top) for x in logits]
             total, running, area = sum(weights), 0.0, 0.0

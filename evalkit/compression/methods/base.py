@@ -21,6 +21,7 @@ from typing import ClassVar
 
 import torch
 
+from evalkit.core.errors import ConfigError
 from evalkit.core.method_settings import check, setting
 
 from ..kernels import reduce_groups, snapkv_scores
@@ -244,6 +245,16 @@ class Policy:
     def config(self) -> dict:
         """Flat description of the method, for result tables."""
         return {"method": self.name, "capacity": self.cache_capacity(), **self.settings()}
+
+
+def refused_kv_format(reason: str) -> property:
+    """A method's ``kv_format`` that stays None: a quantized KV format is refused in one line naming ``reason``."""
+
+    def refuse(policy: Policy, fmt) -> None:
+        if fmt is not None:
+            raise ConfigError(f"kv_bits < 16 does not combine with method={policy.name}: {reason}; use kv_bits=16")
+
+    return property(lambda policy: None, refuse)
 
 
 def best_in_order(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -9,12 +9,11 @@ from typing import ClassVar
 
 import torch
 
-from evalkit.core.errors import ConfigError
 from evalkit.core.method_settings import check, setting
 
 from ..kernels import reduce_groups
 from ..views import DecodeView, PrefillView, held_as_prompt
-from .base import Policy
+from .base import Policy, refused_kv_format
 from .wrapper import Wrapper
 
 
@@ -95,15 +94,7 @@ class CaM(Wrapper):
                 or (isinstance(scorer, Policy) and scorer.prefill_queries() is None)
                 else super().refusal(scorer))
 
-    @property
-    def kv_format(self) -> None:
-        return None
-
-    @kv_format.setter
-    def kv_format(self, fmt) -> None:
-        if fmt is not None:
-            raise ConfigError("kv_bits < 16 does not combine with method=cam: its merges rewrite held values, which the "
-                              "quantized format holds as codes; use kv_bits=16")
+    kv_format = refused_kv_format("its merges rewrite held values, which the quantized format holds as codes")
 
     def scorer_capacity(self) -> int:
         return self.capacity - self.interval

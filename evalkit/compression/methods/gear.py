@@ -8,10 +8,10 @@ from typing import ClassVar
 
 import torch
 
-from evalkit.core.errors import ConfigError
 from evalkit.core.method_settings import setting
 
 from ..views import PrefillView
+from .base import refused_kv_format
 from .rewriting import Rewriting
 
 OUTLIER_INDEX_BYTES = 4  # each kept outlier's position, priced as an int32
@@ -133,15 +133,8 @@ class GEAR(Rewriting):
         if self.bits == 3:
             raise ValueError("GEAR.bits must be 2 or 4 (the reference's bits**2 - 1 levels), got 3")
 
-    @property
-    def kv_format(self) -> None:
-        return None
-
-    @kv_format.setter
-    def kv_format(self, fmt) -> None:
-        if fmt is not None:
-            raise ConfigError("kv_bits < 16 does not combine with method=gear: GEAR quantizes the kept keys and values "
-                              "itself, a quantized format would quantize its reconstruction again; use kv_bits=16")
+    kv_format = refused_kv_format("GEAR quantizes the kept keys and values itself, a quantized format would quantize "
+                                  "its reconstruction again")
 
     def rewrite(self, view: PrefillView, indices: torch.Tensor, counts: torch.Tensor, keys: torch.Tensor,
                 values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

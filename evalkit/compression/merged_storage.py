@@ -20,30 +20,16 @@ import torch
 from .methods.minicache import MergedPair
 
 
-class _NoResidual:
-    """The residual flags a packed layer's step clears of evicted tokens (:meth:`.PackedStorage.close_step`): a merged
-    layer holds no residual."""
-
-    def __iand__(self, held: torch.Tensor) -> _NoResidual:
-        return self
-
-
-NO_RESIDUAL = _NoResidual()
-
-
 class MergedKV:
     """One layer of a merged pair: per row its keys' and values' pairs (shared with the partner layer), ``deeper``
     whether it is the pair's current layer, and the dense block ``later_keys``, ``later_values`` ``[B, H, S - start,
     D]`` of slots ``start`` on."""
-
-    key_fresh = value_fresh = NO_RESIDUAL
 
     def __init__(self, rows: list[tuple[MergedPair, MergedPair]], deeper: bool, keys: torch.Tensor,
                  values: torch.Tensor):
         self.rows, self.deeper = rows, deeper
         self.start = min(pair.direction.shape[-2] for pair, _ in rows)
         self.later_keys, self.later_values = keys[:, :, self.start:].clone(), values[:, :, self.start:].clone()
-        self.key_codes = torch.empty(0, dtype=torch.uint8, device=keys.device)  # the lent codes' dtype: none read
 
     @property
     def slots(self) -> int:
@@ -54,8 +40,8 @@ class MergedKV:
         return (*self.later_keys.shape[:2], self.slots, self.later_keys.shape[-1])
 
     @property
-    def residual_keys(self) -> torch.Tensor:
-        """What the lent workspace is made like (dtype, device)."""
+    def like(self) -> torch.Tensor:
+        """What the restored layer is made like (dtype, device)."""
         return self.later_keys
 
     def nbytes(self) -> int:
@@ -75,9 +61,9 @@ class MergedKV:
             self.later_keys = torch.nn.functional.pad(self.later_keys, (0, 0, 0, extra))
             self.later_values = torch.nn.functional.pad(self.later_values, (0, 0, 0, extra))
 
-    def dequantize(self, keys: torch.Tensor, values: torch.Tensor, scratch: tuple | None = None) -> None:
+    def dequantize(self, keys: torch.Tensor, values: torch.Tensor, lend=None) -> None:
         """The layer restored into ``keys``, ``values`` ``[B, H, S, D]``: the dense block at its slots, then each row's
-        merged tokens (:meth:`.MergedPair.restore_layer`). ``scratch`` is not read."""
+        merged tokens (:meth:`.MergedPair.restore_layer`); it needs no buffers of its cache's (``lend``)."""
         keys[:, :, self.start:] = self.later_keys
         values[:, :, self.start:] = self.later_values
         for row, (key_pair, value_pair) in enumerate(self.rows):

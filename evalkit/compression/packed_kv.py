@@ -21,6 +21,7 @@ dense format's ``codes * scale + minimum``: the outputs are the dense format's, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -132,15 +133,22 @@ class PackedKV:
             setattr(self, name, storage[:, :, :slots])
 
     # -- a decode step -----------------------------------------------------------------------------------------------
-    def dequantize(self, keys: torch.Tensor, values: torch.Tensor, scratch: tuple | None = None) -> None:
+    @property
+    def like(self) -> torch.Tensor:
+        """What the layer's dequantized form is made like (dtype, device)."""
+        return self.residual_keys
+
+    def dequantize(self, keys: torch.Tensor, values: torch.Tensor, lend=None) -> None:
         """Every slot's key and value into ``keys``, ``values`` ``[B, H, S, D]``: codes times scale plus minimum, the
-        residual's where it holds them. ``scratch``: buffers for the codes ``[B, H, S, D]`` (uint8) and each slot's
-        key scale and minimum ``[2, B * H * S, D]`` (reused step after step: no fresh tensors, no page faults)."""
+        residual's where it holds them. ``lend(name, shape, like)``: where the torch path takes its buffers for the
+        codes ``[B, H, S, D]`` (uint8) and each slot's key scale and minimum ``[2, B * H * S, D]`` (reused step after
+        step: no fresh tensors, no page faults); none, fresh ones."""
         bits, group = self.fmt.bits, self.fmt.group_size
         if packed_dequant.applies(self.key_codes, self.room, keys, values):  # the fields are views alike (pad)
             return packed_dequant.dequantize(self, keys, values)
         batch, heads, slots, dim = keys.shape
-        codes, params = scratch or (None, keys.new_empty(2, batch * heads * slots, dim))
+        lend = lend or (lambda name, shape, like: like.new_empty(shape))
+        codes, params = lend("codes", keys.shape, self.key_codes), lend("params", (2, batch * heads * slots, dim), keys)
         rows = (torch.arange(batch * heads, device=keys.device)[:, None] * self.key_scale.shape[2]
                 + self.key_group.reshape(batch * heads, slots)).view(-1)
         for table, out in zip((self.key_scale, self.key_min), params):
@@ -182,7 +190,9 @@ class PackedKV:
                steps: torch.Tensor, held: torch.Tensor) -> None:
         """After a step's attention over ``keys``, ``values`` (the dequantized workspace), quantize what leaves the
         residual: :meth:`.KVFormat.settle`'s tokens, with its arguments; ``held`` ``[B, H or 1, S]`` the valid
-        slots (the key groups they use stay allocated)."""
+        slots (the key groups they use stay allocated; an evicted token gives its residual entry up)."""
+        self.key_fresh &= held
+        self.value_fresh &= held
         fmt, residual = self.fmt, self.fmt.residual
         first = (position - steps + 1)[:, None, None]
         here = position[:, None, None]
@@ -292,20 +302,16 @@ class PackedStorage:
 
     def open_step(self) -> None:
         """Dequantize the layer into its cache's workspace for the decode step about to run in it."""
-        packed, cache = self.packed, self.cache
-        shape, like = packed.dense_shape, packed.residual_keys
-        keys, values = _lent(cache, "keys", shape, like), _lent(cache, "values", shape, like)
-        scratch = _lent(cache, "codes", shape, packed.key_codes), _lent(cache, "params", (2, math.prod(shape[:3]),
-                                                                                         shape[-1]), like)
-        packed.dequantize(keys, values, scratch)
+        packed, lend = self.packed, functools.partial(_lent, self.cache)
+        shape = packed.dense_shape
+        keys, values = lend("keys", shape, packed.like), lend("values", shape, packed.like)
+        packed.dequantize(keys, values, lend)
         self.workspace = keys, values
 
     def close_step(self, positions: torch.Tensor, step) -> None:
         """After the step's attention: quantize what leaves the residual (``positions`` ``[B, H or 1, S]`` of the
         held tokens, as :meth:`.KVFormat.settle` takes them), and give the workspace back."""
         held = self.heads.valid if self.heads is not None else self.cache.state.valid[:, None, : self.packed.slots]
-        self.packed.key_fresh &= held  # an evicted token gives its residual entry up
-        self.packed.value_fresh &= held
         self.packed.settle(*self.workspace, positions, step.positions[:, -1], step.steps, held)
         self.workspace = None
 
@@ -313,7 +319,7 @@ class PackedStorage:
         if self.workspace is not None:
             return self.workspace
         packed = self.packed
-        keys, values = (packed.residual_keys.new_empty(packed.dense_shape) for _ in range(2))
+        keys, values = (packed.like.new_empty(packed.dense_shape) for _ in range(2))
         packed.dequantize(keys, values)
         return keys, values
 

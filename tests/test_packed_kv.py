@@ -4,6 +4,8 @@ the bytes held are the storage tensors' own, a fraction of the dense format's.""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import random_prompt, tiny_model
@@ -62,6 +64,31 @@ def test_the_compiled_dequantization_is_the_torch_paths_bit_for_bit(bits, group,
     packed.dequantize(*reference)
     assert torch.equal(compiled[0], reference[0]) and torch.equal(compiled[1], reference[1])
     assert not torch.equal(compiled[0][:, :, :10], compiled[0][:, :, 10:20])  # the codes differ, not only tables
+
+
+@pytest.mark.parametrize("damage", ["unwritable", "truncated"])
+def test_a_kernel_that_cannot_be_built_or_loaded_leaves_the_torch_path(tmp_path, monkeypatch, damage):
+    """A cache folder where a file stands (it cannot hold the kernel) or a damaged library file: no kernel, and
+    dequantization still gives its values."""
+    if not packed_dequant.library():
+        pytest.skip("no C compiler: the torch path runs")
+    if damage == "unwritable":
+        (tmp_path / "kernels").write_text("a file where the folder goes")
+    else:
+        built = Path(packed_dequant.library()._name)
+        (tmp_path / "kernels").mkdir()
+        (tmp_path / "kernels" / built.name).write_bytes(built.read_bytes()[:100])
+    monkeypatch.setenv("EVALKIT_CACHE", str(tmp_path))
+    packed_dequant.library.cache_clear()
+    try:
+        assert packed_dequant.library() is None
+        keys = torch.randn(1, 2, 40, 16)
+        packed = PackedKV.from_prompt(ec.KVFormat(4, 8, 16), keys, keys, torch.ones(1, 2, 40, dtype=torch.bool))
+        out = [keys.new_full(packed.dense_shape, float("nan")) for _ in range(2)]
+        packed.dequantize(*out)
+        assert not out[0].isnan().any() and (out[0] - keys).abs().max() < 1
+    finally:
+        packed_dequant.library.cache_clear()
 
 
 def run(model, policy, prompts, steps: int, packed: bool, monkeypatch):

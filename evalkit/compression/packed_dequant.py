@@ -98,7 +98,8 @@ def _cpu_name() -> str:
 
 @cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel (built on first use, kept per source, flags and CPU), or None where it cannot be built."""
+    """The compiled kernel (built on first use, kept per source, flags and CPU), or None where it cannot be built or
+    loaded (no compiler, a cache folder that cannot be written, a damaged library file): the torch path then runs."""
     from ..core.identity import cache_dir
 
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -106,20 +107,29 @@ def library() -> ctypes.CDLL | None:
         return None
     digest = hashlib.sha256("\0".join((SOURCE, *FLAGS, platform.machine(), _cpu_name())).encode()).hexdigest()[:16]
     path = cache_dir() / "kernels" / f"packed_dequant_{digest}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as build:
-            source = os.path.join(build, "packed_dequant.c")
-            with open(source, "w") as file:
-                file.write(SOURCE)
-            target = os.path.join(build, "packed_dequant.so")
-            if subprocess.run([compiler, *FLAGS, source, "-o", target], capture_output=True).returncode:
-                return None
-            os.replace(target, path)  # atomic: concurrent builders each finish a whole file
-    kernel = ctypes.CDLL(str(path))
+    try:
+        if not path.exists() and not _build(compiler, path):
+            return None
+        kernel = ctypes.CDLL(str(path))
+    except OSError:
+        return None
     kernel.dequantize_layer.restype = None
     kernel.dequantize_layer.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     return kernel
+
+
+def _build(compiler: str, path) -> bool:
+    """Compile the kernel into ``path``; whether it compiled."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as build:
+        source = os.path.join(build, "packed_dequant.c")
+        with open(source, "w") as file:
+            file.write(SOURCE)
+        target = os.path.join(build, "packed_dequant.so")
+        if subprocess.run([compiler, *FLAGS, source, "-o", target], capture_output=True).returncode:
+            return False
+        os.replace(target, path)  # atomic: concurrent builders each finish a whole file
+    return True
 
 
 def applies(codes: torch.Tensor, room: int, keys: torch.Tensor, values: torch.Tensor) -> bool:

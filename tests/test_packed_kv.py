@@ -12,7 +12,7 @@ from conftest import random_prompt, tiny_model
 
 import evalkit.compression as ec
 import evalkit.compression.session as session_module
-from evalkit.compression import packed_dequant
+from evalkit.compression import packed_kernels
 from evalkit.compression.cache import _held_bytes
 from evalkit.compression.packed_kv import PackedKV, pack_codes, unpack_codes
 
@@ -43,7 +43,7 @@ def test_codes_pack_into_bytes_and_back(bits):
 def test_the_compiled_dequantization_is_the_torch_paths_bit_for_bit(bits, group, dim, monkeypatch):
     """Codes, the keys' table entries per slot, the values' groups and the residual's rows: the one-pass kernel
     (built with the machine's C compiler) writes exactly what the torch path writes."""
-    if not packed_dequant.library():
+    if not packed_kernels.library():
         pytest.skip("no C compiler: the torch path runs")
     generator = torch.Generator().manual_seed(bits * dim)
     keys, values = (torch.randn(2, 3, 70, dim, generator=generator) * 4 for _ in range(2))
@@ -57,9 +57,10 @@ def test_the_compiled_dequantization_is_the_torch_paths_bit_for_bit(bits, group,
     packed.residual_slot[:, :, -13:-4] = torch.arange(9, dtype=torch.int16).flip(0)
     packed.residual_keys.normal_(generator=generator)
     packed.residual_values.normal_(generator=generator)
+    monkeypatch.delenv("EVALKIT_TORCH_PACKED", raising=False)
     compiled = [keys.new_full(packed.dense_shape, float("nan")) for _ in range(2)]
     packed.dequantize(*compiled)
-    monkeypatch.setenv("EVALKIT_TORCH_DEQUANTIZE", "1")
+    monkeypatch.setenv("EVALKIT_TORCH_PACKED", "1")
     reference = [keys.new_full(packed.dense_shape, float("nan")) for _ in range(2)]
     packed.dequantize(*reference)
     assert torch.equal(compiled[0], reference[0]) and torch.equal(compiled[1], reference[1])
@@ -70,25 +71,25 @@ def test_the_compiled_dequantization_is_the_torch_paths_bit_for_bit(bits, group,
 def test_a_kernel_that_cannot_be_built_or_loaded_leaves_the_torch_path(tmp_path, monkeypatch, damage):
     """A cache folder where a file stands (it cannot hold the kernel) or a damaged library file: no kernel, and
     dequantization still gives its values."""
-    if not packed_dequant.library():
+    if not packed_kernels.library():
         pytest.skip("no C compiler: the torch path runs")
     if damage == "unwritable":
         (tmp_path / "kernels").write_text("a file where the folder goes")
     else:
-        built = Path(packed_dequant.library()._name)
+        built = Path(packed_kernels.library()._name)
         (tmp_path / "kernels").mkdir()
         (tmp_path / "kernels" / built.name).write_bytes(built.read_bytes()[:100])
     monkeypatch.setenv("EVALKIT_CACHE", str(tmp_path))
-    packed_dequant.library.cache_clear()
+    packed_kernels.library.cache_clear()
     try:
-        assert packed_dequant.library() is None
+        assert packed_kernels.library() is None
         keys = torch.randn(1, 2, 40, 16)
         packed = PackedKV.from_prompt(ec.KVFormat(4, 8, 16), keys, keys, torch.ones(1, 2, 40, dtype=torch.bool))
         out = [keys.new_full(packed.dense_shape, float("nan")) for _ in range(2)]
         packed.dequantize(*out)
         assert not out[0].isnan().any() and (out[0] - keys).abs().max() < 1
     finally:
-        packed_dequant.library.cache_clear()
+        packed_kernels.library.cache_clear()
 
 
 def run(model, policy, prompts, steps: int, packed: bool, monkeypatch):
@@ -124,6 +125,54 @@ def test_the_packed_cache_gives_the_dense_formats_logits_bit_for_bit(model, name
     assert layer.packed.key_codes.dtype == torch.uint8 and layer.packed.key_codes.shape[-1] == 16 * bits // 8
     plain, _ = run(model, METHODS[name](), prompts, 40, False, monkeypatch)
     assert (plain - dense).abs().max() > 1e-4  # the format changed what the model read
+
+
+@pytest.mark.parametrize("name", ["snapstream", "adakv", "h2o"])
+def test_the_compiled_bookkeeping_leaves_every_field_as_the_torch_paths(model, name, monkeypatch):
+    """One-token steps write their token into the residual and quantize what leaves it in C: after 40 steps (values
+    leaving every step, keys in blocks) every tensor of every layer is the torch path's, and the C calls ran."""
+    if not packed_kernels.library():
+        pytest.skip("no C compiler: the torch path runs")
+    monkeypatch.delenv("EVALKIT_TORCH_PACKED", raising=False)
+    calls = {"hold_token": 0, "settle_values": 0}
+    for kernel in calls:
+        original = getattr(packed_kernels, kernel)
+        monkeypatch.setattr(packed_kernels, kernel, lambda *a, _f=original, _k=kernel: calls.__setitem__(
+            _k, calls[_k] + 1) or _f(*a))
+    prompts = [random_prompt(90, seed=1)[0], random_prompt(61, seed=2)[0]]
+    policy = METHODS[name]()
+    policy.kv_format = ec.KVFormat(4, 8, 16)
+    compiled_logits, compiled = run(model, policy, prompts, 40, True, monkeypatch)
+    assert calls["hold_token"] >= 40 * len(compiled.cache.layers) and calls["settle_values"] >= calls["hold_token"]
+    monkeypatch.setenv("EVALKIT_TORCH_PACKED", "1")
+    torch_logits, reference = run(model, policy, prompts, 40, True, monkeypatch)
+    assert torch.equal(compiled_logits, torch_logits)
+    for ours, theirs in zip(compiled.cache.layers, reference.cache.layers):
+        for field, tensor in vars(ours.packed).items():
+            if isinstance(tensor, torch.Tensor):
+                assert torch.equal(tensor, getattr(theirs.packed, field)), field
+    assert (compiled.cache.layers[0].packed.key_group > 0).any()  # keys were quantized along the way
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_token_written_where_the_residual_still_holds_one_is_refused_whole(compiled, monkeypatch):
+    """A one-token step whose residual row another slot still reads: one line, and nothing written."""
+    if compiled and not packed_kernels.library():
+        pytest.skip("no C compiler: the torch path runs")
+    monkeypatch.setenv("EVALKIT_TORCH_PACKED", "0" if compiled else "1")
+    keys = torch.randn(1, 2, 10, 16, generator=torch.Generator().manual_seed(0))
+    packed = PackedKV.from_prompt(ec.KVFormat(4, 8, 16), keys, keys, torch.ones(1, 2, 10, dtype=torch.bool))
+    packed.pad(12)
+    index = (torch.arange(1)[:, None, None], torch.arange(2)[None, :, None])
+    token = torch.randn(1, 2, 1, 16)
+    packed.hold((*index, torch.tensor([[[10]]])), torch.tensor([[[40]]]), token, token)
+    before = [t.clone() for t in packed.tensors()]
+    with pytest.raises(ValueError, match="overruns kv_bits' full-precision residual") as caught:
+        # 57 % 17 == 40 % 17: the row slot 10's token still holds
+        packed.hold((*index, torch.tensor([[[11]]])), torch.tensor([[[57]]]), token * 2, token * 2)
+    assert "\n" not in str(caught.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, packed.tensors()))
+    assert packed.residual_slot[0, :, 10].tolist() == [40 % 17] * 2 and packed.key_fresh[0, :, 10].all()
 
 
 def test_the_bytes_held_are_the_packed_tensors_and_a_fraction_of_the_dense_formats(model, monkeypatch):

@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from . import packed_dequant
+from . import packed_kernels
 from .kv_format import KVFormat
 
 # The per-slot fields ``[B, H, S, ...]`` and what an empty slot holds.
@@ -144,8 +144,8 @@ class PackedKV:
         codes ``[B, H, S, D]`` (uint8) and each slot's key scale and minimum ``[2, B * H * S, D]`` (reused step after
         step: no fresh tensors, no page faults); none, fresh ones."""
         bits, group = self.fmt.bits, self.fmt.group_size
-        if packed_dequant.applies(self.key_codes, self.room, keys, values):  # the fields are views alike (pad)
-            return packed_dequant.dequantize(self, keys, values)
+        if packed_kernels.applies(self, keys, values):
+            return packed_kernels.dequantize(self, keys, values)
         batch, heads, slots, dim = keys.shape
         lend = lend or (lambda name, shape, like: like.new_empty(shape))
         codes, params = lend("codes", keys.shape, self.key_codes), lend("params", (2, batch * heads * slots, dim), keys)
@@ -169,7 +169,14 @@ class PackedKV:
              value_states: torch.Tensor) -> None:
         """New tokens written at ``index`` (``(rows, heads, slots)``, as :func:`.layout.put_tokens` writes) at text
         ``positions`` (broadcast like the slots): into the residual, their slots no longer quantized."""
-        rows, heads, slots = index
+        slots = index[2]
+        if (key_states.shape[2] == 1 and slots.dtype == positions.dtype == torch.int64
+                and slots.shape[0] == positions.shape[0] == key_states.shape[0] and positions.shape[1] == 1
+                and packed_kernels.applies(self, key_states, value_states)):
+            if not packed_kernels.hold_token(self, slots, positions, key_states, value_states):
+                raise self._overrun(1)
+            return
+        rows, heads = index[:2]
         at = (positions % self.residual_keys.shape[2]).expand_as(slots)
         busy = self.residual_slot == at[..., :1]
         for j in range(1, at.shape[-1]):
@@ -177,34 +184,48 @@ class PackedKV:
         busy &= self.key_fresh | self.value_fresh
         busy[index] = False  # the slots written now give theirs up
         if at.shape[-1] > self.residual_keys.shape[2] or bool(busy.any()):
-            raise ValueError(f"a step of {at.shape[-1]} tokens overruns kv_bits' full-precision residual "
-                             f"(kv_residual={self.fmt.residual}: the tokens of its last steps are still held there); "
-                             "feed fewer tokens a step")
+            raise self._overrun(at.shape[-1])
         self.residual_keys.index_put_((rows, heads, at), key_states)
         self.residual_values.index_put_((rows, heads, at), value_states)
         self.residual_slot.index_put_(index, at.to(self.residual_slot.dtype))
         self.key_fresh[index] = self.value_fresh[index] = True
         self.key_group[index] = 0
 
+    def _overrun(self, tokens: int) -> ValueError:
+        return ValueError(f"a step of {tokens} tokens overruns kv_bits' full-precision residual (kv_residual="
+                          f"{self.fmt.residual}: the tokens of its last steps are still held there); feed fewer tokens "
+                          "a step")
+
     def settle(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, position: torch.Tensor,
                steps: torch.Tensor, held: torch.Tensor) -> None:
         """After a step's attention over ``keys``, ``values`` (the dequantized workspace), quantize what leaves the
         residual: :meth:`.KVFormat.settle`'s tokens, with its arguments; ``held`` ``[B, H or 1, S]`` the valid
         slots (the key groups they use stay allocated; an evicted token gives its residual entry up)."""
+        if (positions.dtype == position.dtype == steps.dtype == torch.int64 and positions.stride(-1) == 1
+                and held.stride(-1) == 1 and packed_kernels.applies(self, values)):
+            if packed_kernels.settle_values(self, values, positions, position, steps, held):
+                self._quantize_block(keys, self._completed(positions, position - steps + 1, position), positions,
+                                     position, held)
+            return
         self.key_fresh &= held
         self.value_fresh &= held
-        fmt, residual = self.fmt, self.fmt.residual
-        first = (position - steps + 1)[:, None, None]
-        here = position[:, None, None]
-        generated = positions >= first
-        leaving = (generated & (positions <= here - residual)).expand_as(self.value_fresh) & self.value_fresh
-        complete = ((position - first[:, 0, 0] + 1) % residual == 0)[:, None, None]
-        block = (generated & (positions > here - residual) & complete).expand_as(self.key_fresh) & self.key_fresh
+        first, here = position - steps + 1, position
+        generated = positions >= first[:, None, None]
+        leaving = (generated & (positions <= here[:, None, None] - self.fmt.residual)).expand_as(self.value_fresh)
+        leaving = leaving & self.value_fresh
         if bool(leaving.any()):
             self._quantize_values(values, leaving)
+        block = self._completed(positions, first, here)
         if bool(block.any()):
-            group = ((positions - (here - residual + 1)).clamp(min=0) // fmt.group_size).expand_as(block)
-            self._quantize_block(keys, block, group, held.expand_as(block))
+            self._quantize_block(keys, block, positions, here, held)
+
+    def _completed(self, positions: torch.Tensor, first: torch.Tensor, here: torch.Tensor) -> torch.Tensor:
+        """``[B, H, S]``: the slots of generated tokens whose keys a step at ``here`` (``[B]``, the first generated
+        token at ``first``) completes a block of, still in the residual."""
+        residual = self.fmt.residual
+        complete = ((here - first + 1) % residual == 0)[:, None, None]
+        block = (positions >= first[:, None, None]) & (positions > here[:, None, None] - residual) & complete
+        return block.expand_as(self.key_fresh) & self.key_fresh
 
     def _quantize_values(self, values: torch.Tensor, leaving: torch.Tensor) -> None:
         rows, heads, slots = leaving.nonzero(as_tuple=True)
@@ -213,9 +234,13 @@ class PackedKV:
         self.value_scale[rows, heads, slots], self.value_min[rows, heads, slots] = scale, low
         self.value_fresh[rows, heads, slots] = False
 
-    def _quantize_block(self, keys: torch.Tensor, block: torch.Tensor, group: torch.Tensor, held: torch.Tensor) -> None:
-        """The keys of a complete block, per channel over their groups, into newly allocated table entries."""
+    def _quantize_block(self, keys: torch.Tensor, block: torch.Tensor, positions: torch.Tensor, here: torch.Tensor,
+                        held: torch.Tensor) -> None:
+        """The keys of a complete ``block`` (``[B, H, S]``; the step at ``here`` ``[B]`` its last), per channel over
+        their groups (by place in the block), into newly allocated table entries."""
         fmt, count = self.fmt, self.fmt.residual // self.fmt.group_size
+        group = ((positions - (here[:, None, None] - fmt.residual + 1)).clamp(min=0) // fmt.group_size)
+        group, held = group.expand_as(block), held.expand_as(block)
         low, high = _group_bounds(keys, group.masked_fill(~block, count), count)
         index = group.clamp(max=count - 1)[..., None].expand_as(keys)
         codes, _ = fmt.encode(keys, low.gather(2, index), high.gather(2, index))

@@ -72,6 +72,7 @@ class PackedKV:
     residual_slot: torch.Tensor
     key_fresh: torch.Tensor
     value_fresh: torch.Tensor
+    rooms: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, repr=False)  # each slot field's storage
 
     @classmethod
     def from_prompt(cls, fmt: KVFormat, keys: torch.Tensor, values: torch.Tensor, held: torch.Tensor) -> PackedKV:
@@ -124,13 +125,14 @@ class PackedKV:
         grown = slots > self.room
         room = slots + max(16, slots // 16) if grown else self.room
         for name, fill in SLOT_FIELDS:
-            tensor = getattr(self, name)
+            tensor, whole = getattr(self, name), self.rooms.get(name)
             if grown:
-                storage = tensor.new_full((*tensor.shape[:2], room, *tensor.shape[3:]), fill)
-                storage[:, :, : tensor.shape[2]] = tensor
-            else:
-                storage = tensor.as_strided((*tensor.shape[:2], room, *tensor.shape[3:]), tensor.stride())
-            setattr(self, name, storage[:, :, :slots])
+                whole = tensor.new_full((*tensor.shape[:2], room, *tensor.shape[3:]), fill)
+                whole[:, :, : tensor.shape[2]] = tensor
+            elif whole is None:
+                whole = tensor.as_strided((*tensor.shape[:2], room, *tensor.shape[3:]), tensor.stride())
+            self.rooms[name] = whole
+            setattr(self, name, whole.narrow(2, 0, slots))
 
     # -- a decode step -----------------------------------------------------------------------------------------------
     @property

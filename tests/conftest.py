@@ -132,6 +132,7 @@ SMALL_SETTINGS = {
     "kvzip_plus": lambda: ec.KVzipPlus(capacity=40, chunk_size=64).with_prompts(TINY_RECONSTRUCTION),
     "kvgrad": lambda: ec.KVgrad(capacity=40, chunk_size=64).with_prompts(TINY_RECONSTRUCTION),
     "quest": lambda: ec.Quest(capacity=24, page_size=8, dense_layers=1),  # the tiny models have 2 layers
+    "shadowkv": lambda: ec.ShadowKV(capacity=24, rank=8, chunk_size=4, outlier_chunks=4),  # H*D = 32
     "rkv": lambda: ec.RKV(capacity=64, window=4, interval=8, kernel_size=3),
     "snapkv_d": lambda: ec.SnapKVD(capacity=40, window=8, kernel_size=3),
     "raas": lambda: ec.RaaS(capacity=48, alpha=0.02),

@@ -77,6 +77,7 @@ SIZED = {**PREFILL, **DECODING, "rkv": lambda: ec.RKV(capacity=40, window=4, int
          "restorekv_plus": lambda: ec.RestoreKVPlus(capacity=20, chunk_size=16, adapter=str(restorekv()))
          .with_prompts(TINY_RECONSTRUCTION),
          "quest": lambda: ec.Quest(capacity=16, page_size=4, dense_layers=1),
+         "shadowkv": lambda: ec.ShadowKV(capacity=16, rank=8, chunk_size=4, local_chunks=2, outlier_chunks=2),
          "minicache": lambda: ec.MiniCache(start_layer=0),
          "cam": lambda: ec.CaM.from_config(40, interval=8, merge_budget=4, scorer="tova")}
 # Every registered method but those test_compression.py holds to its own references; a new one at its defaults.

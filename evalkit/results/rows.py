@@ -167,8 +167,11 @@ def summary_rows(samples: list[dict]) -> list[dict]:
 
 # kv_quantized_tokens: of the tokens held at the peak, those priced at kv_bits (empty at 16 bits; see
 # evalkit.compression.engine.accounting); a sample column once the samples table declares it, a metric row always.
+# kv_bytes_device, kv_bytes_fetched_step: a method that offloads to the host (ShadowKV), what stays on the device and
+# what a decode step fetches; absent for the others.
 BYTE_COLUMNS = ("kv_bytes_peak", "kv_bytes_reserved", "kv_bytes_full", "kv_bytes_predicted", "memory_ratio",
-                "kv_bytes_prefill_peak", "kv_byte_seconds", "kv_quantized_tokens")
+                "kv_bytes_prefill_peak", "kv_byte_seconds", "kv_quantized_tokens", "kv_bytes_device",
+                "kv_bytes_fetched_step")
 
 
 def byte_rows(frame: pd.DataFrame) -> list[dict]:
@@ -187,6 +190,9 @@ def byte_rows(frame: pd.DataFrame) -> list[dict]:
         rows["kv_bytes_prefill_peak_max"] = measured["kv_bytes_prefill_peak"].max()
     if "kv_quantized_tokens" in measured and measured["kv_quantized_tokens"].notna().any():  # kv_bits < 16
         rows["kv_quantized_tokens_mean"] = measured["kv_quantized_tokens"].mean()
+    for column in ("kv_bytes_device", "kv_bytes_fetched_step"):  # an offloading method's
+        if column in measured and measured[column].notna().any():
+            rows[f"{column}_mean"] = measured[column].mean()
     predicted = measured.dropna(subset=["kv_bytes_predicted"])
     if len(predicted):
         error = (predicted["kv_bytes_predicted"] - predicted["kv_bytes_peak"]).abs() / predicted["kv_bytes_peak"]

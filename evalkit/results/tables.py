@@ -139,6 +139,9 @@ SAMPLE_COLUMNS: dict[str, pa.DataType] = {
     # decode seconds (byte-seconds)
     "kv_byte_seconds": pa.float64(),
     "kv_quantized_tokens": pa.float64(),  # under kv_bits < 16: of the tokens held at the peak, those held quantized
+    # a method that offloads (ShadowKV): the bytes it keeps on the device, and those it fetches from the host a step
+    "kv_bytes_device": pa.int64(),
+    "kv_bytes_fetched_step": pa.int64(),
     "over_budget": pa.bool_(),  # the cache held more than the budget allows (None: no budget)
 }
 

@@ -55,9 +55,13 @@ def held_bytes(layers, row: int, row_peak: int, seen: int, fed_back: int, reserv
     sliding-window layer at most its window), and ``memory_ratio`` = full / peak. Under a quantized KV format also
     ``kv_quantized_tokens``: of the held tokens at the peak (per KV head, the mean over layers, as
     ``peak_cache_tokens``), those ``kv_bytes_peak`` prices at ``kv_bits``: the kept prompt and the generated tokens
-    beyond the full-precision residual (the ``fed_back`` generated tokens the cache took)."""
+    beyond the full-precision residual (the ``fed_back`` generated tokens the cache took). A method that offloads
+    part of its cache to the host (ShadowKV: ``offloaded_bytes``) also gives ``kv_bytes_device``, what stays on the
+    device, and ``kv_bytes_fetched_step``, what a decode step fetches from the host (``kv_bytes_peak`` stays the whole
+    cache, held somewhere)."""
     peak = reserved = full = 0
     quantized, formats = 0.0, 0
+    offload = _offloaded(layers, row, row_peak, fed_back)
     for index, layer in enumerate(layers):
         key_dim, value_dim, element = _key_width(layer), layer.values.shape[-1], layer.keys.element_size()
         token_bytes = (key_dim + value_dim) * element
@@ -76,7 +80,25 @@ def held_bytes(layers, row: int, row_peak: int, seen: int, fed_back: int, reserv
     peak, reserved = math.ceil(peak), math.ceil(reserved)
     return {"kv_bytes_peak": peak, "kv_bytes_reserved": reserved, "kv_bytes_full": full,
             "memory_ratio": full / peak if peak else None,
-            **({"kv_quantized_tokens": round(quantized / len(layers), 3)} if formats else {})}
+            **({"kv_quantized_tokens": round(quantized / len(layers), 3)} if formats else {}), **offload}
+
+
+def _offloaded(layers, row: int, row_peak: int, fed_back: int) -> dict:
+    """Row ``row``'s ``kv_bytes_device`` and ``kv_bytes_fetched_step`` where a layer's policy offloads (a layer
+    that does not, or holds its prompt whole, counts whole on the device); empty where none can."""
+    if not any(hasattr(layer.layout.policy, "offloaded_bytes") for layer in layers):
+        return {}
+    device = fetched = 0
+    for layer in layers:
+        policy, element = layer.layout.policy, layer.keys.element_size()
+        heads, key_dim, value_dim = layer.keys.shape[1], _key_width(layer), layer.values.shape[-1]
+        split = getattr(policy, "offloaded_bytes", lambda *args: None)(row_peak - fed_back, fed_back, heads, key_dim,
+                                                                        element)
+        if split is None:
+            device += layer.layout.held(layer, row, row_peak)[1] * (key_dim + value_dim) * element
+        else:
+            device, fetched = device + split[0], fetched + split[1]
+    return {"kv_bytes_device": math.ceil(device), "kv_bytes_fetched_step": fetched}
 
 
 def _key_width(layer) -> int:

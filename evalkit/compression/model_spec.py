@@ -39,9 +39,14 @@ def returned_cache(output):
 
 
 def rotary_embedding(model):
-    """The model's rotary embedding (``rotary(x, position_ids) -> (cos, sin)``, on its decoder stack), or None."""
+    """The model's rotary embedding (``rotary(x, position_ids) -> (cos, sin)``, on its decoder stack), or None. Where
+    it takes a layer type (Gemma 3: global and sliding-window layers rotate by different bases), the global layers'
+    rotation: the only layers compressed."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    return getattr(decoder, "rotary_emb", None)
+    rotary = getattr(decoder, "rotary_emb", None)
+    if rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters:
+        return functools.partial(rotary, layer_type="full_attention")
+    return rotary
 
 
 def attention_sinks(module) -> torch.Tensor | None:

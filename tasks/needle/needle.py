@@ -38,11 +38,10 @@ def _sentence_start(text: str, position: int) -> int:
     return len(text) if found < 0 else found + 2
 
 
-def stretches(lengths: list[int], depths: list[float], per_cell: int, rng: random.Random):
-    """``(length, depth, index, chunk)`` per prompt: a stretch of the haystack of about ``length`` tokens, from a
-    random sentence start to the last full sentence. ``rng`` draws the start just before each yield, so a caller that
-    draws its needles from it after each yield keeps one reproducible sequence."""
+def build_examples(lengths: list[int], depths: list[float], per_cell: int = 1, seed: int = 1234) -> list[dict]:
     text = haystack()
+    rng = random.Random(seed)
+    rows = []
     for length in lengths:
         size = int(length) * CHARS_PER_TOKEN
         if size >= len(text) // 2:
@@ -53,18 +52,12 @@ def stretches(lengths: list[int], depths: list[float], per_cell: int, rng: rando
             for index in range(int(per_cell)):
                 start = _sentence_start(text, rng.randrange(1, len(text) - 2 * size))
                 chunk = text[start : start + size]
-                yield length, depth, index, chunk[: chunk.rfind(". ") + 1] or chunk
-
-
-def build_examples(lengths: list[int], depths: list[float], per_cell: int = 1, seed: int = 1234) -> list[dict]:
-    rng = random.Random(seed)
-    rows = []
-    for length, depth, index, chunk in stretches(lengths, depths, per_cell, rng):
-        code = str(rng.randrange(100000, 1000000))
-        at = min(_sentence_start(chunk, round(float(depth) * len(chunk))), len(chunk))
-        context = " ".join(part for part in (chunk[:at].strip(), NEEDLE.format(code=code), chunk[at:].strip()) if part)
-        rows.append({"id": f"len{length}-depth{depth}-{index}", "context": context, "question": QUESTION,
-                     "answer": code, "length": str(length), "depth": f"{float(depth):g}"})
+                chunk = chunk[: chunk.rfind(". ") + 1] or chunk
+                code = str(rng.randrange(100000, 1000000))
+                at = min(_sentence_start(chunk, round(float(depth) * len(chunk))), len(chunk))
+                context = " ".join(part for part in (chunk[:at].strip(), NEEDLE.format(code=code), chunk[at:].strip()) if part)
+                rows.append({"id": f"len{length}-depth{depth}-{index}", "context": context, "question": QUESTION,
+                             "answer": code, "length": str(length), "depth": f"{float(depth):g}"})
     return rows
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-from evalkit.tasks.needle.needle import CHARS_PER_TOKEN, _sentence_start, haystack, source, stretches  # noqa: F401
+from evalkit.tasks.needle.needle import CHARS_PER_TOKEN, _sentence_start, haystack, source  # noqa: F401
 
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
 INTRO = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. I will quiz you "
@@ -45,15 +45,26 @@ def build_examples(lengths: list[int], depths: list[float], keys: int = 4, per_c
                    seed: int = 1234) -> list[dict]:
     if int(keys) < 1:
         raise ValueError(f"keys must be at least 1 (the asked needle), got {keys}")
+    text = haystack()
     rng = random.Random(seed)
     rows = []
-    for length, depth, index, chunk in stretches(lengths, depths, per_cell, rng):
-        names = _keys(rng, int(keys))
-        values = [str(rng.randrange(1_000_000, 10_000_000)) for _ in names]
-        needles = [(float(depth), NEEDLE.format(key=names[0], value=values[0]))]
-        needles += [(rng.random(), NEEDLE.format(key=k, value=v)) for k, v in zip(names[1:], values[1:])]
-        rows.append({"id": f"len{length}-depth{depth}-{index}", "context": f"{INTRO}\n{_insert(chunk, needles)}",
-                     "key": names[0], "answer": values[0], "length": str(length), "depth": f"{float(depth):g}"})
+    for length in lengths:
+        size = int(length) * CHARS_PER_TOKEN
+        if size >= len(text) // 2:
+            raise ValueError(f"length {length} is too long for the haystack ({len(text) // CHARS_PER_TOKEN} tokens)")
+        for depth in depths:
+            if not 0 <= float(depth) <= 1:
+                raise ValueError(f"depths must be within [0, 1], got {depth}")
+            for index in range(int(per_cell)):
+                start = _sentence_start(text, rng.randrange(1, len(text) - 2 * size))
+                chunk = text[start : start + size]
+                chunk = chunk[: chunk.rfind(". ") + 1] or chunk
+                names = _keys(rng, int(keys))
+                values = [str(rng.randrange(1_000_000, 10_000_000)) for _ in names]
+                needles = [(float(depth), NEEDLE.format(key=names[0], value=values[0]))]
+                needles += [(rng.random(), NEEDLE.format(key=k, value=v)) for k, v in zip(names[1:], values[1:])]
+                rows.append({"id": f"len{length}-depth{depth}-{index}", "context": f"{INTRO}\n{_insert(chunk, needles)}",
+                             "key": names[0], "answer": values[0], "length": str(length), "depth": f"{float(depth):g}"})
     return rows
 
 

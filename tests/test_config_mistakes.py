@@ -146,6 +146,17 @@ def test_needles_declared_lengths_must_fit_the_context(tmp_path):
                           "with 16 tokens to generate", "model=NAME")
 
 
+def test_needles_refusal_names_the_context_that_fits_its_lengths(tmp_path, random_model_dir):
+    """A model of its own whose 256-token context cannot take 1,500-token needles: the line names the setting that
+    would (1,500 and 16 answer tokens, rounded up to 2,048), before the weights load."""
+    result = evalkit("task=needle", "task.dataset.lengths=[1500]", f"model.pretrained={random_model_dir}",
+                     f"results_dir={tmp_path / 'results'}", cwd=tmp_path)
+    assert_one_line_error(result, tmp_path, "task needle's prompts of up to about 1500 tokens", "with 16 tokens to "
+                          "generate: choose a model with a longer context (model=NAME, or model.max_context=2048 where "
+                          "the model takes that many), or shorten task.dataset.lengths")
+    assert "Loading weights" not in result.stderr
+
+
 def test_a_task_whose_answers_fill_the_context_is_refused_for_any_model(tmp_path, random_model_dir):
     """A model of its own (not the built-in one) and local data (read and checked first: nothing to download): the
     task is refused before the weights load."""

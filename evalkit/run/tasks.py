@@ -94,12 +94,13 @@ def check_fit(spec, configs: list[dict]) -> None:
             problem = (f"task {spec.task} generates up to {reserve} tokens (task.generation.max_gen_toks), which leaves "
                        f"no room for a prompt in the {spec.max_context}-token context of model {spec.model_name} "
                        "(model.max_context)")
-            lower = "lower task.generation.max_gen_toks"
+            lower, longer = "lower task.generation.max_gen_toks", "model.max_context where the model takes more"
         elif longest is not None and longest > room:
             problem = (f"task {spec.task}'s prompts of up to about {longest:g} tokens (task.dataset.lengths) do not fit "
                        f"the {spec.max_context}-token context of model {spec.model_name} (model.max_context) with "
                        f"{reserve or 0} tokens to generate")
-            lower = "shorten task.dataset.lengths"
+            need = -(-int(longest + (reserve or 0)) // 1024) * 1024  # rounded up to a multiple of 1,024
+            lower, longer = "shorten task.dataset.lengths", f"model.max_context={need} where the model takes that many"
         else:
             continue
         if str(spec.pretrained).startswith("builtin:"):
@@ -107,5 +108,4 @@ def check_fit(spec, configs: list[dict]) -> None:
             raise ConfigError(f"{problem}: {spec.model_name} is a built-in test model for task=kv_retrieval; choose "
                               f"a model for task {spec.task} with model=NAME ({', '.join(models)}) or "
                               "model.pretrained=PATH")
-        raise ConfigError(f"{problem}: choose a model with a longer context (model=NAME, or model.max_context where "
-                          f"the model takes more), or {lower}")
+        raise ConfigError(f"{problem}: choose a model with a longer context (model=NAME, or {longer}), or {lower}")

@@ -188,9 +188,8 @@ def byte_rows(frame: pd.DataFrame) -> list[dict]:
             "memory_freed": (measured["kv_bytes_reserved"] < measured["kv_bytes_full"]).mean()}
     if "kv_bytes_prefill_peak" in measured and measured["kv_bytes_prefill_peak"].notna().any():
         rows["kv_bytes_prefill_peak_max"] = measured["kv_bytes_prefill_peak"].max()
-    if "kv_quantized_tokens" in measured and measured["kv_quantized_tokens"].notna().any():  # kv_bits < 16
-        rows["kv_quantized_tokens_mean"] = measured["kv_quantized_tokens"].mean()
-    for column in ("kv_bytes_device", "kv_bytes_fetched_step"):  # an offloading method's
+    # kv_bits < 16; an offloading method's
+    for column in ("kv_quantized_tokens", "kv_bytes_device", "kv_bytes_fetched_step"):
         if column in measured and measured[column].notna().any():
             rows[f"{column}_mean"] = measured[column].mean()
     predicted = measured.dropna(subset=["kv_bytes_predicted"])

@@ -99,7 +99,7 @@ def check_fit(spec, configs: list[dict]) -> None:
             problem = (f"task {spec.task}'s prompts of up to about {longest:g} tokens (task.dataset.lengths) do not fit "
                        f"the {spec.max_context}-token context of model {spec.model_name} (model.max_context) with "
                        f"{reserve or 0} tokens to generate")
-            need = -(-int(longest + (reserve or 0)) // 1024) * 1024  # rounded up to a multiple of 1,024
+            need = int(-(-(longest + (reserve or 0)) // 1024)) * 1024  # rounded up to a multiple of 1,024
             lower, longer = "shorten task.dataset.lengths", f"model.max_context={need} where the model takes that many"
         else:
             continue

@@ -11,6 +11,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 import evalkit.compression as ec
 from evalkit.models import gguf as gguf_models
+from evalkit.models.tokenizer_probe import check_tokenizer
 
 ASSETS = Path(__file__).parents[1] / "assets"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -39,9 +40,10 @@ def resolve_device(device: str) -> str:
 def load_model(pretrained: str, dtype: str = "float32", device: str = "auto", attn_implementation: str = "sdpa",
                revision: str | None = None, device_map: str | dict | None = None):
     """Model and tokenizer from a hub id (at ``revision``), a local path or ``builtin:NAME``; left padding for
-    batched prompts. ``device_map`` (accelerate's: ``"auto"``, ``"balanced"``, or a dict of module names to devices)
-    spreads the layers over the machine's GPUs instead of putting the model on ``device``; each layer's compressed
-    cache then lives on that layer's device."""
+    batched prompts; a tokenizer that loses a probe text is refused (:mod:`evalkit.models.tokenizer_probe`).
+    ``device_map`` (accelerate's: ``"auto"``, ``"balanced"``, or a dict of module names to devices) spreads the layers
+    over the machine's GPUs instead of putting the model on ``device``; each layer's compressed cache then lives on
+    that layer's device."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     path = resolve_pretrained(pretrained)
@@ -49,6 +51,7 @@ def load_model(pretrained: str, dtype: str = "float32", device: str = "auto", at
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    check_tokenizer(tokenizer, pretrained, path)  # a tokenizer_class that does not fit its vocabulary, before the weights
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(AutoConfig.from_pretrained(path, revision=revision)), None)
     if attn_implementation == "sdpa" and not getattr(model_class, "_supports_sdpa", True):
         attn_implementation = "eager"  # e.g. gpt-oss, whose learned attention sinks sdpa does not compute

@@ -39,6 +39,20 @@ def chunk_mode_refusal(policy: Policy, chunk_mode: str) -> str | None:
     return None
 
 
+def _check_ids(caller: str, input_ids, batch: int | None = None) -> None:
+    """Token ids ``[batch, tokens]`` of an integer dtype, ``batch`` rows where the session has them already."""
+    rows = "batch" if batch is None else f"batch = {batch}"
+    expected = f"{caller} takes input_ids of shape [{rows}, tokens] (integer ids)"
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValueError(f"{expected}, got a {type(input_ids).__name__}")
+    shape = list(input_ids.shape)
+    if input_ids.dim() != 2 or input_ids.is_floating_point() or input_ids.is_complex() or 0 in shape or \
+            batch is not None and shape[0] != batch:
+        hint = (": the next ids from step's logits [batch, q, vocab] are logits[:, -1].argmax(-1, keepdim=True)"
+                if caller == "step" and input_ids.dim() == 3 else "")
+        raise ValueError(f"{expected}, got shape {shape} ({input_ids.dtype}){hint}")
+
+
 def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     # Same convention as transformers' generate: positions count real tokens; padding gets a harmless 1.
     positions = attention_mask.long().cumsum(-1) - 1
@@ -48,8 +62,11 @@ def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 class CompressionSession:
     """One batch going through a model under a policy.
 
-    ``prefill`` runs the prompt and compresses the cache; ``step`` feeds new tokens (one per row, or a chunk that does
-    not wrap a ring) and returns their logits. ``cache`` exposes the real tensors: ``cache.layers[i].keys`` is
+    ``prefill`` runs the prompt ``[batch, n]`` and compresses the cache; it returns the next token's logits
+    ``[batch, vocab]``. ``step`` feeds new tokens ``[batch, q]`` (one per row, or a chunk that does not wrap a ring)
+    and returns the logits of every token fed, ``[batch, q, vocab]``: the next token's are ``step(...)[:, -1]``, the
+    shape ``prefill`` returns, so a greedy loop is ``logits = session.step(logits.argmax(-1, keepdim=True))[:, -1]``.
+    Ids of any other shape are refused in one line. ``cache`` exposes the real tensors: ``cache.layers[i].keys`` is
     ``[batch, kv_heads, slots, head_dim]``.
     """
 
@@ -103,7 +120,8 @@ class CompressionSession:
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
         chunk: int | None = None, chunk_mode: str = "exact",
     ) -> torch.Tensor:
-        """Run the prompt, compress every layer, return the next-token logits ``[B, vocab]`` (fp32).
+        """Run the prompt ``input_ids`` ``[B, n]``, compress every layer, return the next token's logits ``[B, vocab]``
+        (fp32; ``step`` returns one such row per token it is fed, ``[B, q, vocab]``).
 
         ``position_ids`` (default: counting the real tokens) lets a prompt whose tokens were dropped before prefill
         (speculative prefill) keep its tokens' original positions; decoding then continues from the largest + 1.
@@ -120,6 +138,11 @@ class CompressionSession:
           (the streaming setting of prompts longer than memory), whose cache never holds more than capacity + chunk.
           Policies with per-layer or per-head budgets and hybrid models are refused.
         """
+        _check_ids("prefill", input_ids)
+        for name, given in (("attention_mask", attention_mask), ("position_ids", position_ids)):
+            if given is not None and tuple(given.shape) != tuple(input_ids.shape):
+                raise ValueError(f"prefill takes {name} of input_ids' shape {list(input_ids.shape)}, got "
+                                 f"{list(given.shape)}")
         if chunk is not None:
             self._check_chunking(input_ids, attention_mask, chunk, chunk_mode)
         if self.cache.state is not None:
@@ -249,12 +272,16 @@ class CompressionSession:
 
     @torch.no_grad()
     def step(self, input_ids: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:
-        """Feed ``input_ids`` ``[B, q]`` after the cached tokens; return their logits ``[B, q, vocab]`` (fp32).
+        """Feed ``input_ids`` ``[B, q]`` after the cached tokens; return their logits ``[B, q, vocab]`` (fp32): the next
+        token's are ``[:, -1]``, ``[B, vocab]`` as ``prefill`` returns them.
 
         ``active`` (``[B]`` bool) marks the rows whose tokens count in the statistics (finished rows still run).
         """
         if self.cache.state is None:
             raise RuntimeError("call prefill before step")
+        _check_ids("step", input_ids, len(self.state.seq_len))
+        if active is not None and tuple(active.shape) != (len(input_ids),):
+            raise ValueError(f"step takes active of shape [batch] = [{len(input_ids)}], got {list(active.shape)}")
         count, device = input_ids.shape[1], input_ids.device
         if active is None:
             active = torch.ones(input_ids.shape[0], dtype=torch.bool)

@@ -13,6 +13,7 @@ session tasks accuracy_by_turn.png.
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -34,7 +35,7 @@ from .summary import (
 )
 from .tables import read_runs
 from .trace_costs import point_label
-from .turns import turn_plot
+from .turns import left_out_line, turn_plot
 
 
 def plot(table: pd.DataFrame, path: Path) -> Path:
@@ -179,9 +180,7 @@ def write_report(results_dir: str | Path, out: str | Path | None = None, iterati
         if drawn is not None:
             paths[name.removesuffix(".png")] = drawn
             text += [f"![{name.removesuffix('.png').replace('_', ' ')}]({name})", ""]
-    if turn_plot(samples, out / "accuracy_by_turn.png") is not None:  # session tasks: score turn by turn
-        paths["accuracy_by_turn"] = out / "accuracy_by_turn.png"
-        text += ["## Accuracy by turn (one context, many calls)", "", "![accuracy by turn](accuracy_by_turn.png)", ""]
+    text += turn_section(samples, out, paths)
     recorded = metrics[["run_id", "task", "task_options"]].drop_duplicates() if "task_options" in metrics else None
     registry_runs = set() if recorded is None else {
         run for run, task, options in recorded.itertuples(index=False) if run_task(task, options).from_registry}
@@ -206,6 +205,19 @@ def write_report(results_dir: str | Path, out: str | Path | None = None, iterati
                 text += [f"![{task} lines]({paths[f'{name}_lines'].name})", ""]
     paths["markdown"].write_text("\n".join(text))
     return paths
+
+
+def turn_section(samples: pd.DataFrame, out: Path, paths: dict[str, Path]) -> list[str]:
+    """Session tasks: accuracy_by_turn.png (added to ``paths``) and its lines of report.md. A run the plot cannot show
+    (its samples have no turn) is named in one line on stderr and in report.md, never dropped without a word."""
+    text = []
+    if turn_plot(samples, out / "accuracy_by_turn.png") is not None:  # score turn by turn
+        paths["accuracy_by_turn"] = out / "accuracy_by_turn.png"
+        text += ["## Accuracy by turn (one context, many calls)", "", "![accuracy by turn](accuracy_by_turn.png)", ""]
+    if (left_out := left_out_line(samples, "accuracy_by_turn" in paths)) is not None:
+        print(f"evalkit-report: {left_out}", file=sys.stderr)
+        text += [f"Note: {left_out}.", ""]
+    return text
 
 
 def subset_heatmaps(table: pd.DataFrame, samples: pd.DataFrame, task: str, path: Path, axes=None,

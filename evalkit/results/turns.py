@@ -23,6 +23,33 @@ def turn_scores(samples: pd.DataFrame) -> pd.DataFrame:
     return table.rename(columns={"mean": "score", "count": "n"})
 
 
+SESSION_MODES = ("multi_request", "multi_turn")
+
+
+def runs_without_turns(samples: pd.DataFrame) -> list[str]:
+    """The runs accuracy_by_turn.png would show but cannot: their samples have no turn (no ``turn`` column, or every
+    value empty), while they ran a session mode or a task the plot draws from other runs' turns."""
+    if samples.empty:
+        return []
+    turned = samples["turn"].notna() if "turn" in samples else pd.Series(False, index=samples.index)
+    with_turns = turned.groupby(samples["run_id"]).any()
+    drawn = set(samples.loc[turned, "task"]) if "task" in samples else set()
+    runs = samples.drop_duplicates("run_id").set_index("run_id")
+    session = runs["task_mode"].isin(SESSION_MODES) if "task_mode" in runs else False
+    in_plot = runs["task"].isin(drawn) if "task" in runs else False
+    return sorted(runs.index[(session | in_plot) & ~with_turns.reindex(runs.index, fill_value=False)])
+
+
+def left_out_line(samples: pd.DataFrame, drawn: bool) -> str | None:
+    """One line naming the runs :func:`runs_without_turns` finds, and why; None where there are none."""
+    missing = runs_without_turns(samples)
+    if not missing:
+        return None
+    plot = "accuracy_by_turn.png leaves out" if drawn else "accuracy_by_turn.png is not drawn, leaving out"
+    return (f"{plot} {len(missing)} run{'s' if len(missing) > 1 else ''} whose samples have no turn (no turn "
+            f"column, or every turn empty): {', '.join(missing)}")
+
+
 def run_label(run: pd.Series) -> str:
     """``snapkv 4x multi_turn`` (``/gold`` under the gold history), ``full multi_request``."""
     budget = "" if run["method"] == "full" else f" {cell_text(run['budget'])}"

@@ -104,7 +104,8 @@ def test_the_same_command_runs_a_damaged_run_again_and_keeps_its_tables_aside(re
                     f"{results / 'damaged'}/; the config runs again")
     aside = results / "damaged"
     moved = {f"{folder}/{damaged.stem}{suffix}" for folder, suffix in (
-        ("metrics", ".parquet"), ("samples", ".parquet"), ("csv/metrics", ".csv"), ("csv/samples", ".csv"))}
+        ("metrics", ".parquet"), ("samples", ".parquet"), ("csv/metrics", ".csv"), ("csv/samples", ".csv"),
+        ("manifests", ".json"))}
     assert {str(p.relative_to(aside)) for p in aside.rglob("*") if p.is_file()} == moved
     for name in moved:  # kept as they were found, the damaged file too
         assert (aside / name).read_bytes() == before[name]
@@ -130,8 +131,8 @@ def test_a_damaged_table_is_no_finished_run_and_is_moved_not_deleted(results, ta
     line = capsys.readouterr().err.strip()
     assert line.startswith(f"evalkit: WARNING: {damaged} is damaged (") and reason in line and "\n" not in line
     moved = {name for name in before if damaged.stem in name and not name.startswith("lm_eval/")}  # tables, CSVs
-    kept = {name: data for name, data in before.items() if name not in moved}
-    assert len(moved) == 4 and snapshot(results) == kept | {f"damaged/{name}": before[name] for name in moved}
+    kept = {name: data for name, data in before.items() if name not in moved}  # and the run's manifest
+    assert len(moved) == 5 and snapshot(results) == kept | {f"damaged/{name}": before[name] for name in moved}
     full = table_path(results, "metrics", "full")
     assert set_aside_damaged(results, full.stem.split("-")[-2]) == [full]  # the good run: finished, where it was
 

@@ -135,7 +135,7 @@ def summarize(metrics: pd.DataFrame, samples: pd.DataFrame, iterations: int = 20
             row |= against_full(row, samples[samples["run_id"] == baseline["run_id"]])
         rows.append(row)
     table = pd.DataFrame(rows)
-    table["budget"] = table["budget"].fillna("full")
+    table["budget"] = table["budget"].astype(object).fillna("full")  # no run with a budget: a column of NaN
     return table.sort_values(["task", "model", "method", *shown, "budget"], key=_budget_order).reset_index(drop=True)
 
 

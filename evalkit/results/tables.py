@@ -12,7 +12,8 @@ jobs (distinct run ids) never write the same file. Every row carries the run id 
 
 :func:`read_table` reads a folder file by file and tells a damaged file (cut short, overwritten, another program's
 table) from a run's table: :class:`DamagedTable` names it and says what is wrong, where pandas would raise on the
-folder or read the file's rows as rows of no run.
+folder or read the file's rows as rows of no run. A run's tables are also held to its manifest (written last,
+:mod:`.manifest`): one missing, short or changed since the run wrote it is damaged too, where it would read as whole.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import pyarrow.parquet as pq
 
 from evalkit.core.errors import one_line
 from evalkit.core.paths import naming
+
+from . import manifest
 
 # Fixed types, so that runs whose configs leave different fields empty still read back as one table.
 CONFIG_COLUMNS: dict[str, pa.DataType] = {
@@ -200,12 +203,15 @@ class ResultsError(ValueError):
 class DamagedTable(ResultsError):
     """A table file that does not read back as a table evalkit wrote: ``path`` and what is wrong (``reason``)."""
 
-    def __init__(self, path: Path, reason: str, more: int = 0):
-        self.path, self.reason = Path(path), reason
+    def __init__(self, path: Path, reason: str, more: int = 0, recorded_in: Path | None = None):
+        self.path, self.reason, self.recorded_in = Path(path), reason, recorded_in
         others = f" (and {more} more damaged file{'s' if more > 1 else ''} in {self.path.parent.name}/)" if more else ""
         remedy = f"move it out of {self.path.parent.name}/"
+        if recorded_in is not None:  # held to its run's manifest: the run's files go, or none
+            remedy = f"move the run's tables and {recorded_in} out of {recorded_in.parent.parent}"
         if re.search(r"-[0-9a-f]{12}-[0-9a-f]{6}$", self.path.stem):  # a run's table: its config can run again
-            remedy = (f"run its config again (evalkit moves the run's tables to {self.path.parent.parent / DAMAGED}/ "
+            results_dir = (recorded_in or self.path).parent.parent
+            remedy = (f"run its config again (evalkit moves the run's tables to {results_dir / DAMAGED}/ "
                       f"and redoes the run), or {remedy}")
         super().__init__(f"{self.path} is damaged ({reason}){others}: {remedy}")
 
@@ -231,6 +237,18 @@ def load_table(path: str | os.PathLike, name: str) -> pa.Table:
     if name in REQUIRED and table["run_id"].null_count:
         raise DamagedTable(path, f"{table['run_id'].null_count} of its {len(table)} rows have no run_id")
     return table
+
+
+def check_recorded(path: Path, record: dict, recorded_in: Path, name: str | None = None) -> None:
+    """``path`` held to its run's manifest (``record``, read from ``recorded_in``): :class:`DamagedTable` where it is
+    missing, short or changed since its run wrote it. For a Parquet table (``name``: metrics or samples), what
+    :func:`load_table` finds wrong with a changed file is said first (cut short, another program's table)."""
+    fault = manifest.fault(path, record)
+    if fault is None:
+        return
+    if name is not None and path.exists():
+        load_table(path, name)
+    raise DamagedTable(path, fault, recorded_in=recorded_in)
 
 
 def _kind(kind: pa.DataType) -> str:
@@ -259,19 +277,29 @@ def table_files(folder: Path) -> list[Path]:
 
 def read_table(results_dir: str | os.PathLike, name: str = "metrics") -> pd.DataFrame:
     """Every run's rows of table ``name`` under ``results_dir``, as one DataFrame (columns a run lacks are empty in
-    its rows). A file that does not read back whole is :class:`DamagedTable`, the first one named; a missing folder
-    :class:`ResultsError`."""
+    its rows). A file that does not read back whole, or that its run's manifest records and is missing, short or
+    changed, is :class:`DamagedTable`, the first one named; a missing folder :class:`ResultsError`. A run without a
+    manifest (written before manifests existed) is read as before."""
     folder = Path(results_dir) / name
     if not folder.is_dir():
         raise ResultsError(f"{Path(results_dir)} has no {name}/ folder: not an evalkit results directory")
+    try:
+        recorded = manifest.recorded(results_dir, name)
+    except manifest.Unreadable as error:
+        raise DamagedTable(error.path, error.reason) from None
     tables, damaged = [], []
     for path in table_files(folder):
         try:
+            if path in recorded:
+                check_recorded(path, *recorded.pop(path), name)
             tables.append((path, load_table(path, name)))
         except DamagedTable as error:
             damaged.append(error)
+    damaged += [DamagedTable(path, manifest.fault(path, record), recorded_in=where)  # recorded, no longer there
+                for path, (record, where) in recorded.items() if not path.exists()]
     if damaged:
-        raise DamagedTable(damaged[0].path, damaged[0].reason, len(damaged) - 1)
+        first = min(damaged, key=lambda error: error.path)
+        raise DamagedTable(first.path, first.reason, len(damaged) - 1, first.recorded_in)
     if not tables:
         columns = {"metrics": METRIC_COLUMNS, "samples": SAMPLE_COLUMNS}.get(name)
         return _table([], {}, columns).to_pandas() if columns else pd.DataFrame()

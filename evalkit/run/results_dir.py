@@ -1,7 +1,7 @@
 """What a run finds in its results directory before it starts: whether the directory can take its tables, another
 process running its config (refused), the finished runs of its config (the run is skipped), the tables of runs that
-do not read back (moved aside into ``damaged/``, never deleted: the config runs again) and what an attempt cut short
-left (removed)."""
+do not read back or no longer match their run's manifest (moved aside into ``damaged/``, never deleted: the config
+runs again) and what an attempt cut short left (removed)."""
 
 from __future__ import annotations
 
@@ -14,37 +14,38 @@ from pathlib import Path
 
 from evalkit.core.console import warn
 from evalkit.core.errors import RunError
-from evalkit.results.tables import DAMAGED, DamagedTable, load_table
+from evalkit.results import manifest
+from evalkit.results.tables import DAMAGED, DamagedTable, check_recorded, load_table
 
 from .digest import config_digest
 from .spec import RunSpec
 
-TABLE_FOLDERS = {"metrics": ".parquet", "samples": ".parquet", "csv/metrics": ".csv", "csv/samples": ".csv"}
+TABLE_FOLDERS = manifest.TABLES
+RUN_FILES = {**TABLE_FOLDERS, manifest.FOLDER: ".json"}  # what moves aside with a damaged run (lm-eval's files stay)
 
 
 def completed_runs(results_dir: Path, spec: RunSpec) -> list[Path]:
-    """Metrics files of earlier runs with this exact config (a metrics file is written last, only when complete)
-    whose metrics and samples tables read back whole; the tables of a run that do not are set aside first
-    (:func:`set_aside_damaged`)."""
+    """Metrics files of earlier runs with this exact config whose tables are whole: they match their run's manifest
+    (written last, only when the run is complete), or, for a run written before manifests existed, read back (it gains
+    a manifest). The tables of a run that is not whole are set aside first (:func:`set_aside_damaged`)."""
     return set_aside_damaged(Path(results_dir), config_digest(spec))
 
 
 def set_aside_damaged(results_dir: Path, digest: str) -> list[Path]:
-    """The metrics files of config ``digest``'s finished runs. A run whose metrics or samples table does not read
-    back (cut short, overwritten, another program's table: :func:`~evalkit.results.tables.load_table`) is no finished
-    run: its tables (Parquet and CSV) move to ``<results_dir>/damaged/``, as they were, and a warning names the
-    damaged file and what is wrong with it."""
+    """The metrics files of config ``digest``'s finished runs. A run whose table is missing, short or changed against
+    its manifest, whose manifest does not read back, or (without a manifest) whose metrics or samples table does not
+    read back (cut short, overwritten, another program's table: :func:`~evalkit.results.tables.load_table`) is no
+    finished run: its tables (Parquet and CSV) and its manifest move to ``<results_dir>/damaged/``, as they were, and a
+    warning names the damaged file and what is wrong with it."""
     finished, damaged = [], []
-    for path in sorted((results_dir / "metrics").glob(f"*-{digest}-*.parquet")):
-        samples = results_dir / "samples" / path.name
+    runs = {path.stem for path in (results_dir / "metrics").glob(f"*-{digest}-*.parquet")}
+    for run_id in sorted(runs | manifest.run_ids(results_dir, digest)):
         try:
-            load_table(path, "metrics")
-            if samples.exists():
-                load_table(samples, "samples")
-            finished.append(path)
+            _check_run(results_dir, run_id)
+            finished.append(results_dir / "metrics" / f"{run_id}.parquet")
         except DamagedTable as error:
             damaged.append(error)
-            _move_aside(results_dir, path.stem, error)
+            _move_aside(results_dir, run_id, error)
     for error in damaged:
         again = "" if finished else "; the config runs again"
         warn(f"{error.path} is damaged ({error.reason}); its run's tables are moved to {results_dir / DAMAGED}/"
@@ -52,8 +53,35 @@ def set_aside_damaged(results_dir: Path, digest: str) -> list[Path]:
     return finished
 
 
+def _check_run(results_dir: Path, run_id: str) -> None:
+    """Run ``run_id``'s tables held to its manifest (:class:`DamagedTable` naming the first that is not whole), or,
+    for a run written before manifests existed, read back as before and recorded in a manifest of its own."""
+    try:
+        recorded = manifest.read(results_dir, run_id)
+    except manifest.Unreadable as error:
+        raise DamagedTable(error.path, error.reason) from None
+    if recorded is None:
+        load_table(results_dir / "metrics" / f"{run_id}.parquet", "metrics")
+        if (samples := results_dir / "samples" / f"{run_id}.parquet").exists():
+            load_table(samples, "samples")
+        with contextlib.suppress(OSError):  # a folder this process cannot write: read as before next time too
+            manifest.write(results_dir, run_id, origin="adopted")
+        return
+    where, tables = manifest.path_of(results_dir, run_id), recorded["tables"]
+    for folder, suffix in TABLE_FOLDERS.items():  # the Parquet tables first: those the readers read
+        name = f"{folder}/{run_id}{suffix}"
+        if name in tables:
+            check_recorded(results_dir / name, tables[name], where, folder if suffix == ".parquet" else None)
+        elif folder == "metrics":
+            raise DamagedTable(results_dir / name, "its run's manifest does not record it", recorded_in=where)
+    changed = [name for name, record in recorded["lm_eval"].items() if manifest.fault(results_dir / name, record)]
+    if changed:
+        warn(f"{results_dir / changed[0]} ({len(changed)} of run {run_id}'s lm-eval files) is missing or changed "
+             f"since the run wrote it ({where}); its tables are whole, so the run is not redone")
+
+
 def _move_aside(results_dir: Path, run_id: str, error: DamagedTable) -> None:
-    for folder, suffix in TABLE_FOLDERS.items():
+    for folder, suffix in RUN_FILES.items():
         source = results_dir / folder / f"{run_id}{suffix}"
         target = results_dir / DAMAGED / folder / source.name
         try:
@@ -70,12 +98,12 @@ def _move_aside(results_dir: Path, run_id: str, error: DamagedTable) -> None:
 
 
 def remove_unfinished_tables(results_dir: Path, digest: str) -> None:
-    """Tables of config ``digest`` whose run never wrote its metrics table (written last: the mark of a complete
-    run), and temporary files of an interrupted write: an attempt cut short while writing. They go before a rerun
-    writes its own tables, so that no sample is counted twice. Runs whose tables do not read back are moved aside
+    """Tables of config ``digest`` whose run never wrote its metrics table (written after the other tables), and
+    temporary files of an interrupted write (a manifest's too): an attempt cut short while writing. They go before a
+    rerun writes its own tables, so that no sample is counted twice. Runs whose tables are not whole are moved aside
     first (:func:`set_aside_damaged`): their tables are kept."""
     complete = {p.stem for p in set_aside_damaged(results_dir, digest)}
-    for folder in ("samples", "metrics", "csv/samples", "csv/metrics"):
+    for folder in (*TABLE_FOLDERS, manifest.FOLDER):
         for path in (results_dir / folder).glob(f"*-{digest}-*"):
             if path.name.startswith(".") or path.stem not in complete:
                 path.unlink(missing_ok=True)

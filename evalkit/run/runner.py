@@ -20,7 +20,7 @@ from evalkit.benchmark import task_of
 from evalkit.compression.prefill_store import sharing_prefills
 from evalkit.core.console import say, warn
 from evalkit.core.errors import ConfigError, Interrupted, RunError, model_unavailable, one_line
-from evalkit.results import lm_eval_files, metrics_table, samples_table, trackers, write_table
+from evalkit.results import lm_eval_files, manifest, metrics_table, samples_table, trackers, write_table
 from evalkit.results.progress import Progress
 from evalkit.results.rows import group_rows, tidy_rows
 
@@ -139,10 +139,10 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None, shared=None) ->
     config = {"run_id": run_id, **spec.flat_config(), **identify(spec), "config_digest": digest,
               "chat_template_sha": chat_template_sha(lm.tokenizer) if spec.apply_chat_template else None,
               **versions(), "started_at": started.isoformat()}
-    # Samples first, metrics last (its parquet file after its CSV): a metrics parquet file means the run is complete.
+    # Samples, metrics, lm-eval's own files, then the manifest of them all: written last, it means the run is complete.
     samples_path = write_table(samples_table(samples, config), spec.results_dir, "samples", run_id)
     paths = [write_table(metrics_table(metrics, config), spec.results_dir, "metrics", run_id), samples_path]
-    lm_eval_files.write(spec, run_id, results, stats, reasoning, lm.tokenizer)  # lm-eval's own files, after them
+    manifest.write(spec.results_dir, run_id, lm_eval_files.write(spec, run_id, results, stats, reasoning, lm.tokenizer))
     trackers.log_run(spec, run_id, *paths)  # logger=trackio | wandb: what the tables hold, to the tracker
     progress.remove()
     for kept in progress_path.parent.glob(f"{digest}-*"):  # what the task's own passes kept meanwhile

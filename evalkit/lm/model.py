@@ -28,6 +28,7 @@ from evalkit.lm.sessions import generate_sessions
 from evalkit.memory.measure import Throughput
 from evalkit.memory.request_cost import RequestCost
 from evalkit.models import load_model, load_spec_prefill
+from evalkit.models.limits import check_model_limits
 from evalkit.results.progress import request_keys, stats_keys
 
 
@@ -72,9 +73,7 @@ class EvalkitLM(LM):
         self.policy = policy or policy_from_config({"name": method, **policy_params}, budget, self.max_context)
         self.policy.bind_tokenizer(tokenizer)
         ec.model_spec.check_hookable(model)
-        self.policy.check_layers(model.config.num_hidden_layers)
-        if self.policy.kv_format is not None:
-            self.policy.kv_format.check_model(model.config)
+        check_model_limits(model.config, self.policy, self.max_context, pretrained)  # layers, cache kind, positions
         self.cost = RequestCost(model, self.policy)
         self.batch_size, self.seed, self.use_chat_template = int(batch_size), int(seed), bool(apply_chat_template)
         self.compile, self.sync_every = ec.compile_backend(compile), int(sync_every)

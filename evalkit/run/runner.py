@@ -104,6 +104,7 @@ _NO_ROOM = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
 def _run(spec: RunSpec, digest: str, model=None, tokenizer=None, shared=None) -> RunResult:
+    model_folder = model_path(spec)  # first: a run its model's own limits refuse writes nothing
     progress_path = spec.results_dir / ".progress" / f"{digest}.jsonl"
     if not spec.resume:
         progress_path.unlink(missing_ok=True)
@@ -114,7 +115,7 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None, shared=None) ->
     started = dt.datetime.now(dt.timezone.utc)
     run_id = run_id_for(spec, started)
     task = task_of(spec.task, spec.task_options)
-    configs = task.configs(spec.task_options, spec.bad_rows, model_path(spec.pretrained))
+    configs = task.configs(spec.task_options, spec.bad_rows, model_folder)
     seed_everything(spec.seed)  # as lm-eval seeds before it builds tasks: data built at run time (RULER) is the same
     loaded = fitting(spec, configs, lambda: [load_task(config) for config in configs])  # bad data or too long a task
     built, skipped_rows = [built for built, _ in loaded], [row for _, skipped in loaded for row in skipped]
@@ -252,15 +253,12 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def model_path(pretrained: str) -> str:
+def model_path(spec: RunSpec) -> str:
     """Where the run's model (and its tokenizer) is: a hub id or local path as given; a built-in or GGUF model's
-    folder."""
-    from evalkit.models import resolve_pretrained
+    folder. Its config (no weights) allows the run first (:mod:`evalkit.models.limits`), or a one-line error says why."""
+    from evalkit.models.limits import checked_model_path
 
-    try:
-        return resolve_pretrained(pretrained)
-    except (OSError, ValueError) as error:
-        raise RunError(model_unavailable(pretrained, error)) from None
+    return checked_model_path(spec.pretrained, spec.policy, spec.max_context, spec.revision)
 
 
 def job_line(result: RunResult, spec: RunSpec) -> str:

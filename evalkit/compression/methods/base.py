@@ -25,7 +25,7 @@ from evalkit.core.errors import ConfigError
 from evalkit.core.method_settings import check, setting
 
 from ..kernels import reduce_groups, snapkv_scores
-from ..model_spec import attention_sinks
+from ..model_spec import attention_sinks, layer_kinds
 from ..views import DecodeView, PrefillView
 
 UNBOUNDED = 1 << 62  # ring size of a cache that only grows
@@ -126,6 +126,23 @@ class Policy:
     def check_layers(self, num_layers: int) -> None:
         """Raise a ValueError if the method cannot run on a model of ``num_layers`` layers (settings given per
         layer)."""
+
+    def check_model(self, config) -> None:
+        """Raise a one-line ValueError if the method cannot run on a model of this (text) ``config``: read from the
+        model's files before its weights load (:mod:`evalkit.models.limits`), so a method states its own constraint
+        here (the head size it divides, the files it needs) and a run that cannot go is refused before it starts. By
+        default: the cache kind, from the capabilities (a latent cache without ``supports_latent``; sliding-window
+        layers under ``extra_passes``). The prefill checks the same again on the loaded model."""
+        if getattr(config, "kv_lora_rank", None) and not self.supports_latent:
+            allowed = ", ".join(sorted(name for name, cls in REGISTRY.items() if cls.supports_latent))
+            raise ValueError(f"method={self.name} does not run on a latent (MLA) cache, this model's: "
+                             f"{self.latent_refusal}; methods that do: {allowed}")
+        sliding = layer_kinds(config).count("sliding_attention")
+        if self.extra_passes and sliding:
+            raise ValueError(f"method={self.name} does not run on a model with sliding-window layers ({sliding} of "
+                             f"its {config.num_hidden_layers} keep only their last {config.sliding_window} tokens): its "
+                             "passes run over every layer's whole prompt; choose a method that scores the prompt in its "
+                             "prefill (snapkv, for one)")
 
     def bind_tokenizer(self, tokenizer) -> None:
         """Read what the method needs of the model's tokenizer (KVzip: its reconstruction prompt). Most need

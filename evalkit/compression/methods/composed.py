@@ -70,6 +70,11 @@ class Composed(Policy):
         self.first.check_layers(num_layers)
         self.then.check_layers(num_layers)
 
+    def check_model(self, config) -> None:
+        super().check_model(config)
+        self.first.check_model(config)
+        self.then.check_model(config)
+
     def prompt_capacity(self) -> int:
         return self.capacity
 

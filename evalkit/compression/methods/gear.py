@@ -10,6 +10,7 @@ import torch
 
 from evalkit.core.method_settings import setting
 
+from ..model_spec import cache_geometry
 from ..views import PrefillView
 from .base import refused_kv_format
 from .rewriting import Rewriting
@@ -132,6 +133,15 @@ class GEAR(Rewriting):
         super().__post_init__()
         if self.bits == 3:
             raise ValueError("GEAR.bits must be 2 or 4 (the reference's bits**2 - 1 levels), got 3")
+
+    def check_model(self, config) -> None:
+        super().check_model(config)
+        (heads, width, _), _ = cache_geometry(config)
+        if (heads * width) % self.group_size:
+            fits = max(size for size in range(1, min(64, heads * width) + 1) if heads * width % size == 0)
+            raise ValueError(f"method.group_size={self.group_size} must divide this model's kv_heads * head_dim = "
+                             f"{heads * width} ({heads} KV head{'s' * (heads > 1)} of {width} channels; GEAR quantizes the values in "
+                             f"groups of that many channels): e.g. method.group_size={fits}")
 
     kv_format = refused_kv_format("GEAR quantizes the kept keys and values itself, a quantized format would quantize "
                                   "its reconstruction again")

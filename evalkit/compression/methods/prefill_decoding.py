@@ -47,6 +47,10 @@ class PrefillDecoding(DecodingSnapKV):
         super().check_layers(num_layers)
         self.prefill.check_layers(num_layers)
 
+    def check_model(self, config) -> None:
+        super().check_model(config)
+        self.prefill.check_model(config)
+
     def kept_sink(self) -> int:
         return self.prefill.kept_sink()
 

@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import torch
 
-from ..learned_weights import bad_file, checked_tensor, json_object, safetensors_file, weights_file
+from ..learned_weights import LearnedFileError, bad_file, checked_tensor, json_object, safetensors_file, weights_file
 from .kvzip import KVzip
 
 EMBEDDINGS = "restore_embeddings.safetensors"
@@ -60,12 +60,34 @@ class RestoreKV(KVzip):
         if self.adapter:  # what the files say alone is checked as the method is built, before any model loads
             restore_files(self.adapter, self.name)
 
-    def _files(self, model=None) -> RestoreFiles:
+    def _files(self, config=None) -> RestoreFiles:
         source = self.adapter or getattr(self, "resolved", None)
         if source is None:
-            name = str(getattr(model.config, "name_or_path", "") or "").rstrip("/").split("/")[-1]
+            name = str(getattr(config, "name_or_path", "") or "").rstrip("/").split("/")[-1]
             source = self.resolved = f"higokri/RestoreKV-{name}{self.variant}"
         return restore_files(source, self.name)
+
+    def check_model(self, config) -> None:
+        """The adapter (unset: the one published for the model's name) read and held to the model's width, and the
+        capacity to its restore tokens, before the model's weights load."""
+        super().check_model(config)
+        try:
+            files = self._files(config)
+        except LearnedFileError as error:
+            if self.adapter:
+                raise
+            raise LearnedFileError(f"{self.name}: method.adapter=null names the adapter published for the model, "
+                                   f"{self.resolved}, and " + str(error).removeprefix(f"{self.name}: ")) from None
+        self._check_fit(files, config.hidden_size)
+
+    def _check_fit(self, files: RestoreFiles, hidden: int) -> None:
+        """The capacity leaves room beside the restore tokens, and their embeddings are the model's ``hidden`` wide."""
+        if self.capacity <= files.tokens:
+            raise ValueError(f"{self.name}: capacity {self.capacity} leaves no room beside its {files.tokens} restore "
+                             f"tokens per layer and KV head; give it more than {files.tokens}")
+        if files.embeddings.shape[1] != hidden:
+            raise bad_file(self.name, files.source, f"{EMBEDDINGS} holds embeddings of width "
+                                                    f"{files.embeddings.shape[1]}, the model's are {hidden} wide")
 
     def kept_context(self, real_len: torch.Tensor) -> torch.Tensor:
         over = real_len > self.capacity  # these rows take the restore tokens out of their budget
@@ -78,14 +100,8 @@ class RestoreKV(KVzip):
         the model's dtype, on its input's device."""
         if n <= self.capacity:
             return None
-        files = self._files(model)
-        if self.capacity <= files.tokens:
-            raise ValueError(f"{self.name}: capacity {self.capacity} leaves no room beside its {files.tokens} restore "
-                             f"tokens per layer and KV head; give it more than {files.tokens}")
-        hidden = model.config.hidden_size
-        if files.embeddings.shape[1] != hidden:
-            raise bad_file(self.name, files.source, f"{EMBEDDINGS} holds embeddings of width "
-                                                    f"{files.embeddings.shape[1]}, the model's are {hidden} wide")
+        files = self._files(model.config)
+        self._check_fit(files, model.config.hidden_size)
         weight = model.get_input_embeddings().weight
         return files.embeddings.to(weight.device, weight.dtype)
 
@@ -93,7 +109,7 @@ class RestoreKV(KVzip):
     def appending(self, model):
         """The LoRA adapter active (each target's output plus ``B(A(x)) * scaling``, computed as PEFT does) while
         the appended tokens run."""
-        files = self._files(model)
+        files = self._files(model.config)
         handles = []
         try:
             for path, (down, up, scaling) in files.lora.items():

@@ -167,10 +167,15 @@ class ShadowKV(Policy):
                              f"chunk_size chunks a step, got {self.capacity}")
         self._layers: dict[int, HeldPrompts] = {}
 
+    def check_model(self, config) -> None:
+        super().check_model(config)
+        if "sliding_attention" in layer_kinds(config):
+            raise ValueError("method=shadowkv does not run on a hybrid model (sliding-window layers): it rebuilds keys "
+                             "with a single rotate-half RoPE, and these models rotate theirs per layer kind; choose a "
+                             "method that keeps the keys it is given (snapkv, for one)")
+
     def bind_model(self, model) -> None:
-        if "sliding_attention" in layer_kinds(model.config):
-            raise ValueError("shadowkv does not run on a hybrid model (sliding-window layers): it rebuilds keys with "
-                             "a single rotate-half RoPE, and these models rotate theirs per layer kind")
+        self.check_model(model.config)  # again on the loaded model, for a caller that did not check it before
 
     def for_prompt(self, n: int) -> Policy:
         sized = super().for_prompt(n)

@@ -147,6 +147,10 @@ class Wrapper(Policy):
     def check_layers(self, num_layers: int) -> None:
         self.scorer.check_layers(num_layers)
 
+    def check_model(self, config) -> None:
+        super().check_model(config)
+        self.scorer.check_model(config)
+
     def kept_sink(self) -> int:
         return self.scorer.kept_sink()
 

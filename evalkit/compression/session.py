@@ -39,8 +39,9 @@ def chunk_mode_refusal(policy: Policy, chunk_mode: str) -> str | None:
     return None
 
 
-def _check_ids(caller: str, input_ids, batch: int | None = None) -> None:
-    """Token ids ``[batch, tokens]`` of an integer dtype, ``batch`` rows where the session has them already."""
+def _check_ids(caller: str, input_ids, batch: int | None = None, masks: dict | None = None) -> None:
+    """Token ids ``[batch, tokens]`` of an integer dtype, ``batch`` rows where the session has them already; each of
+    ``masks`` (a name: a tensor or None) of their shape."""
     rows = "batch" if batch is None else f"batch = {batch}"
     expected = f"{caller} takes input_ids of shape [{rows}, tokens] (integer ids)"
     if not isinstance(input_ids, torch.Tensor):
@@ -51,6 +52,9 @@ def _check_ids(caller: str, input_ids, batch: int | None = None) -> None:
         hint = (": the next ids from step's logits [batch, q, vocab] are logits[:, -1].argmax(-1, keepdim=True)"
                 if caller == "step" and input_ids.dim() == 3 else "")
         raise ValueError(f"{expected}, got shape {shape} ({input_ids.dtype}){hint}")
+    for name, given in (masks or {}).items():
+        if given is not None and list(given.shape) != shape:
+            raise ValueError(f"{caller} takes {name} of input_ids' shape {shape}, got {list(given.shape)}")
 
 
 def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -138,11 +142,7 @@ class CompressionSession:
           (the streaming setting of prompts longer than memory), whose cache never holds more than capacity + chunk.
           Policies with per-layer or per-head budgets and hybrid models are refused.
         """
-        _check_ids("prefill", input_ids)
-        for name, given in (("attention_mask", attention_mask), ("position_ids", position_ids)):
-            if given is not None and tuple(given.shape) != tuple(input_ids.shape):
-                raise ValueError(f"prefill takes {name} of input_ids' shape {list(input_ids.shape)}, got "
-                                 f"{list(given.shape)}")
+        _check_ids("prefill", input_ids, masks={"attention_mask": attention_mask, "position_ids": position_ids})
         if chunk is not None:
             self._check_chunking(input_ids, attention_mask, chunk, chunk_mode)
         if self.cache.state is not None:

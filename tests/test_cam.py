@@ -79,14 +79,18 @@ def draws(probabilities: torch.Tensor, seed: int, layer: int, position: int) -> 
 
 class Replay:
     """The definition's state of one sequence: per layer the held positions (every head the same), the attention
-    sums per head, the float64 values, the steps since the last compression."""
+    sums per head, the float64 values, the steps since the last compression, and the order a cache holds the
+    positions in: text order (CaM's official code, evalkit); under ``score_order`` the prefill's kept positions best
+    score first, then each generated one, as kvpress' cache holds them after its ``ScorerPress`` prefill. A merge
+    window is the ``merge_budget`` kept positions after the evicted one in that order, and the draws go in it."""
 
-    def __init__(self, policy, run: dict, n: int, scaling):
+    def __init__(self, policy, run: dict, n: int, scaling, score_order: bool = False):
         self.policy, self.target, self.counted, self.scaling = policy, policy.capacity - policy.interval, {}, scaling
-        self.held, self.sums, self.values, self.merges = {}, {}, {}, []
+        self.held, self.sums, self.values, self.merges, self.order = {}, {}, {}, [], {}
         for layer, r in run.items():
             score = scored(policy, r["query"][:, -1], r["key"], list(range(n)), scaling)
             kept = ranked(list(range(n)), score, self.target, *forced(policy))
+            self.order[layer] = sorted(kept, key=lambda j: (-score[j], j) if score_order else j)
             self.held[layer] = [set(kept) for _ in range(r["key"].shape[0])]
             self.sums[layer] = [{} for _ in range(r["key"].shape[0])]
             self.values[layer] = r["value"].clone()
@@ -95,6 +99,7 @@ class Replay:
     def step(self, layer, per_head, query, keys, position):
         values = _RECORD["values"][layer][0]  # the replay's cache: [Hkv, position + 1, D], what the model reads
         self.values[layer] = torch.cat([self.values[layer], values[:, position:].double()], dim=1)
+        self.order[layer].append(position)
         group = query.shape[0] // keys.shape[0]
         for h, heads in enumerate(per_head):
             order = sorted(heads)
@@ -109,11 +114,12 @@ class Replay:
 
     def compress(self, layer, per_head, query, keys, position, cache_values):
         policy, order = self.policy, sorted(per_head[0])
-        assert all(heads == per_head[0] for heads in per_head)
+        assert all(heads == per_head[0] for heads in per_head) and sorted(self.order[layer]) == order
         score = scored(policy, query, keys, order, self.scaling)
-        kept = sorted(ranked(order, score, self.target, *forced(policy)))
-        evicted = [j for j in order if j not in set(kept)]
-        windows = [[t for t in kept if t > i][: policy.merge_budget] for i in evicted]
+        kept = ranked(order, score, self.target, *forced(policy))
+        cached = self.order[layer]  # text order, or kvpress' after its prefill
+        evicted = [j for j in cached if j not in kept]
+        windows = [[t for t in cached[cached.index(i) + 1:] if t in kept][: policy.merge_budget] for i in evicted]
         probabilities = torch.zeros(len(per_head), len(evicted), dtype=torch.float64)
         for h, sums in enumerate(self.sums[layer]):
             for m, (i, window) in enumerate(zip(evicted, windows)):
@@ -129,15 +135,16 @@ class Replay:
             per_head[h].difference_update(evicted)
             for i in evicted:
                 del self.sums[layer][h][i]
+        self.order[layer] = [j for j in cached if j in kept]
         cache_values.copy_(self.values[layer].to(cache_values.dtype))
         self.merges.append((layer, position, int(drawn.sum()), int(((probabilities > 0) & (probabilities < 1)).sum())))
 
 
 @torch.no_grad()
-def simulate(model, policy, prompt: torch.Tensor, tokens: list[int]):
+def simulate(model, policy, prompt: torch.Tensor, tokens: list[int], score_order: bool = False):
     """The replay: its logits, after each step the positions held per layer and head and the float64 values."""
     run, scaling = full_run(model, prompt), module_scaling(model)
-    replay = Replay(policy, run, prompt.shape[1], scaling)
+    replay = Replay(policy, run, prompt.shape[1], scaling, score_order)
     values = []
 
     def evict(layer, per_head, query, keys, position, steps):
@@ -167,7 +174,7 @@ def value_error(session, values: dict[int, torch.Tensor]) -> float:
     return worst
 
 
-def run_both(settings: str, seed: int | None = None, steps: int = 30):
+def run_both(settings: str, seed: int | None = None, steps: int = 30, score_order: bool = False):
     """The model, the method, the prompt, the tokens fed (generated, or distinct ones for KNorm) and the replay."""
     capacity, config, n = SETTINGS[settings]
     llama = peaked_model()
@@ -179,7 +186,7 @@ def run_both(settings: str, seed: int | None = None, steps: int = 30):
         ids = 3 + torch.randperm(VOCAB - 3, generator=torch.Generator().manual_seed(4))[: n + steps]
         prompt, tokens = ids[None, :n], ids[n:].tolist()
     reference_policy = policy if seed is None else ec.CaM.from_config(capacity, **{**config, "seed": seed})
-    reference = simulate(llama, reference_policy, prompt, tokens[:-1])
+    reference = simulate(llama, reference_policy, prompt, tokens[:-1], score_order)
     return llama, policy, prompt, tokens, reference
 
 
@@ -224,6 +231,27 @@ def test_the_replay_detects_other_draws():
         session.step(torch.tensor([[token]]))
         worst = max(worst, value_error(session, values[step]))
     assert worst > 1e-3
+
+
+def test_merges_go_to_text_neighbours_not_to_kvpress_score_order():
+    """After a prefill that compressed the prompt, kvpress' cache holds the kept prompt in score order (its
+    ``ScorerPress`` gathers in ``topk`` order) and ``CAMPress`` merges into the tokens after the evicted one in the
+    cache: score neighbours. evalkit merges into text neighbours, as CaM's official code does (a documented
+    difference; ``benchmarks/parity_cam_prefill.py`` undoes it in kvpress: identical). A replay in kvpress' order holds
+    other values from the first compression on, so the exactness test above tells the two apart."""
+    llama, policy, prompt, tokens, (_, _, history, values, merges) = run_both("knorm_long_prompt_forced",
+                                                                              score_order=True)
+    session = ec.CompressionSession(llama, policy)
+    session.prefill(prompt)
+    first = min(step for step, snapshot in enumerate(history) if len(snapshot[0][0]) == policy.capacity - policy.interval)
+    gaps = []
+    for step, token in enumerate(tokens[:-1]):
+        session.step(torch.tensor([[token]]))
+        if step < first:  # no compression yet: the order made no difference
+            assert held_now(session) == history[step] and value_error(session, values[step]) < TOLERANCE
+        elif held_now(session)[0] == history[step][0]:  # layer 0's keys are the tokens' own: the same held positions
+            gaps.append(value_error(session, values[step]))
+    assert gaps and max(gaps) > 1e-3 and sum(merged for *_, merged, _ in merges) > 0
 
 
 def test_cam_gives_a_batch_and_the_engine_what_each_prompt_gets_alone():
@@ -286,3 +314,29 @@ def test_the_cam_paritys_evalkit_side_merges_and_evicts(tmp_path):
             assert len({tuple(head["kept"]) for head in heads}) == 1 and target < len(kept) <= target + interval
             assert sum(position < length for position in kept) < length  # prompt tokens were evicted
         assert out[case]["merged"] > 0, case
+
+
+@pytest.mark.slow
+def test_kvpress_after_a_knorm_prefill_agrees_once_its_score_order_is_undone():
+    """`parity_cam_prefill.py` on its random GQA Llama, kvpress 0.5.5 in its environment (benchmarks/kvpress_venv.sh,
+    EVALKIT_KVPRESS_VENV or /tmp/kvpress-venv): as kvpress does it, its merges after the KNorm prefill go elsewhere
+    (values apart); with its prefill's score order undone, every head holds evalkit's positions and values."""
+    import os
+    import re
+
+    venv = Path(os.environ.get("EVALKIT_KVPRESS_VENV", "/tmp/kvpress-venv"))
+    python = venv / "bin" / "python"
+    if not python.exists() or subprocess.run([str(python), "-c", "import kvpress"], capture_output=True).returncode:
+        pytest.skip(f"needs kvpress 0.5.5 in {venv} (bash benchmarks/kvpress_venv.sh; or point EVALKIT_KVPRESS_VENV "
+                    "at one)")
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "parity_cam_prefill.py"), "--venv", str(venv)],
+                            capture_output=True, text=True, timeout=1200, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = {}
+    for line in result.stdout.splitlines():
+        found = re.match(r"(score|text) order .*?(\d+)/(\d+)\s+(\d+)\s+(\S+)\s+(\d+), (\d+)\s+(\d+)/(\d+)$", line)
+        if found:
+            rows[found.group(1)] = [float(x) for x in found.groups()[1:]]
+    same, heads, differ, worst, merged_theirs, merged_ours, agree, steps = rows["text"]
+    assert same == heads == 8 and differ == 0 and worst < 1e-5 and merged_theirs == merged_ours > 0 and agree == steps
+    assert rows["score"][3] > 1e-3  # as kvpress does it: the same positions, other merged values

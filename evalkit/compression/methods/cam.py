@@ -51,7 +51,12 @@ class CaM(Wrapper):
     best scores, as many as steps were taken since the last compression, which is every evicted token whenever the
     cache was brought to ``target`` before (always here: the prompt is compressed at prefill); and under
     ``PrefillDecodingPress`` its prefill keeps each head's own tokens, which its compressions then average slot by
-    slot although the heads' slots hold different tokens (here every head keeps the same). kvpress also compresses on
+    slot although the heads' slots hold different tokens (here every head keeps the same), and keeps them in score
+    order (``ScorerPress`` gathers in ``topk`` order): ``CAMPress`` takes an evicted token's window, and its merge
+    order, by cache index, so after such a prefill its merges go to score neighbours; here to text neighbours, as
+    CaM's official code (zyxxmu/cam ``local_cam_mask``) and ``CAMPress``' own docstring have it (on SmolLM2, 45 of 90
+    heads hold kvpress' positions after 40 steps; with its prefill's order undone 90 of 90, values within 1.1e-5:
+    ``benchmarks/parity_cam_prefill.py``). kvpress also compresses on
     a step of ``target`` tokens or more; here a step is one token. The merge is computed in fp32 (kvpress: in the
     attention's dtype) and the attention sums are fp32. ``kv_bits`` < 16 is refused: a merge rewrites held values,
     which the quantized format holds as codes.

@@ -105,8 +105,8 @@ def libraries_to_log(log_path: Path, verbose: bool = False, quiet: bool = False)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         root = logging.getLogger()
         saved_root = (root.handlers[:], root.level)
+        bars = _library_bars(enable=verbose)  # first: the libraries it imports add their own terminal handlers
         moved = [(h, h.stream) for h in _stream_handlers() if h.stream in (*terminal, sys.__stdout__, sys.__stderr__)]
-        bars = _library_bars(enable=verbose)
         for moved_handler, _ in moved:
             moved_handler.setStream(out)
         root.handlers, root.level = [handler], logging.INFO

@@ -11,16 +11,8 @@ import sys
 from pathlib import Path
 
 from . import html_page, hub, kvpress_export, terminal_report
-from .outputs import refusing
+from .outputs import OneLineParser, refusing
 from .report import write_report
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An argument parser whose mistakes are one line, ``<prog>: <what is wrong>`` and exit status 2, as the
-    program's other refusals (argparse's own answer starts with the usage)."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: {message} ({self.prog} --help shows the arguments)\n")
 
 
 def resamples(text: str) -> int:

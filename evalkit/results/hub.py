@@ -14,7 +14,6 @@ is huggingface_hub's: ``hf auth login`` or ``HF_TOKEN``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .outputs import refusing, writing_into
+from .outputs import OneLineParser, refusing, writing_into
 from .tables import CONFIG_COLUMNS, read_runs
 
 TAGS = ["evalkit", "kv-cache-compression", "long-context", "llm-evaluation"]
@@ -110,7 +109,7 @@ def upload(folder: Path, repo: str, private: bool, token: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="evalkit-report push", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="evalkit-report push", description=__doc__.splitlines()[0])
     parser.add_argument("repo", help="the dataset's id on the Hub: ORG/NAME")
     parser.add_argument("results", type=Path, nargs="?", default=Path("results"),
                         help="the results directory (default: results)")
@@ -127,7 +126,9 @@ def main(argv: list[str] | None = None) -> None:
 
     token = get_token()
     if token is None:
-        sys.exit("evalkit-report push: not logged in to the Hugging Face Hub: run `hf auth login` (or set HF_TOKEN)")
+        print("evalkit-report push: not logged in to the Hugging Face Hub: run `hf auth login` (or set HF_TOKEN)",
+              file=sys.stderr)
+        sys.exit(2)
     with tempfile.TemporaryDirectory(prefix="evalkit-push-") as scratch:
         with refusing("evalkit-report push"):
             folder = build(args.results, Path(scratch) / "dataset", args.repo, args.license)
@@ -135,5 +136,6 @@ def main(argv: list[str] | None = None) -> None:
             url = upload(folder, args.repo, args.private, token)
         except Exception as error:  # HTTP, network or permission: one line, not a traceback
             reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            sys.exit(f"evalkit-report push: uploading to {args.repo} failed: {reason}")
+            print(f"evalkit-report push: uploading to {args.repo} failed: {reason}", file=sys.stderr)
+            sys.exit(2)
     print(f"pushed: https://huggingface.co/datasets/{args.repo} ({url})")

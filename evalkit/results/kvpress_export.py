@@ -28,7 +28,6 @@ the samples' realized ``compression_ratio``. ``query_aware``: ``compression_scop
 
 from __future__ import annotations
 
-import argparse
 import ast
 import itertools
 import json
@@ -43,7 +42,7 @@ import pandas as pd
 
 from evalkit.core import budget as budget_grammar
 
-from .outputs import refusing, writing_into
+from .outputs import OneLineParser, refusing, writing_into
 from .summary import primary_metric, run_task
 from .tables import CONFIG_COLUMNS, read_runs
 
@@ -371,7 +370,7 @@ def export(results_dir: str | Path, out: str | Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="evalkit-report export", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="evalkit-report export", description=__doc__.splitlines()[0])
     parser.add_argument("format", choices=["kvpress"], help="the layout to write (kvpress' evaluation folders)")
     parser.add_argument("results_dir", type=Path)
     parser.add_argument("--out", type=Path, required=True, help="the folder that receives one folder per run")

@@ -4,12 +4,21 @@ removes what it wrote."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import sys
 from pathlib import Path
 
 from .tables import ResultsError
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose mistakes are one line, ``<prog>: <what is wrong>`` and exit status 2, as the
+    program's other refusals (argparse's own answer starts with the usage)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} ({self.prog} --help shows the arguments)\n")
 
 
 def output_folder(folder: str | os.PathLike, parents: bool = True) -> Path:

@@ -171,7 +171,7 @@ def _collected(name: str) -> str:
 
 @pytest.mark.slow
 def test_a_task_is_its_folder_and_its_yaml(tmp_path, random_model_dir):
-    """The task checklist: tasks/<name>/ (YAML, utils.py and a module of its own) and conf/task/<name>.yaml; the CLI
+    """The task checklist: tasks/<name>/ (YAML, utils.py, schema.py and a module of its own) and conf/task/<name>.yaml; the CLI
     runs it, its loader builds the data with the run's tokenizer, the rows carry its subsets, and the report reads its
     declared primary metric and heatmap."""
     from evalkit.benchmark import task_of
@@ -201,6 +201,13 @@ def test_a_task_is_its_folder_and_its_yaml(tmp_path, random_model_dir):
               version: 1.0
               subset_field: [size, kind]
               heatmap: {{rows: kind, columns: size}}
+            """,
+        ROOT / "tasks" / name / "schema.py": """
+            from evalkit.core.schema import Key
+
+            DATASET = {}
+            ROWS = {"id": Key("text"), "question": Key("text"), "answer": Key("text"), "size": Key("int", low=1),
+                    "kind": Key("str", choices=("a", "b"))}
             """,
         ROOT / "tasks" / name / "scoring.py": """
             def contains(answer, response):

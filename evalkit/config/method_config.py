@@ -43,7 +43,7 @@ def method_settings(method_cfg: dict, budget: str | None, method_explicit: bool 
         raise ConfigError(f"unknown method {method!r}; choose one of {sorted([*known, 'spec_prefill'])}")
     check_known(method_cfg, config_settings(known[method]), "method.")
     params = {key: value for key, value in method_cfg.items() if value is not None}
-    error = known[method].problem(params)
+    error = known[method].problem(method_cfg)
     if error:  # also where the run is the full-cache baseline: a bad value is refused, never ignored
         raise ConfigError(error)
     if budget is None and method != "full" and not method_explicit:

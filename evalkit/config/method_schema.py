@@ -38,7 +38,7 @@ class MethodSchema:
             own = self.settings.get(key)
             if own is None and self.inline is not None and key in self.inline.settings:
                 own = self.inline.settings[key]
-            if own is not None and value is not None:
+            if own is not None:  # null too: a setting that is not nullable has no "unset" (its default is conf's)
                 error = problem(self.class_name, key, value, own.annotation, own.bounds)
                 if error:
                     return error

@@ -81,9 +81,10 @@ class _HashCache:
             pass
 
 
-def fingerprint(paths: list[str | os.PathLike], skip_suffixes: tuple[str, ...] = ()) -> str:
+def fingerprint(paths: list[str | os.PathLike], skip_suffixes: tuple[str, ...] = (),
+                skip_names: tuple[str, ...] = ()) -> str:
     """``sha256:<hex>`` over the names and contents of ``paths`` (files, or folders walked recursively; in folders,
-    files ending in ``skip_suffixes`` are left out)."""
+    files ending in ``skip_suffixes`` or named one of ``skip_names`` are left out)."""
     from tqdm import tqdm
 
     from evalkit.core.console import stream
@@ -95,7 +96,7 @@ def fingerprint(paths: list[str | os.PathLike], skip_suffixes: tuple[str, ...] =
             raise MissingSource(f"{root} does not exist")
         files = [root] if root.is_file() else sorted(
             f for f in root.rglob("*") if f.is_file() and not SKIPPED_DIRS & set(f.relative_to(root).parts[:-1])
-            and not f.name.endswith(skip_suffixes))
+            and not f.name.endswith(skip_suffixes) and f.name not in skip_names)
         named += [(file.name if file == root else str(file.relative_to(root)), file) for file in files]
     unread = sum(file.stat().st_size for _, file in named if cache.key(file) not in cache.entries)
     digest = hashlib.sha256()

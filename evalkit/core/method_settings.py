@@ -6,6 +6,7 @@ source). Torch-free."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 
 def setting(default=dataclasses.MISSING, *, low=None, high=None, choices=None, odd=False,
@@ -27,7 +28,7 @@ def problem(owner: str, name: str, value, annotation: str, bounds: dict) -> str 
     allowed = "" if low is None else f" >= {low}" if high is None else f" in [{low}, {high}]"
     if any(kind.startswith("tuple[") for kind in kinds):  # a list of numbers, each within the bounds
         if isinstance(value, (list, tuple)) and value and all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and (low is None or v >= low)
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (low is None or v >= low)
                 and (high is None or v <= high) for v in value):
             return None
         return f"{owner}.{name} must be a list of numbers{allowed}, got {value!r}"
@@ -35,8 +36,8 @@ def problem(owner: str, name: str, value, annotation: str, bounds: dict) -> str 
         return None if isinstance(value, bool) else f"{owner}.{name} must be true or false, got {value!r}"
     if "int" in kinds or "float" in kinds:
         number = (int,) if "float" not in kinds else (int, float)
-        if isinstance(value, bool) or not isinstance(value, number) or (low is not None and value < low) or (
-                high is not None and value > high):
+        if isinstance(value, bool) or not isinstance(value, number) or not math.isfinite(value) or (
+                low is not None and value < low) or (high is not None and value > high):
             kind = "an integer" if "float" not in kinds else "a number"
             return f"{owner}.{name} must be {kind}{allowed}, got {value!r}"
         if bounds.get("odd") and value % 2 == 0:

@@ -64,8 +64,10 @@ def identify(spec: RunSpec) -> dict:
         "stop_token_ids": json.dumps(_stop_ids(spec)),
         "draft_source": source("method.draft_model", _resolved(resolve_pretrained, draft)) if draft else None,
         "dataset_source": dataset,
-        # What runs: the task's YAML and code, not its documentation (a README edit does not make runs new).
-        "task_definition": identity.fingerprint(task.definition_paths(), skip_suffixes=(".md",)),
+        # What runs: the task's YAML and code, not its documentation (a README edit does not make runs new) nor the
+        # declarations its options and rows are checked against (schema.py: they refuse input, never change a run).
+        "task_definition": identity.fingerprint(task.definition_paths(), skip_suffixes=(".md",),
+                                                skip_names=("schema.py",)),
         "device_class": resolve_device(spec.device).split(":")[0],
     }
     return spec.identity

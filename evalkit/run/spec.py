@@ -10,8 +10,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from evalkit.benchmark import LM_EVAL, task_of
+from evalkit.config import run_schema
 from evalkit.config.method_config import check_known, method_settings, policy_from_config, spec_prefill_settings
 from evalkit.core import budget as budget_grammar
+from evalkit.core import schema
 from evalkit.core.errors import ConfigError
 from evalkit.lm.parallel import ParallelSettings, parallel_settings
 
@@ -29,8 +31,9 @@ if TYPE_CHECKING:  # torch and the compression code load with the first validate
 # `source: lm_eval`: a task of lm-eval's own registry (conf/task/lm_eval.yaml), with `num_fewshot` and `metadata`.
 # `mode`: single (each query a request of its own, the default) | multi_request | multi_turn, over a session task's
 # shared context (evalkit.lm.sessions); `history`: own | gold, what a multi_turn chat keeps of each answer.
-TASK_OPTION_KEYS = ("dataset", "generation", "repeats", "system_instruction", "gen_prefix", "source", "num_fewshot",
-                    "metadata", "mode", "history")
+# `truncation`: left | middle cuts prompts too long for the context (counted); null refuses them. Each is declared
+# with its kind and range in evalkit.config.run_schema.TASK.
+TASK_OPTION_KEYS = tuple(key for key in run_schema.TASK if key != "name")
 
 
 @dataclasses.dataclass
@@ -121,20 +124,16 @@ class RunSpec:
         }
 
 
-RUN_KEYS = ("model", "method", "task", "hardware", "deployment", "budget", "results_dir", "seed", "limit", "batch_size",
-            "compile", "fidelity_tokens", "resume", "strict_budget", "threads", "device", "bad_rows", "compression_scope",
-            "prefill_chunk", "prefill_chunk_mode", "memory", "kv_bits", "kv_group_size", "kv_residual",
-            "parallel", "verbose", "logger")
+RUN_KEYS = (*run_schema.RUN, *run_schema.GROUPS)
+MODEL_KEYS = tuple(run_schema.MODEL)
 
 
-MODEL_KEYS = ("name", "pretrained", "max_context", "dtype", "apply_chat_template", "revision", "device_map",
-              "deployment")
-
-
-def _require_bool(value, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{name} must be true or false, got {value!r}")
-    return value
+def _checked(section: dict, keys: dict, prefix: str = "") -> None:
+    """``section``'s keys known and its values within their declarations (:mod:`evalkit.config.run_schema`)."""
+    check_known(section, keys, prefix)
+    found = schema.check(section, keys, prefix)
+    if found:
+        raise ConfigError(found)
 
 
 def _require(section: dict, key: str, where: str):
@@ -150,11 +149,13 @@ def precheck(cfg: dict, method_explicit: bool = True, sweeping: bool = False) ->
     read, normalised, with ``warnings`` (lines to say before the run: what a sweep's job ignores, ``sweeping``);
     raises ConfigError with one line."""
     check_known(cfg, RUN_KEYS)
+    _checked({key: value for key, value in cfg.items() if key in run_schema.RUN}, run_schema.RUN)
     model = cfg.get("model") or {}
-    check_known(model, MODEL_KEYS, "model.")
-    if isinstance(cfg.get("memory"), dict):
-        check_known(cfg["memory"], ("enforce",), "memory.")
-        _require_bool(cfg["memory"].get("enforce", False), "memory.enforce")
+    _checked(model, run_schema.MODEL, "model.")
+    _checked(cfg.get("memory") or {}, run_schema.MEMORY, "memory.")
+    for group, keys in (("parallel", run_schema.PARALLEL), ("logger", run_schema.LOGGER)):
+        if isinstance(cfg.get(group), dict):
+            _checked(cfg[group], keys, f"{group}.")
     budget = cfg.get("budget")
     if isinstance(budget, dict):  # the group form of earlier configs: {spec: 4x}
         check_known(budget, ("spec",), "budget.")
@@ -166,13 +167,11 @@ def precheck(cfg: dict, method_explicit: bool = True, sweeping: bool = False) ->
         raise ConfigError(str(error)) from None
     method_settings(cfg.get("method") or {}, budget, method_explicit)
     max_context = _require(model, "max_context", "model")
-    if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 1:
-        raise ConfigError(f"model.max_context must be a positive integer, got {max_context!r}")
     task_name, options = _checked_task(cfg.get("task") or {})
     return {
         "budget": budget, "max_context": max_context, "task": task_name, "options": options,
         "warnings": _checked_kv_settings(cfg, sweeping),
-        "apply_chat_template": _require_bool(model.get("apply_chat_template", False), "model.apply_chat_template"),
+        "apply_chat_template": model.get("apply_chat_template", False),
         **_checked_run_settings(cfg),
         "model_name": str(_require(model, "name", "model")),
         "pretrained": str(_require(model, "pretrained", "model")),
@@ -180,54 +179,42 @@ def precheck(cfg: dict, method_explicit: bool = True, sweeping: bool = False) ->
 
 
 def _checked_task(task: dict) -> tuple[str, dict]:
-    """The task's name and its options (``TASK_OPTION_KEYS``), checked."""
+    """The task's name and its options (``TASK_OPTION_KEYS``), checked against their declarations: the task's own
+    (``task.*``, :data:`evalkit.config.run_schema.TASK`), its dataset options (declared beside its code) and
+    ``task.generation``."""
     task_name = _require(task, "name", "task")
-    source = task.get("source")
     if task_name == "???":  # conf/task/lm_eval.yaml leaves the name to the command line
         raise ConfigError("task.name is required: the lm-eval task to run (task=lm_eval task.name=gsm8k)")
-    if source not in (None, LM_EVAL):
-        raise ConfigError(f"task.source must be lm_eval (a task of lm-eval's registry) or absent, got {source!r}")
+    if not isinstance(task_name, str):
+        raise ConfigError(f"task.name must be a task's name, got {task_name!r}")
+    if task.get("source") not in (None, LM_EVAL):
+        raise ConfigError(f"task.source must be lm_eval (a task of lm-eval's registry) or absent, got {task['source']!r}")
     options = {key: task.get(key) for key in TASK_OPTION_KEYS if task.get(key) is not None}
     task_of(task_name, options).check()
-    check_known(task, ("name", *TASK_OPTION_KEYS), "task.")
+    _checked(task, run_schema.TASK, "task.")
     check_mode(task_name, options)
-    for key in ("dataset", "generation", "metadata"):
-        if not isinstance(options.get(key, {}), dict):
-            raise ConfigError(f"task.{key} must be a mapping, got {options[key]!r}")
-    path = options.get("dataset", {}).get("path")
-    if path is not None and not isinstance(path, str):
-        raise ConfigError(f"task.dataset.path must be a path or a hub id (text), got {path!r}")
-    for key in ("max_gen_toks", "max_new_tokens"):
-        _require_count(options.get("generation", {}).get(key), f"task.generation.{key}", "a positive integer", 1)
-    _require_count(options.get("num_fewshot"), "task.num_fewshot", "a non-negative integer", 0)
-    _require_count(options.get("repeats"), "task.repeats", "a positive integer", 1)
+    dataset = options.get("dataset", {})
+    declared = run_schema.REGISTRY_DATASET if task.get("source") == LM_EVAL else run_schema.dataset_keys(task_name)
+    if declared is None:
+        raise ConfigError(f"task {task_name} declares no dataset options (tasks/<folder>/schema.py: DATASET)")
+    _checked(dataset, declared, "task.dataset.")
+    generation = options.get("generation", {})
+    _checked(generation, run_schema.GENERATION, "task.generation.")
     return task_name, options
 
 
 def _checked_run_settings(cfg: dict) -> dict:
-    """The run's own settings beyond model, method and task, checked."""
-    _require_count(cfg.get("seed"), "seed", "a non-negative integer", 0, optional=False)
-    _require_count(cfg.get("batch_size"), "batch_size", "a positive integer", 1, optional=False)
-    _require_count(cfg.get("limit"), "limit", "a positive integer or null", 1)
-    _require_count(cfg.get("prefill_chunk"), "prefill_chunk", "a positive integer of tokens or null", 1)
-    _require_count(cfg.get("threads"), "threads", "a positive integer or null", 1)
-    fidelity_tokens = cfg.get("fidelity_tokens", 0)
-    _require_count(fidelity_tokens, "fidelity_tokens", "a non-negative integer", 0, optional=False)
-    scope = cfg.get("compression_scope", "prompt")
-    if scope not in ("prompt", "context"):
-        raise ConfigError(f"compression_scope must be prompt or context, got {scope!r}")
-    bad_rows = cfg.get("bad_rows", "error")
-    if bad_rows not in ("error", "skip"):
-        raise ConfigError(f"bad_rows must be error or skip, got {bad_rows!r}")
+    """The run's own settings beyond model, method and task (their kinds and ranges checked already), read, and
+    what holds between them."""
     device = str(cfg.get("device", "auto"))
     kind, _, index = device.partition(":")
     if device not in ("auto", "cpu", "mps") and not (kind == "cuda" and (not index or index.isdigit())):
         raise ConfigError(f"device must be auto, cpu, cuda, cuda:N or mps, got {device!r}")
     return {
-        "limit": cfg.get("limit"), "scope": scope, "prefill_chunk": cfg.get("prefill_chunk"),
-        "fidelity_tokens": fidelity_tokens, "bad_rows": bad_rows, "device": device, "threads": cfg.get("threads"),
-        "resume": _require_bool(cfg.get("resume", True), "resume"),
-        "strict_budget": _require_bool(cfg.get("strict_budget", False), "strict_budget"),
+        "limit": cfg.get("limit"), "scope": cfg.get("compression_scope", "prompt"),
+        "prefill_chunk": cfg.get("prefill_chunk"), "fidelity_tokens": cfg.get("fidelity_tokens", 0),
+        "bad_rows": cfg.get("bad_rows", "error"), "device": device, "threads": cfg.get("threads"),
+        "resume": cfg.get("resume", True), "strict_budget": cfg.get("strict_budget", False),
         "parallel": parallel_settings(_without_unused("parallel", cfg.get("parallel"), "single", {"replicas": 1},
                                                       "parallel=ray to shard the run over Ray replicas",
                                                       "one process runs the whole evaluation")),
@@ -277,9 +264,6 @@ def _checked_kv_settings(cfg: dict, sweeping: bool) -> list[str]:
     """``kv_bits``, ``kv_group_size`` and ``kv_residual`` are integers whatever ``kv_bits`` is. At ``kv_bits=16`` (no
     quantization) a group size or residual other than conf/config.yaml's would take no effect: one line, or, in a
     sweep (where a fixed residual beside ``kv_bits=16,4`` is meant for the quantized jobs), a warning returned."""
-    _require_count(cfg.get("kv_bits", 16), "kv_bits", "a positive integer", 1, optional=False)
-    for name in KV_FORMAT_KEYS:
-        _require_count(cfg.get(name), name, "a positive integer", 1)
     if cfg.get("kv_bits", 16) != 16:
         return []
     unused = [f"{name}={cfg[name]}" for name in KV_FORMAT_KEYS
@@ -290,12 +274,6 @@ def _checked_kv_settings(cfg: dict, sweeping: bool) -> list[str]:
     if sweeping:
         return [f"{said}: this job runs unquantized"]
     raise ConfigError(f"{said}: add kv_bits=2, 4 or 8 to quantize the cache, or leave {' and '.join(unused)} out")
-
-
-def _require_count(value, name: str, kind: str, low: int, optional: bool = True) -> None:
-    """``value`` is an integer >= ``low`` (or None, where ``optional``); else one line saying it must be ``kind``."""
-    if (value is not None or not optional) and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-        raise ConfigError(f"{name} must be {kind}, got {value!r}")
 
 
 def validate(cfg: dict, method_explicit: bool = True, checked: dict | None = None) -> RunSpec:

@@ -123,8 +123,11 @@ def evaluate(cfg: DictConfig, overrides: list[str], sweeping: bool = False, job_
 
 def header(spec, log) -> str:
     """The run's first lines: what runs, where, and where its results and its libraries' log go."""
-    budget = f" {spec.budget} (cache {spec.policy.cache_capacity()} of {spec.max_context} tokens)" if spec.budget else \
-        " (full cache)"
+    cache, prompt, context = spec.policy.cache_capacity(), spec.policy.prompt_capacity(), spec.max_context
+    held = (f"cache {cache} of {context} tokens" if cache is not None else
+            f"prompt kept to {prompt} of {context} tokens, the cache growing while decoding" if prompt is not None else
+            f"cache not bounded by the budget; {context}-token context")
+    budget = f" {spec.budget} ({held})" if spec.budget else " (full cache)"
     return (f"evalkit: {spec.model_name} · task {spec.task} · {spec.method}{budget} · device {spec.device}\n"
             f"  results: {spec.results_dir}/ (libraries' log: {log})")
 

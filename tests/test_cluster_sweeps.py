@@ -31,7 +31,7 @@ SWEEP = ["+budget=2x,4x", "task=kv_retrieval", "limit=4"]
 # answers all finished between the third generation and scancel)
 LONG_PROMPTS = 96
 LONG_SWEEP = ["+budget=2x,4x", "task=kv_retrieval", f"limit={LONG_PROMPTS}", "batch_size=1",
-              "+task.generation.max_gen_toks=96"]
+              "+task.generation.max_gen_toks=96", "task.truncation=left"]
 TIMED = ["prefill_seconds", "decode_seconds", "time_to_first_token_s", "draft_seconds", "kv_byte_seconds"]
 
 

@@ -105,7 +105,7 @@ def _kill_one_replica_midway(args: list[str], results: Path, cwd: Path, after: i
 @pytest.mark.slow
 def test_a_killed_replica_is_restarted_and_every_sample_is_written_once(tmp_path, random_model_dir):
     alone, sharded = tmp_path / "alone", tmp_path / "sharded"
-    slow = ["limit=40", "batch_size=1", "+task.generation.max_gen_toks=96"]
+    slow = ["limit=40", "batch_size=1", "+task.generation.max_gen_toks=96", "task.truncation=left"]
     assert evalkit(*_args(random_model_dir, alone, *slow), cwd=tmp_path).returncode == 0
     process, _, stderr, durable = _kill_one_replica_midway(
         _args(random_model_dir, sharded, *slow, "parallel=ray", "parallel.replicas=2"), sharded, tmp_path)
@@ -122,7 +122,8 @@ def test_a_killed_replica_is_restarted_and_every_sample_is_written_once(tmp_path
 @pytest.mark.slow
 def test_a_replica_that_keeps_dying_stops_the_run_and_its_samples_resume(tmp_path, random_model_dir):
     results = tmp_path / "results"
-    args = _args(random_model_dir, results, "limit=40", "batch_size=1", "+task.generation.max_gen_toks=96")
+    args = _args(random_model_dir, results, "limit=40", "batch_size=1", "+task.generation.max_gen_toks=96",
+                 "task.truncation=left")
     process, _, stderr, durable = _kill_one_replica_midway([*args, "parallel=ray", "parallel.max_restarts=0"],
                                                           results, tmp_path)
     assert process.returncode == 2, stderr[-3000:]

@@ -51,7 +51,7 @@ RUN_ELSEWHERE = {
     "limit=4 model.pretrained=$MODEL results_dir=$PWD/results hydra.sweep.dir=$PWD/sweep":
         "tests/test_cluster_sweeps.py::test_a_sweep_on_ray_writes_the_rows_of_a_local_sweep",
     "evalkit -m hydra/launcher=submitit_slurm hydra.launcher.timeout_min=10 +budget=2x,4x task=kv_retrieval limit=24 "
-    "batch_size=1 +task.generation.max_gen_toks=96 model.pretrained=$MODEL results_dir=$PWD/results "
+    "batch_size=1 +task.generation.max_gen_toks=96 task.truncation=left model.pretrained=$MODEL results_dir=$PWD/results "
     "hydra.sweep.dir=$PWD/sweep2":
         "tests/test_cluster_sweeps.py::test_a_slurm_job_cancelled_mid_run_resumes_when_the_sweep_is_submitted_again",
     # docs/parallel.md

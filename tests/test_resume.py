@@ -33,7 +33,7 @@ def test_repeats_of_one_request_get_distinct_keys():
 def test_killed_run_resumes_without_losing_or_repeating_samples(tmp_path, random_model_dir):
     results = tmp_path / "results"
     args = ["task=kv_retrieval", f"model.pretrained={random_model_dir}", "limit=40", "batch_size=1",
-            "+task.generation.max_gen_toks=96", f"results_dir={results}"]
+            "+task.generation.max_gen_toks=96", "task.truncation=left", f"results_dir={results}"]  # long generations
     process, _, lines = interrupted_run(args, results, tmp_path, signal.SIGKILL)  # no cleanup of any kind
     assert process.returncode == -9, "the run finished before it could be killed"
     assert not (results / "metrics").exists()

@@ -187,7 +187,7 @@ def test_bad_rows_can_be_counted_and_skipped(tmp_path, random_model_dir):
 def test_ctrl_c_keeps_generations_and_the_restart_resumes(tmp_path, random_model_dir):
     results = tmp_path / "results"
     args = ["task=kv_retrieval", f"model.pretrained={random_model_dir}", "limit=40", "batch_size=1",
-            "+task.generation.max_gen_toks=96", f"results_dir={results}"]
+            "+task.generation.max_gen_toks=96", "task.truncation=left", f"results_dir={results}"]
     process, stderr, lines = interrupted_run(args, results, tmp_path, signal.SIGINT)
     assert process.returncode == 130, stderr[-2000:]
     kept = len(lines)

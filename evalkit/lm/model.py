@@ -22,8 +22,9 @@ from evalkit.benchmark import doc_to_question
 from evalkit.config.method_config import policy_from_config
 from evalkit.core.console import PhaseBar, stream
 from evalkit.core.errors import ConfigError, RunError, model_unavailable
+from evalkit.lm.context_fit import asked_truncation, check_fit, prepare_fitting
 from evalkit.lm.prompts import PromptEncoder
-from evalkit.lm.requests import check_model_arguments, finish_request, model_arguments, prepare_request
+from evalkit.lm.requests import check_model_arguments, finish_request, model_arguments
 from evalkit.lm.sessions import generate_sessions
 from evalkit.memory.measure import Throughput
 from evalkit.memory.request_cost import RequestCost
@@ -49,7 +50,7 @@ class EvalkitLM(LM):
                  compression_scope: str = "prompt", progress=None, fidelity_tokens: int = 0,
                  spec_prefill: dict | None = None, revision: str | None = None, device_map: str | dict | None = None,
                  compile: bool | str = False, sync_every: int = 4, prefill_chunk: int | None = None,
-                 prefill_chunk_mode: str = "exact", **policy_params):
+                 prefill_chunk_mode: str = "exact", truncation: str | None = None, **policy_params):
         super().__init__()
         if model is None:
             if pretrained is None:
@@ -85,6 +86,7 @@ class EvalkitLM(LM):
         self.progress, self.fidelity_tokens = progress, int(fidelity_tokens)
         self.spec_prefill = load_spec_prefill(spec_prefill, dtype, device) if spec_prefill else None
         self.mode, self.history = "single", "own"  # a session task's task.mode and task.history (evalkit.lm.sessions)
+        self.truncation = asked_truncation(truncation)  # task.truncation (None: a prompt too long is refused)
 
     @property
     def device(self):
@@ -129,8 +131,7 @@ class EvalkitLM(LM):
         if self.mode != "single":
             return generate_sessions(self, requests, self.mode, self.history, disable_tqdm)
         keys = request_keys([(r.args[0], r.args[1]) for r in requests])
-        owners = stats_keys(requests)
-        outputs: list[str | None] = [None] * len(requests)
+        owners, outputs = stats_keys(requests), [None] * len(requests)  # outputs: a text per request once generated
         for index, key in enumerate(keys):
             record = self.progress.get(key) if self.progress is not None else None
             if record is not None:  # generated before an interruption
@@ -138,6 +139,7 @@ class EvalkitLM(LM):
                 self.request_stats[owners[index]] = record["stats"]
         todo = [i for i in range(len(requests)) if outputs[i] is None]
         prepared = [self._prepare(*requests[i].args[:2], keys[i], self._question(requests[i])) for i in todo]
+        check_fit(self, [requests[i].args[0] for i in todo], prepared, requests[0].task_name)  # before any generates
         meter = self.throughput
         meter.start(self.device)
         with PhaseBar(len(requests), len(requests) - len(todo), disable=disable_tqdm) as bar:
@@ -179,8 +181,8 @@ class EvalkitLM(LM):
 
     def _prepare(self, text: str, gen_kwargs: dict, key: str, question: str | None = None) -> dict:
         """One lm-eval request as an engine request (:func:`evalkit.lm.requests.prepare_request`); ``question``: the
-        text that follows the prompt's document (:meth:`_question`)."""
-        return prepare_request(self, text, gen_kwargs, key, question)
+        text that follows the prompt's document (:meth:`_question`), cut only as asked (:mod:`.context_fit`)."""
+        return prepare_fitting(self, text, gen_kwargs, key, question)
 
     # -- log-likelihood --------------------------------------------------------------------------------------------
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:

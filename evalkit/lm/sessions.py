@@ -50,14 +50,15 @@ def generate_sessions(lm, requests, mode: str, history: str, disable_tqdm: bool 
             for index, record in zip(members, records):
                 outputs[index], lm.request_stats[owners[index]] = record["text"], record["stats"]
             done += len(members)
+    pending = [members for members in sessions.values() if outputs[members[0]] is None]
+    plans = [_plan_session(lm, [requests[i] for i in members], mode, history) for members in pending]
+    _check_fit(lm, plans, len(sessions), requests[0].task_name)  # before anything generates
     meter = lm.throughput
     meter.start(lm.device)
     try:
         with PhaseBar(len(requests), done, disable=disable_tqdm) as bar:
-            for members in sessions.values():
-                if outputs[members[0]] is not None:
-                    continue
-                texts, stats = _run_session(lm, [requests[i] for i in members], mode, history)
+            for members, plan in zip(pending, plans):
+                texts, stats = _run_session(lm, plan, mode, history)
                 for index, text, stat in zip(members, texts, stats):
                     outputs[index], lm.request_stats[owners[index]] = text, stat
                     meter.add({**stat, "prompt_tokens": stat["prefill_tokens_computed"]})
@@ -87,8 +88,9 @@ def _sessions(requests) -> dict[str, list[int]]:
     return sessions
 
 
-def _run_session(lm, members: list, mode: str, history: str) -> tuple[list[str], list[dict]]:
-    """One session's answers (texts cut at their stop strings) and per-turn statistics."""
+def _plan_session(lm, members: list, mode: str, history: str) -> dict:
+    """One session as ids, checked (its docs share one context, it decodes greedily): its context, its queries,
+    the gold answers it keeps (``history=gold``), each turn's token limit and the positions it needs at most."""
     task = FolderTask(members[0].task_name)
     options = [GenerationOptions.from_lm_eval(r.args[1]) for r in members]
     if any(option.do_sample for option in options):
@@ -106,9 +108,26 @@ def _run_session(lm, members: list, mode: str, history: str) -> tuple[list[str],
     limits = [option.max_new_tokens for option in options]
     positions = len(context) + (sum(map(len, queries)) + sum(limits) + sum(map(len, gold or []))
                                 if mode == "multi_turn" else max(map(len, queries)) + max(limits))
-    if positions > lm.max_context:
-        raise RunError(f"session {session_id} needs up to {positions} positions, more than max_context "
-                       f"{lm.max_context}: shorten its context (task.dataset) or raise model.max_context")
+    return {"members": members, "options": options, "context": context, "context_text": context_text,
+            "queries": queries, "gold": gold, "limits": limits, "positions": positions}
+
+
+def _check_fit(lm, plans: list[dict], sessions: int, task: str) -> None:
+    """One line, before anything generates, where sessions need more positions than the model's context: how many,
+    the longest, and the ``model.max_context`` that fits them (a session is never cut)."""
+    over = [plan["positions"] for plan in plans if plan["positions"] > lm.max_context]
+    if over:
+        need = -(-max(over) // 1024) * 1024
+        raise RunError(f"{len(over)} of {sessions} sessions of task {task} need more positions than the "
+                       f"{lm.max_context}-token context (model.max_context; the longest needs {max(over)}); a session "
+                       f"is never cut: set model.max_context={need} where the model takes that many, or shorten the "
+                       "sessions (task.dataset)")
+
+
+def _run_session(lm, plan: dict, mode: str, history: str) -> tuple[list[str], list[dict]]:
+    """One session's answers (texts cut at their stop strings) and per-turn statistics."""
+    members, options, context, queries = plan["members"], plan["options"], plan["context"], plan["queries"]
+    gold, limits, context_text = plan["gold"], plan["limits"], plan["context_text"]
     stops = sorted({s for option in options for s in option.until if s and s not in lm.stop_token_texts})
     context, positions, draft = _drafted(lm, context_text, members[0].args[0], context)
     context_ids = torch.tensor([context], device=lm.device)

@@ -20,6 +20,7 @@ from evalkit.benchmark import task_of
 from evalkit.compression.prefill_store import sharing_prefills
 from evalkit.core.console import say, warn
 from evalkit.core.errors import ConfigError, Interrupted, RunError, model_unavailable, one_line
+from evalkit.lm.context_fit import truncation_rows
 from evalkit.results import lm_eval_files, manifest, metrics_table, samples_table, trackers, write_table
 from evalkit.results.progress import Progress
 from evalkit.results.rows import group_rows, tidy_rows
@@ -166,6 +167,7 @@ def load_lm(spec: RunSpec, progress: Progress | None = None, model=None, tokeniz
             progress=progress, fidelity_tokens=spec.fidelity_tokens, spec_prefill=spec.spec_prefill,
             revision=spec.revision, device_map=spec.device_map, compile=spec.compile,
             prefill_chunk=spec.prefill_chunk, prefill_chunk_mode=spec.prefill_chunk_mode,
+            truncation=spec.task_options.get("truncation"),
         )
         lm.mode, lm.history = spec.task_options.get("mode", "single"), spec.task_options.get("history", "own")
     except OSError as error:
@@ -219,7 +221,7 @@ def _rows(spec: RunSpec, task, results: dict, stats: dict, reasoning, lm, skippe
         metrics, samples = group_rows(results, members, stats, hooks, task.aggregates())
     metrics += lm.throughput.rows()
     metrics += context_check(spec, lm.context_unmarked, len(samples))
-    metrics += budget_check(spec, samples)
+    metrics += budget_check(spec, samples) + truncation_rows(samples)  # held over budget; prompts cut as asked
     if skipped_rows:
         metrics.append({"subset": "all", "metric": "rows_skipped", "value": float(len(skipped_rows)), "stderr": None,
                         "n": len(skipped_rows)})

@@ -47,7 +47,31 @@ def load_task(config: dict):
             if found is None:
                 raise
             raise RunError(f"data: {found}") from None
-    return task, skipped
+    return task, skipped + _held_to_rows(task, config)
+
+
+def _held_to_rows(task, config: dict) -> list[str]:
+    """The task's documents held to the fields its schema.py declares (``ROWS``): a bad one is a RunError naming the
+    data, the row and the field, or, with ``bad_rows=skip``, left out of the task; returns a line for each left out.
+    A task of lm-eval's registry declares none."""
+    from evalkit.benchmark.data import DataError
+    from evalkit.benchmark.doc_check import checked_docs
+    from evalkit.config.run_schema import row_keys
+
+    keys = row_keys(config.get("task"))
+    split = config.get("test_split")
+    if not keys or split is None or split not in (task.dataset or {}):
+        return []
+    dataset = config.get("dataset_kwargs") or {}
+    where = str(dataset.get("path") or f"task {config.get('task')}'s data")
+    try:
+        kept, skipped = checked_docs(task.dataset[split], keys, where, dataset.get("bad_rows", "error"))
+    except DataError as error:
+        raise RunError(f"data: {error}") from None
+    if skipped:
+        task.dataset[split] = task.dataset[split].select(kept)
+        task.task_docs = task.eval_docs
+    return skipped
 
 
 # lm-eval's loaders of local files (a task's dataset_path with data_files): nothing to download
@@ -80,14 +104,19 @@ def _local_data(config: dict) -> bool:
 def check_fit(spec, configs: list[dict]) -> None:
     """A ConfigError (one line, naming how to choose a model) where the task's prompts cannot fit the model's context
     (``model.max_context``): the tokens it generates (its ``max_gen_toks``, where the task config gives it) leave no
-    room for a prompt, or the prompt lengths its data declares (needle's ``lengths``) exceed the room left."""
+    room for a prompt, or the prompt lengths its data declares (needle's ``lengths``, for data built at run time; file
+    and hub data are held to the context prompt by prompt, :mod:`evalkit.lm.context_fit`) exceed the room left."""
+    from evalkit.benchmark import task_of
+
+    origin = task_of(spec.task, spec.task_options).data_origin(configs)
+    generated = not (origin.source or origin.hubs)
     for config in configs:
         if config.get("output_type", "generate_until") != "generate_until":
             continue
         reserve = (config.get("generation_kwargs") or {}).get("max_gen_toks")
         reserve = reserve if isinstance(reserve, int) and not isinstance(reserve, bool) else None
         room = spec.max_context - (reserve or 0)
-        lengths = (config.get("dataset_kwargs") or {}).get("lengths")
+        lengths = (config.get("dataset_kwargs") or {}).get("lengths") if generated else None
         longest = max(lengths) if isinstance(lengths, list) and lengths and all(
             isinstance(n, int | float) for n in lengths) else None
         if reserve is not None and room < 1:

@@ -132,6 +132,8 @@ def finish_request(lm, prepared: dict, completion: ec.Completion) -> tuple[str, 
     decoded = decoded_text(lm.tokenizer, completion.tokens, prepared["until"])
     stats = {**completion.stats, "truncated": prepared["truncated"],
              **cost_stats(lm, completion.stats, prepared["request"].compress_prefix)}
+    stats.setdefault("prefill_tokens_computed", prepared["request"].input_ids.numel())  # a single request: its own
+    stats.setdefault("prefill_tokens_shared", 0)  # prompt, run through the model whole, nothing shared
     if lm.fidelity_tokens:
         ids = prepared["request"].input_ids[None].to(lm.device)
         stats |= ec.fidelity(lm.model, ids, lm.policy, max_new_tokens=lm.fidelity_tokens,

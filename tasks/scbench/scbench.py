@@ -29,6 +29,7 @@ from evalkit.tasks.scbench.generators import (  # noqa: F401 (re-exported)
     generate,
 )
 from evalkit.tasks.scbench.scoring import (  # noqa: F401 (re-exported)
+    CODE_EXTRACTOR,
     TREE_SITTER,
     repoqa_best_match,
     sanitize_output,
@@ -326,10 +327,13 @@ def rows_to_docs(rows: list[dict], task: str, turns: int = 5, where: str | None 
             raise ValueError(f"{where}: row {position} (id={ident}): {error}") from None
         seen[str(ident)] = position
     rows = cut_turns(rows, int(turns))
-    pools = _needle_pools(rows, task) if task in ("repoqa", "repoqa_and_kv") else {}
     docs = []
     for position, row in enumerate(rows):
-        docs += _row_docs(row, task, row_id(row, position), pools)
+        docs += _row_docs(row, task, row_id(row, position))
+    if task in ("repoqa", "repoqa_and_kv"):
+        pools = needle_pools(docs)
+        for doc in docs:
+            doc["needles"] = json.dumps(pools.get(doc["repo"], []), ensure_ascii=False)
     return docs
 
 
@@ -339,7 +343,7 @@ def row_id(row, index: int) -> str:
     return str(index if ident is None else ident)
 
 
-def _row_docs(row: dict, task: str, session_id: str, pools: dict) -> list[dict]:
+def _row_docs(row: dict, task: str, session_id: str) -> list[dict]:
     context = str(row_context(row, task))  # str.format renders mf's list as its repr, as the official prompt does
     turns = row["multi_turns"]
     length = row.get("length")
@@ -354,19 +358,18 @@ def _row_docs(row: dict, task: str, session_id: str, pools: dict) -> list[dict]:
                "task": turn["task"] if task in MIXED else f"scbench_{task}"}
         if task == "choice_eng":
             doc["options"] = list(turn["options"])
-        if task in ("repoqa", "repoqa_and_kv"):
+        if task in ("repoqa", "repoqa_and_kv"):  # the extractor that scores a RepoQA turn in this process
             doc |= {"lang": row["lang"], "repo": row["repo"], "name": turn.get("name") or "",
-                    "needles": json.dumps(pools.get(row["repo"], []), ensure_ascii=False)}
+                    "code_extractor": CODE_EXTRACTOR if doc["task"] == "scbench_repoqa" else None}
         docs.append(doc)
     return docs
 
 
-def _needle_pools(rows: list[dict], task: str) -> dict[str, list[dict]]:
-    """compute_scores' ``needle_by_repo``: every repoqa turn's function, by repo, in row and turn order (the
-    candidates a prediction's best BLEU match is picked from)."""
+def needle_pools(docs) -> dict[str, list[dict]]:
+    """compute_scores' ``needle_by_repo`` over ``docs`` (the turns scored together): every RepoQA turn's function,
+    by repo, in doc order; the candidates a prediction's best BLEU match is picked from."""
     pools: dict[str, list[dict]] = collections.defaultdict(list)
-    for row in rows:
-        for turn in row["multi_turns"]:
-            if task == "repoqa" or turn.get("task") == "scbench_repoqa":
-                pools[row["repo"]].append({"needle": turn["answer"], "name": turn["name"]})
+    for doc in docs:
+        if doc["task"] == "scbench_repoqa":
+            pools[doc["repo"]].append({"needle": json.loads(doc["target"]), "name": doc["name"]})
     return dict(pools)

@@ -5,7 +5,8 @@ one turn's prediction.
 Standard library only (benchmarks/parity_scbench.py loads this file by path, without evalkit). The official scorers'
 third-party pieces are ported here: nltk's ``sentence_bleu`` with ``SmoothingFunction().method4`` (RepoQA),
 rouge_score's ROUGE-Lsum as ``evaluate.load("rouge")`` computes it (summary). RepoQA's function extraction uses
-tree-sitter where ``tree_sitter_languages`` is installed (as the official code does), else a heuristic.
+tree-sitter where ``tree_sitter_languages`` is installed (as the official code does; ``pip install -e '.[scbench]'``),
+else a fallback that finds the same functions in well-formed code (:data:`CODE_EXTRACTOR` says which one runs).
 """
 
 from __future__ import annotations
@@ -197,20 +198,6 @@ def function_similarity(candidate: str, reference: str) -> float:
 _CODE_BLOCK = re.compile(r"^```(?:\w+)?\s*\n(.*?)(?=^```)```", re.DOTALL | re.MULTILINE)
 
 
-def sanitize_output(model_output: str, lang: str) -> str:
-    """sanitize_output: the first function tree-sitter finds in a code block, else the first block, else the whole
-    (stripped) output."""
-    model_output = model_output.strip()
-    blocks = _CODE_BLOCK.findall(model_output)
-    if not blocks:
-        return model_output
-    for block in blocks:
-        found = _first_function(block, lang)
-        if found is not None:
-            return found
-    return blocks[0]
-
-
 def _tree_sitter():
     try:
         import warnings
@@ -226,6 +213,23 @@ def _tree_sitter():
 
 
 TREE_SITTER = _tree_sitter()
+CODE_EXTRACTOR = "tree-sitter" if TREE_SITTER is not None else "fallback"  # what finds RepoQA's functions here
+
+
+def sanitize_output(model_output: str, lang: str, extractor: str = CODE_EXTRACTOR) -> str:
+    """sanitize_output: the first function ``extractor`` (tree-sitter, as the official code; or the fallback) finds
+    in a code block, else the first block, else the whole (stripped) output."""
+    model_output = model_output.strip()
+    blocks = _CODE_BLOCK.findall(model_output)
+    if not blocks:
+        return model_output
+    for block in blocks:
+        found = first_function(block, lang, extractor)
+        if found is not None:
+            return found
+    return blocks[0]
+
+
 FUNCTION_QUERY = {  # repo_qa_utils.FUNCTION_QUERY
     "python": "(function_definition name: (_)) @fdef",
     "java": "(method_declaration name: (_)) @fdef",
@@ -236,9 +240,13 @@ FUNCTION_QUERY = {  # repo_qa_utils.FUNCTION_QUERY
 }
 
 
-def _first_function(block: str, lang: str) -> str | None:
-    if TREE_SITTER is None:
+def first_function(block: str, lang: str, extractor: str = CODE_EXTRACTOR) -> str | None:
+    """The first function of the kind repo_qa_utils' query captures in ``block``, found by tree-sitter (as the
+    official code does) or by :func:`heuristic_function` (``extractor="fallback"``); None if there is none."""
+    if extractor != "tree-sitter":
         return heuristic_function(block, lang)
+    if TREE_SITTER is None:
+        raise RuntimeError("tree-sitter is not installed here: pip install -e '.[scbench]'")
     get_language, get_parser = TREE_SITTER
     try:
         data = block.encode("utf8")
@@ -253,14 +261,20 @@ def _first_function(block: str, lang: str) -> str | None:
 _KEYWORDS = r"(?:return|new|else|throw|if|while|for|switch|catch|case|do|delete|goto|using|typedef|namespace|class|" \
             r"struct|enum|public|protected|private|static|final|abstract|synchronized|native|default|strictfp|" \
             r"inline|extern|virtual|explicit|constexpr|friend)\b"
+_JAVA_MODIFIER = (r"(?:@[\w.]+(?:\([^)]*\))?\s+|(?:public|protected|private|static|final|abstract|synchronized|native|"
+                  r"default|strictfp)\s+)")
+_JAVA_GENERICS = r"<(?:[^<>]|<(?:[^<>]|<[^<>]*>)*>)*>"  # type parameters or arguments, nested twice
 _HEADERS = {  # where a function tree-sitter would capture starts (group 1), and its name, at a line's start
     "go": re.compile(r"^[ \t]*(func[ \t]+\w+\s*(?:\[[^\]]*\])?\s*\()", re.MULTILINE),
     "rust": re.compile(r"^[ \t]*((?:pub(?:\s*\([^)]*\))?\s+)?(?:default\s+)?(?:const\s+)?(?:async\s+)?(?:unsafe\s+)?"
                        r"(?:extern\s+(?:\"[^\"]*\"\s+)?)?fn\s+\w+)", re.MULTILINE),
     "typescript": re.compile(r"^[ \t]*(?:export\s+(?:default\s+)?)?((?:async\s+)?function\s+\w+)", re.MULTILINE),
-    "java": re.compile(r"^[ \t]*((?:@\w+(?:\([^)]*\))?\s+)*(?:(?:public|protected|private|static|final|abstract|"
-                       r"synchronized|native|default|strictfp)\s+)*(?:<[^>]*>\s+)?(?!" + _KEYWORDS + r")"
-                       r"[\w$.<>\[\],? ]+?\s+\w+\s*\()", re.MULTILINE),
+    # a method (its type's first character a letter: not the indentation), or a bare constructor (modifiers, then
+    # its name), which :func:`_java_end` takes only outside braces
+    "java": re.compile(r"^[ \t]*(" + _JAVA_MODIFIER + r"*(?:" + _JAVA_GENERICS + r"\s+)?(?!" + _KEYWORDS + r"|record\s|"
+                       r"assert\b|yield\b)[\w$][\w$.<>\[\],? ]*?\s+\w+\s*\(|(?P<constructor>" + _JAVA_MODIFIER
+                       + r"+(?:" + _JAVA_GENERICS + r"\s*)?(?!" + _KEYWORDS + r")[A-Za-z_$][\w$]*(?:\s*"
+                       + _JAVA_GENERICS + r")?\s*\())", re.MULTILINE),
     "cpp": re.compile(r"^[ \t]*((?:(?:static|inline|extern|constexpr|virtual|explicit|friend)\s+)*(?!" + _KEYWORDS
                       + r")(?:(?:const|unsigned|signed|long|short)\s+)*[\w:<>,]+\s+[A-Za-z_]\w*\s*\()", re.MULTILINE),
 }
@@ -272,7 +286,7 @@ def heuristic_function(block: str, lang: str) -> str | None:
     if lang == "python":
         return _python_function(block)
     for match in _HEADERS[lang].finditer(block):
-        end = _body_end(block, match.end(1), lang)
+        end = _java_end(block, match) if lang == "java" else _body_end(block, match.end(1), lang)
         if end is not None:
             return block[match.start(1): end].rstrip()
     return None
@@ -306,21 +320,9 @@ def _body_end(block: str, position: int, lang: str) -> int | None:
     """The end of the brace-delimited body that follows ``position``, strings, characters and comments skipped: None
     when a ``;`` comes before its ``{``; the block's end when the body is not closed (tree-sitter's error recovery
     keeps such a function whole)."""
-    depth, parens, index = 0, int(block[position - 1] == "("), position
-    quotes = "\"'`" if lang in ("typescript", "go") else '"'
-    while index < len(block):
-        char = block[index]
-        if block.startswith("//", index):
-            index = block.find("\n", index)
-            index = len(block) if index < 0 else index
-        elif block.startswith("/*", index):
-            index = block.find("*/", index + 2)
-            index = len(block) if index < 0 else index + 1
-        elif char in quotes:
-            index = _string_end(block, index, char)
-        elif char == "'" and (found := _CHAR_LITERAL.match(block, index)):
-            index = found.end() - 1
-        elif char in "()" and depth == 0:
+    depth, parens = 0, int(block[position - 1] == "(")
+    for index, char in _code(block, position, lang):
+        if char in "()" and depth == 0:
             parens += 1 if char == "(" else -1
         elif char == ";" and depth == 0 and parens == 0:
             return None
@@ -330,8 +332,65 @@ def _body_end(block: str, position: int, lang: str) -> int | None:
             depth -= 1
             if depth == 0:
                 return index + 1
-        index += 1
     return len(block) if depth else None
+
+
+def _code(block: str, index: int = 0, lang: str = "java"):
+    """``(index, character)`` of ``block`` from ``index`` on, its comments, strings and character literals skipped."""
+    while index < len(block):
+        if block.startswith("//", index):
+            found = block.find("\n", index)
+            index = len(block) if found < 0 else found
+        elif block.startswith("/*", index):
+            found = block.find("*/", index + 2)
+            index = len(block) if found < 0 else found + 1
+        elif block[index] in ("\"'`" if lang in ("typescript", "go") else '"'):
+            index = _string_end(block, index, block[index])
+        elif block[index] == "'" and (found := _CHAR_LITERAL.match(block, index)):
+            index = found.end() - 1
+        else:
+            yield index, block[index]
+        index += 1
+
+
+_JAVA_PARAMETER = (r"(?:(?:final|@[\w.]+(?:\([^()]*\))?)\s+)*[\w$.]+(?:\s*<[^;{}()]*>)?(?:\s*\[\s*\])*"
+                   r"(?:\s*\.\.\.\s*|\s+)[\w$]+(?:\s*\[\s*\])*")
+_JAVA_FORMAL_PARAMETERS = re.compile(rf"\(\s*(?:{_JAVA_PARAMETER}(?:\s*,\s*{_JAVA_PARAMETER})*)?\s*\)")
+_JAVA_DECLARATION_END = re.compile(r"(?:\s*\[\s*\])*(?:\s*throws\s+[\w$.<>?,\s\[\]]+?)?\s*;")
+
+
+def _java_end(block: str, match: re.Match) -> int | None:
+    """Where the Java function at ``match`` ends. Besides a method with a body, tree-sitter's ``method_declaration``
+    is one ending in ``;`` (abstract, interface, native: ``abstract int area();``) and, outside any braces, a bare
+    constructor (``public Point(int x) {...}``, read as a method whose name is missing); a constructor inside a
+    class is a ``constructor_declaration``, not captured."""
+    opening = match.end(1) - 1
+    closing = _closing_paren(block, opening)
+    if match.group("constructor") and (closing is None or _brace_depth(block, match.start(1))
+                                       or not _JAVA_FORMAL_PARAMETERS.fullmatch(block, opening, closing + 1)):
+        return None
+    declaration = _JAVA_DECLARATION_END.match(block, closing + 1) if closing is not None else None
+    return declaration.end() if declaration else _body_end(block, match.end(1), "java")
+
+
+def _closing_paren(block: str, opening: int) -> int | None:
+    """The ``)`` that closes the ``(`` at ``opening`` (strings and comments skipped), or None."""
+    depth = 0
+    for index, char in _code(block, opening):
+        depth += (char == "(") - (char == ")")
+        if depth == 0:
+            return index
+    return None
+
+
+def _brace_depth(block: str, end: int) -> int:
+    """How many braces are open at ``end`` (strings and comments skipped)."""
+    depth = 0
+    for index, char in _code(block):
+        if index >= end:
+            break
+        depth = max(0, depth + (char == "{") - (char == "}"))
+    return depth
 
 
 _CHAR_LITERAL = re.compile(r"'(?:\\[^'\n]{1,8}|[^\\'\n])'")
@@ -373,11 +432,13 @@ def label(doc: dict):
     return gold
 
 
-def score(doc: dict, prediction: str) -> float:
-    """The official score of one turn's prediction, by the turn's (sub-)task."""
+def score(doc: dict, prediction: str, needles: list[dict] | None = None) -> float:
+    """The official score of one turn's prediction, by the turn's (sub-)task; a RepoQA turn's best match is picked
+    from ``needles`` (default: the doc's, every loaded turn's function of its repo)."""
     task, gold = doc["task"], label(doc)
     if task == "scbench_repoqa":
-        return score_repoqa(prediction, doc["name"], doc["lang"], json.loads(doc["needles"]))
+        return score_repoqa(prediction, doc["name"], doc["lang"],
+                            json.loads(doc["needles"]) if needles is None else needles)
     scorer = {"scbench_kv": score_kv_retrieval, "scbench_prefix_suffix": score_kv_retrieval,
               "scbench_vt": score_string_match_all, "scbench_qa_eng": score_longdialogue_qa_eng,
               "scbench_many_shot": score_longdialogue_qa_eng, "scbench_choice_eng": score_longbook_choice_eng,

@@ -5,6 +5,7 @@ scbench.py (rows, docs, prompts), scoring.py and generators.py. Each doc is one 
 import datasets
 
 from evalkit.tasks.scbench import generators, scbench, scoring
+from evalkit.tasks.scbench.generated_docs import GeneratedDocs
 
 
 def load(task, source="auto", path=None, revision=None, lengths=(1024,), n_sessions=10, turns=5, seed=1234,
@@ -13,11 +14,12 @@ def load(task, source="auto", path=None, revision=None, lengths=(1024,), n_sessi
     kv, prefix_suffix, vt, mf: ``n_sessions`` per length of ``lengths`` approximate context tokens, ``turns`` queries
     each, from ``seed``) | hub (microsoft/SCBench at ``revision``) | file (``path``: .jsonl/.json/.parquet rows in the
     hub's schema) | auto (file with a path, generated for the synthetic tasks, else hub). Hub and file rows are cut to
-    their first ``turns`` turns as run_scbench.py's ``--max_turns`` does. ``bad_rows=skip`` leaves bad rows out."""
+    their first ``turns`` turns as run_scbench.py's ``--max_turns`` does. ``bad_rows=skip`` leaves bad rows out
+    (generated rows have none). Generated docs are made as they are read (:class:`GeneratedDocs`)."""
     kind = scbench.resolve_source(task, source, path)
-    if kind == "generated":
-        rows, where = generators.generate(task, list(lengths), int(n_sessions), int(turns), int(seed)), "generated"
-    elif kind == "file":
+    if kind == "generated":  # made as lm-eval reads them: a limit generates only the sessions it asks
+        return {"test": GeneratedDocs(task, list(lengths), int(n_sessions), int(turns), int(seed))}
+    if kind == "file":
         rows, where = scbench.read_file(path), str(path)
     else:
         rows, where = scbench.load_hub(task, revision), f"{scbench.HUB_ID} (scbench_{task})"
@@ -72,7 +74,30 @@ def doc_to_history(doc):
 
 
 def process_results(doc, results):
-    return {scbench.METRICS[doc["scbench_task"]]: scoring.score(doc, results[0])}
+    """The turn's official score; a RepoQA prediction from :func:`repoqa_candidates` brings its candidates."""
+    prediction = results[0]
+    needles = getattr(prediction, "needles", None)
+    return {scbench.METRICS[doc["scbench_task"]]: scoring.score(doc, str(prediction), needles)}
+
+
+class PooledPrediction(str):
+    """A RepoQA prediction (its text) with ``needles``, the candidates its best match is picked from."""
+
+    def __new__(cls, text: str, needles: list[dict]):
+        prediction = super().__new__(cls, text)
+        prediction.needles = needles
+        return prediction
+
+    def __reduce__(self):
+        return PooledPrediction, (str(self), self.needles)
+
+
+def repoqa_candidates(resps, docs):
+    """lm-eval filter of the RepoQA tasks (their ``filter_list``): each doc's first response (lm-eval's default
+    filter) with compute_scores' ``needle_by_repo`` over the docs evaluated, which are all this filter sees (lm-eval's
+    ``limit`` applied), as the official pool is built from the prediction file of the examples run."""
+    pools = scbench.needle_pools(docs)
+    return [PooledPrediction(responses[0], pools.get(doc["repo"], [])) for responses, doc in zip(resps, docs)]
 
 
 def _source(dataset_kwargs):

@@ -357,3 +357,18 @@ def test_the_engine_reports_each_phase_as_it_begins_and_ends(model):
     assert read == sum(r.input_ids.numel() for r in requests)
     decoded = sum(tokens for phase, tokens, _ in ends if phase in ("warm-up", "decode"))
     assert decoded >= sum(len(c.tokens) for c in completions) - len(requests)  # each first token is the prefill's
+
+
+@pytest.mark.parametrize("scorer", [None, "snapkv"])
+def test_a_query_buffer_longer_than_the_prompt_enters_its_slot_as_it_runs_alone(model, scorer):
+    """A method that keeps recent queries for its decode-time scorer, with prompts shorter than its buffer: the
+    slot's buffer takes the prompt's queries at its end (found by the schema fuzz: the engine failed at admission)."""
+    settings = {} if scorer is None else {"scorer": ec.SnapKV(capacity=40, window=4)}
+    policy = ec.CompressionRatioDecoding(capacity=40, interval=8, buffer=200, **settings)
+    requests = stream(count=4)
+    completions = ec.Engine(model, policy, slots=2, sync_every=3).run(requests)
+    for request, completion in zip(requests, completions):
+        alone = ec.generate(model, request.input_ids[None], policy, max_new_tokens=request.max_new_tokens,
+                            return_logits=False)
+        assert completion.tokens == alone.sequences[0, request.input_ids.numel():].tolist()
+        assert completion.stats["peak_cache_tokens"] == alone.stats[0]["peak_cache_tokens"]

@@ -6,12 +6,13 @@ anything loads; a DataError naming the row for data); a value within it is accep
 between settings; nothing else. A key declared later is tried without a case written for it.
 
 The fast tier draws a bounded number of examples in-process, without a model; the slow tier draws at least 2,000
-configurations and rows, and runs the CLI on a sample of them (one line, exit 2, nothing written; or a run)."""
+configurations and rows, and runs the CLI on a sample: a value out of its declaration is one line, exit 2 and nothing
+written; a valid one runs (or is refused by a rule in one line)."""
 
 from __future__ import annotations
 
+import collections
 import math
-import os
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -25,9 +26,6 @@ from evalkit.config.method_schema import config_settings, schemas
 from evalkit.core.errors import ConfigError
 from evalkit.core.schema import Key
 from evalkit.run.spec import precheck
-
-DEEP = os.environ.get("EVALKIT_FUZZ_DEEP") == "1"  # the slow tier's pass
-EXAMPLES = 1200 if DEEP else 120
 
 
 # -- what is declared ----------------------------------------------------------------------------------------------
@@ -162,46 +160,83 @@ def with_value(cfg: dict, dotted: str, value) -> dict:
     return cfg
 
 
-def assert_refused(cfg: dict, named: str, value) -> None:
+def explicit(overrides) -> bool:
+    return any(o.startswith("method=") for o in overrides)  # as the CLI reads a run without a method: the baseline
+
+
+def assert_refused(cfg: dict, overrides, *named) -> None:
+    """Refused in one line that names the key (or the other key of a pair, where that one is refused first)."""
     try:
-        precheck(cfg, method_explicit=True)
+        precheck(cfg, method_explicit=explicit(overrides))
     except ConfigError as error:
         line = str(error)
         assert "\n" not in line and line.strip(), line
+        assert any(name.rsplit(".", 1)[-1] in line for name in named), f"{named}: {line}"
         return
-    pytest.fail(f"{named}={value!r} is out of its declaration and was accepted")
+    pytest.fail(f"{named[0]}={_value(cfg, named[0])!r} is out of its declaration and was accepted")
 
 
-def assert_answered(cfg: dict) -> None:
-    """A valid value: precheck accepts it, or a rule between settings refuses it in one line."""
+def _value(cfg: dict, dotted: str):
+    for part in dotted.split("."):
+        cfg = cfg.get(part) if isinstance(cfg, dict) else None
+    return cfg
+
+
+def assert_answered(cfg: dict, overrides) -> str:
+    """A valid value: precheck accepts it ("taken"), or a rule between settings refuses it in one line ("rule")."""
     try:
-        precheck(cfg, method_explicit=True)
+        precheck(cfg, method_explicit=explicit(overrides))
     except ConfigError as error:
         assert "\n" not in str(error) and str(error).strip()
+        return "rule"
+    return "taken"
 
 
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+COUNTS: collections.Counter = collections.Counter()  # what the draws came to (the deep pass reports them)
 
 
-@FUZZ
-@given(data=st.data())
-def test_a_value_out_of_its_declaration_is_refused_in_one_line_before_anything_loads(data):
+def draw_bad(data) -> tuple[tuple, dict, list[str]]:
+    """A config with one declared key out of its declaration, and maybe a second key, valid or not."""
     overrides, name, key, task = data.draw(st.sampled_from(DECLARED))
     value = data.draw(bad_values(key))
-    cfg = with_value(base(overrides, task), name, value)
+    cfg, named = with_value(base(overrides, task), name, value), [name]
     if data.draw(st.booleans()):  # in a pair: a second key, valid or not
         other_overrides, other, other_key, other_task = data.draw(st.sampled_from(
             [d for d in DECLARED if d[0] == overrides and d[3] == task and d[1] != name]))
         cfg = with_value(cfg, other, data.draw(st.one_of(good_values(other_key), bad_values(other_key))))
-    assert_refused(cfg, name, value)
+        named.append(other)
+    return overrides, cfg, named
 
 
-@FUZZ
-@given(data=st.data())
-def test_a_value_within_its_declaration_is_taken_or_refused_by_a_rule_in_one_line(data):
+def _bad(data):
+    overrides, cfg, named = draw_bad(data)
+    assert_refused(cfg, overrides, *named)
+    COUNTS["config refused"] += 1
+
+
+def _good(data):
     overrides, name, key, task = data.draw(st.sampled_from(DECLARED))
     cfg = with_value(base(overrides, task), name, data.draw(good_values(key)))
-    assert_answered(cfg)
+    COUNTS[f"valid config {assert_answered(cfg, overrides)}"] += 1
+
+
+def fuzz(examples: int):
+    return settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+
+
+FAST = 120
+
+
+@fuzz(FAST)
+@given(data=st.data())
+def test_a_value_out_of_its_declaration_is_refused_in_one_line_before_anything_loads(data):
+    _bad(data)
+
+
+@fuzz(FAST)
+@given(data=st.data())
+def test_a_value_within_its_declaration_is_taken_or_refused_by_a_rule_in_one_line(data):
+    _good(data)
 
 
 def test_every_declared_key_is_walked():
@@ -224,9 +259,7 @@ def valid_value(key: Key):
 ROW_TASKS = [(task, run_schema.row_keys(task)) for task in task_names()]
 
 
-@FUZZ
-@given(data=st.data())
-def test_a_row_out_of_its_declaration_is_refused_naming_the_row_or_counted_and_skipped(data):
+def _row(data):
     task, keys = data.draw(st.sampled_from(ROW_TASKS))
     docs = [{name: valid_value(key) for name, key in keys.items()} for _ in range(data.draw(st.integers(2, 5)))]
     position = data.draw(st.integers(0, len(docs) - 1))
@@ -244,9 +277,83 @@ def test_a_row_out_of_its_declaration_is_refused_naming_the_row_or_counted_and_s
     assert "\n" not in line and f"row {position + 1}" in line and repr(field) in line, line
     kept, skipped = checked_docs(docs, keys, "rows.jsonl", bad_rows="skip")
     assert position not in kept and len(kept) == len(docs) - 1 and len(skipped) == 1
+    COUNTS["row refused"] += 1
+
+
+@fuzz(FAST)
+@given(data=st.data())
+def test_a_row_out_of_its_declaration_is_refused_naming_the_row_or_counted_and_skipped(data):
+    _row(data)
 
 
 def test_valid_rows_of_every_task_pass():
     for task, keys in ROW_TASKS:
         docs = [{name: valid_value(key) for name, key in keys.items()}]
         assert checked_docs(docs, keys, "rows.jsonl") == ([0], []), task
+
+
+# -- the slow tier: the deep pass, and the CLI on a sample ----------------------------------------------------------
+def override(name: str, value) -> str:
+    """``value`` as a Hydra command-line override of ``name`` (added where the composed config lacks it)."""
+
+    def text(v):
+        if v is None:
+            return "null"
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, float) and not math.isfinite(v):
+            return "nan" if v != v else ("inf" if v > 0 else "-inf")
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return "'" + v.replace("\\", "\\\\").replace("'", "\\'") + "'"
+        if isinstance(v, (list, tuple)):
+            return "[" + ",".join(text(item) for item in v) + "]"
+        return "{" + ",".join(f"{k}:{text(item)}" for k, item in v.items()) + "}"
+
+    return f"++{name}={text(value)}"
+
+
+@pytest.mark.slow
+def test_the_deep_pass_draws_thousands_of_configurations_and_rows():
+    COUNTS.clear()
+    for run, examples in ((_bad, 1100), (_good, 600), (_row, 600)):
+        fuzz(examples)(given(data=st.data())(run))()
+    total = sum(COUNTS.values())
+    print(f"schema fuzz, deep pass: {dict(COUNTS)}; {total} in all")
+    assert total >= 2000 and COUNTS["valid config taken"] > COUNTS["valid config rule"] / 4, dict(COUNTS)
+
+
+@pytest.mark.slow
+@fuzz(40)
+@given(data=st.data())
+def test_the_cli_refuses_a_drawn_config_in_one_line_with_exit_2_and_writes_nothing(tmp_path_factory, data):
+    from tests.helpers import evalkit
+
+    overrides, name, key, task = data.draw(st.sampled_from(DECLARED))
+    value = data.draw(bad_values(key))
+    folder = tmp_path_factory.mktemp("cli")
+    results = folder / "results"
+    task_override = [] if any(o.startswith("task=") for o in overrides) else [f"task={task}"]
+    result = evalkit(*overrides, *task_override, override(name, value), f"results_dir={results}", cwd=folder)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("evalkit:")]
+    assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert not results.exists() and not list(folder.glob("*results*")), sorted(folder.rglob("*"))
+
+
+@pytest.mark.slow
+@fuzz(15)
+@given(data=st.data())
+def test_the_cli_runs_a_drawn_valid_config_or_refuses_it_by_a_rule_in_one_line(tmp_path_factory, data):
+    from tests.helpers import evalkit
+
+    runnable = [d for d in DECLARED if d[3] == "kv_retrieval" and not d[1].startswith(("parallel.", "logger.", "device"))
+                and d[1] not in ("results_dir", "model.pretrained", "model.name", "model.dtype")]
+    overrides, name, key, _ = data.draw(st.sampled_from(runnable))
+    value = data.draw(good_values(key))
+    folder = tmp_path_factory.mktemp("cli")
+    result = evalkit(*overrides, "task=kv_retrieval", "limit=2", "task.truncation=left", override(name, value),
+                     f"results_dir={folder / 'results'}", cwd=folder)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("evalkit:") and "warning" not in line]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.returncode == 0 or (result.returncode == 2 and len(lines) == 1), result.stderr[-2000:]

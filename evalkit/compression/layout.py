@@ -140,8 +140,10 @@ class HeadState:
                 target[slot] = empty
                 target[slot, :, :used] = getattr(source, name)[0, :, :used]
         self.peak[slot] = source.peak[0]
-        if self.queries is not None:
-            self.queries[slot] = source.queries[0]
+        if self.queries is not None:  # the most recent last, as remember() keeps them: a short prompt's fill the end
+            recent = source.queries[0, :, -self.queries.shape[2]:]
+            self.queries[slot] = 0
+            self.queries[slot, :, self.queries.shape[2] - recent.shape[1]:] = recent
 
 
 class RowLayout:

@@ -45,6 +45,8 @@ def refused(tmp_path, *args, fragments=()):
     (["task=needle", "task.truncation=sideways"], ["task.truncation must be one of left, middle or null"]),
     (["task=needle", "task.dataset.depths=[0.5,nan]"], ["task.dataset.depths"]),
     (["task=aime24", "task.dataset.path=2024"], ["task.dataset.path must be non-empty text, got 2024"]),
+    (["task=needle_multiturn", "task.mode=multi_turn", "task.truncation=left"],
+     ["task.truncation=left takes no effect with task.mode=multi_turn: a session is never cut"]),
     (["method=snapkv", "budget=4x", "method.window=null"], ["window"]),
 ])
 def test_an_impossible_option_is_one_line_before_anything_loads(tmp_path, args, fragments):

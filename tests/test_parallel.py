@@ -30,8 +30,8 @@ def _samples(results: Path):
 
 
 def test_a_missing_or_mistaken_parallel_setting_is_one_line(tmp_path):
-    for override, expected in (("parallel.replicas=0", "parallel.replicas must be an integer >= 1"),
-                               ("+parallel.workers=2", "parallel=ray has no setting 'workers'")):
+    for override, expected in (("parallel.replicas=0", "parallel.replicas must be a positive integer, got 0"),
+                               ("+parallel.workers=2", "unknown setting parallel.workers")):
         result = evalkit("parallel=ray", override, f"results_dir={tmp_path / 'r'}", cwd=tmp_path)
         assert result.returncode == 2 and expected in result.stderr, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1

@@ -316,7 +316,7 @@ def test_push_without_a_token_says_in_one_line_how_to_log_in(runs, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
     env |= {"HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "1"}
     result = report("push", "me/evalkit-results", str(runs), env=env)
-    assert result.returncode == 1 and not (tmp_path / "hf-home" / "token").exists()
+    assert result.returncode == 2 and not (tmp_path / "hf-home" / "token").exists()
     assert result.stderr.strip().splitlines() == [
         "evalkit-report push: not logged in to the Hugging Face Hub: run `hf auth login` (or set HF_TOKEN)"]
 
@@ -357,4 +357,6 @@ def test_push_creates_the_dataset_repo_and_uploads_the_folder_in_one_commit(runs
     monkeypatch.setattr(Api, "create_repo", refused)
     with pytest.raises(SystemExit) as exit:
         hub.main(["me/x", str(runs)])
-    assert str(exit.value.code) == "evalkit-report push: uploading to me/x failed: 403 Forbidden: you cannot write to me/x"
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "evalkit-report push: uploading to me/x failed: 403 Forbidden: you cannot write to me/x"]

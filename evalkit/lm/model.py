@@ -139,7 +139,7 @@ class EvalkitLM(LM):
                 self.request_stats[owners[index]] = record["stats"]
         todo = [i for i in range(len(requests)) if outputs[i] is None]
         prepared = [self._prepare(*requests[i].args[:2], keys[i], self._question(requests[i])) for i in todo]
-        check_fit(self, [requests[i].args[0] for i in todo], prepared, requests[0].task_name)  # before any generates
+        check_fit(self, [requests[i].args[0] for i in todo], prepared, getattr(requests[0], "task_name", "?"))
         meter = self.throughput
         meter.start(self.device)
         with PhaseBar(len(requests), len(requests) - len(todo), disable=disable_tqdm) as bar:

@@ -118,7 +118,7 @@ def _run(spec: RunSpec, digest: str, model=None, tokenizer=None, shared=None) ->
     task = task_of(spec.task, spec.task_options)
     configs = task.configs(spec.task_options, spec.bad_rows, model_folder)
     seed_everything(spec.seed)  # as lm-eval seeds before it builds tasks: data built at run time (RULER) is the same
-    loaded = fitting(spec, configs, lambda: [load_task(config) for config in configs])  # bad data or too long a task
+    loaded = fitting(spec, configs, lambda: [load_task(config, spec.limit) for config in configs])  # bad data, too long
     built, skipped_rows = [built for built, _ in loaded], [row for _, skipped in loaded for row in skipped]
     if spec.threads:
         import torch

@@ -23,6 +23,9 @@ def check_mode(task_name: str, options: dict) -> None:
     if history is not None and mode != "multi_turn":
         raise ConfigError(f"task.history={history} takes no effect with task.mode={mode}: it says what a multi_turn "
                           "chat keeps of each answer; add task.mode=multi_turn, or leave task.history out")
+    if options.get("truncation") is not None and mode != "single":
+        raise ConfigError(f"task.truncation={options['truncation']} takes no effect with task.mode={mode}: a session "
+                          "is never cut; leave task.truncation out, or use task.mode=single")
     if mode != "single" and not task_of(task_name, options).sessions():
         raise ConfigError(f"task.mode={mode} needs a task whose rows are sessions (one context, several queries: "
                           f"the scbench_* tasks); task {task_name} asks one query per context: use task.mode=single")

@@ -24,9 +24,10 @@ def task_object(config: dict):
     return task
 
 
-def load_task(config: dict):
-    """The task with its data loaded and checked, and the rows it skipped (``bad_rows=skip``). A malformed file or
-    row is a :class:`RunError` naming the file, the row and the field."""
+def load_task(config: dict, limit: int | None = None):
+    """The task with its data loaded and checked (its first ``limit`` good docs, where the run takes only those), and
+    the rows it skipped (``bad_rows=skip``). A malformed file or row is a :class:`RunError` naming the file, the row
+    and the field."""
     from evalkit.benchmark.data import DataError, collecting_skipped_rows
     from evalkit.tasks.lm_eval.local_files import problem
 
@@ -47,10 +48,10 @@ def load_task(config: dict):
             if found is None:
                 raise
             raise RunError(f"data: {found}") from None
-    return task, skipped + _held_to_rows(task, config)
+    return task, skipped + _held_to_rows(task, config, limit)
 
 
-def _held_to_rows(task, config: dict) -> list[str]:
+def _held_to_rows(task, config: dict, limit: int | None) -> list[str]:
     """The task's documents held to the fields its schema.py declares (``ROWS``): a bad one is a RunError naming the
     data, the row and the field, or, with ``bad_rows=skip``, left out of the task; returns a line for each left out.
     A task of lm-eval's registry declares none."""
@@ -65,7 +66,7 @@ def _held_to_rows(task, config: dict) -> list[str]:
     dataset = config.get("dataset_kwargs") or {}
     where = str(dataset.get("path") or f"task {config.get('task')}'s data")
     try:
-        kept, skipped = checked_docs(task.dataset[split], keys, where, dataset.get("bad_rows", "error"))
+        kept, skipped = checked_docs(task.dataset[split], keys, where, dataset.get("bad_rows", "error"), limit)
     except DataError as error:
         raise RunError(f"data: {error}") from None
     if skipped:

@@ -185,3 +185,12 @@ def test_generated_docs_are_the_rows_docs_in_their_order_holding_a_few_sessions_
     assert docs.select([0, 239]) == [expected[0], expected[239]]
     with pytest.raises(IndexError):
         docs[240]
+
+
+def test_a_repoqa_row_of_the_samples_table_records_its_extractor(tmp_path):
+    results = tmp_path / "results"
+    result = evalkit("task=scbench_repoqa", "task.dataset.source=file", f"task.dataset.path={FIXTURES / 'scbench_repoqa.jsonl'}",
+                     "limit=1", "task.generation.max_gen_toks=8", "task.truncation=left", f"results_dir={results}",
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert read_table(results, "samples")["code_extractor"].tolist() == [scoring.CODE_EXTRACTOR]

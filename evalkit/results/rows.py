@@ -116,6 +116,7 @@ def sample_row(sample: dict, repeat: int, prediction, subset: str | None, metric
         **stat_values,
         **{column: row_stats.get(column) for column in BYTE_COLUMNS},
         "over_budget": row_stats.get("over_budget"),
+        "code_extractor": doc.get("code_extractor"),  # RepoQA's: the function extraction that scored it
     }
 
 

@@ -128,6 +128,7 @@ SAMPLE_COLUMNS: dict[str, pa.DataType] = {
     # answer token, and the positions the session's cache served it instead (0 under task.mode=single).
     "prefill_tokens_computed": pa.int64(),
     "prefill_tokens_shared": pa.int64(),
+    "code_extractor": pa.string(),  # SCBench RepoQA's: tree-sitter (the official extraction) or fallback; else null
     # Bytes, measured on the engine's own tensors (see evalkit.compression.Engine): held at the peak, reserved by
     # the slot, what a full cache holds for the same tokens, and evalkit.memory's prediction of the held bytes.
     "kv_bytes_peak": pa.int64(),

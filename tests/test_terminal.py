@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import worker_threads
+from helpers import evalkit, worker_threads
 
 ROOT = Path(__file__).resolve().parents[1]
 EVALKIT = [sys.executable, "-m", "evalkit.cli"]
@@ -88,9 +88,9 @@ def test_verbose_shows_the_libraries_output_and_a_mistake_leaves_no_log(random_m
 
     bad, data = tmp_path / "bad", tmp_path / "aime.jsonl"
     data.write_text('{"ID": "1", "Problem": "1+1?"}\n')  # no answer: a bad row, found once the run has begun
-    code, out, err = timed_run(["task=aime24", f"task.dataset.path={data}", f"model.pretrained={random_model_dir}",
-                                f"results_dir={bad}"], tmp_path)
-    assert code == 2 and err[-1][1].startswith("evalkit: ")
+    result = evalkit("task=aime24", f"task.dataset.path={data}", f"model.pretrained={random_model_dir}",
+                     f"results_dir={bad}", cwd=tmp_path)  # the zygote's start: no timing asked of this one
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("evalkit: ")
     assert not (bad / "logs").exists()
 
 
@@ -126,7 +126,7 @@ def test_a_sweep_prints_a_header_one_line_per_job_and_an_overall_bar(random_mode
         assert not any(marker in line for marker in (*FOREIGN, "[HYDRA]", "Launching")), line
     assert len(list((results / "logs").glob("*.log"))) == 2  # each job's own lines and libraries' output: its log
 
-    code, out, _ = timed_run(argv, tmp_path)  # again: the configs that ran say they have results
-    text = [line for _, line in out]
-    assert code == 0 and text[-1].startswith("sweep done: 4 of 4 jobs (2 already done, 2 skipped)"), text
+    again = evalkit(*argv, cwd=tmp_path)  # again (the zygote's start): the configs that ran say they have results
+    text = again.stdout.strip().splitlines()
+    assert again.returncode == 0 and text[-1].startswith("sweep done: 4 of 4 jobs (2 already done, 2 skipped)"), text
     assert "already has results" in text[2] and "already has results" in text[5]

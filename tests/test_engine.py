@@ -372,3 +372,18 @@ def test_a_query_buffer_longer_than_the_prompt_enters_its_slot_as_it_runs_alone(
                             return_logits=False)
         assert completion.tokens == alone.sequences[0, request.input_ids.numel():].tolist()
         assert completion.stats["peak_cache_tokens"] == alone.stats[0]["peak_cache_tokens"]
+
+
+def test_a_layer_that_keeps_nothing_enters_its_slot_as_it_runs_alone():
+    """A global budget spent on one layer's sinks leaves another layer nothing (KVzip+ with its sinks beyond the
+    budget): the engine admits it and decodes as the request does alone (found by the schema fuzz)."""
+    from evalkit.models import load_model
+
+    model, tokenizer = load_model("builtin:kv_retrieval_tiny")
+    policy = ec.policy_from_budget("kvzip_plus", "4x", 256, sink=128)
+    policy.bind_tokenizer(tokenizer)
+    ids = torch.randint(5, 100, (1, 160), generator=torch.Generator().manual_seed(0))
+    alone = ec.generate(model, ids, policy, max_new_tokens=12, tokenizer=tokenizer)
+    (completion,) = ec.Engine(model, policy, slots=2, tokenizer=tokenizer).run([ec.Request(ids[0], max_new_tokens=12)])
+    assert alone.stats[0]["kept_prompt_tokens"] == completion.stats["kept_prompt_tokens"] == [128, 0]
+    assert completion.tokens == alone.sequences[0, 160:].tolist()

@@ -191,7 +191,7 @@ def test_ctrl_c_keeps_generations_and_the_restart_resumes(tmp_path, random_model
     process, stderr, lines = interrupted_run(args, results, tmp_path, signal.SIGINT)
     assert process.returncode == 130, stderr[-2000:]
     kept = len(lines)
-    (line,) = [line for line in stderr.splitlines() if line.startswith("evalkit:")]
+    (line,) = [line for line in stderr.splitlines() if line.startswith("evalkit:") and "WARNING" not in line]
     assert line == f"evalkit: interrupted: {kept} generations kept; run the same command again to resume"
     assert "Traceback" not in stderr and not (results / "metrics").exists()
     again = evalkit(*args, cwd=tmp_path)

@@ -331,7 +331,8 @@ class HeadLayout:
 
     def used(self, layer) -> int:
         """Slots a session's layer uses: it may have grown past its last token (question chunks)."""
-        return int(layer.heads.valid[0].any(dim=0).nonzero().max()) + 1
+        held = layer.heads.valid[0].any(dim=0).nonzero()
+        return int(held.max()) + 1 if held.numel() else 0  # a layer may keep nothing (a global budget spent elsewhere)
 
     def load(self, target, slot: int, source, used: int) -> None:
         target.heads.load(slot, source.heads, used)

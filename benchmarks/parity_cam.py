@@ -84,10 +84,45 @@ def counting_bernoulli(state: dict, give_generator: bool):
     torch.bernoulli = bernoulli
 
 
+def track_positions(press, positions: dict, state: dict) -> None:
+    """``press.compress`` made to follow the prompt positions each layer holds (``positions``, by layer: kvpress
+    keeps none), from the rows of the keys each compression keeps; ``state["layer"]`` says the layer compressing."""
+    original = press.compress
+
+    def compress(module, hidden_states, keys, values, attentions, kwargs):
+        state["layer"] = module.layer_idx
+        kept_keys, kept_values = original(module, hidden_states, keys, values, attentions, kwargs)
+        rows = (kept_keys[0, 0][:, None, :] == keys[0, 0][None, :, :]).all(dim=-1).float().argmax(dim=-1)
+        positions[module.layer_idx] = positions[module.layer_idx][rows]
+        return kept_keys, kept_values
+
+    press.compress = compress
+
+
+def replay(model, press, prompt, tokens: list, positions: dict, state: dict, after_prefill=None):
+    """``prompt`` then ``tokens`` fed one at a time at their positions under ``press``: the cache and the greedy
+    token before each step; every layer's ``positions`` grows by the step's (``after_prefill()`` runs between)."""
+    import torch
+    from transformers import DynamicCache
+
+    length, cache, greedy = prompt.shape[1], DynamicCache(), []
+    with torch.no_grad(), press(model):
+        logits = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1]
+        if after_prefill is not None:
+            after_prefill()
+        for step, token in enumerate(tokens):
+            greedy.append(int(logits.argmax()))
+            state["position"] = length + step
+            for index in positions:
+                positions[index] = torch.cat([positions[index], torch.tensor([length + step])])
+            logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True,
+                           position_ids=torch.tensor([[length + step]])).logits[:, -1]
+    return cache, greedy
+
+
 def run_kvpress(model) -> dict:
     import kvpress
     import torch
-    from transformers import DynamicCache
 
     out, state = {}, {"merged": 0}
     counting_bernoulli(state, give_generator=True)
@@ -96,26 +131,9 @@ def run_kvpress(model) -> dict:
         press = kvpress.CAMPress(kvpress.KnormPress(), compression_interval=interval, target_size=target,
                                  merge_budget=budget)
         positions = {index: torch.arange(length) for index in range(model.config.num_hidden_layers)}
-        original, state["merged"] = press.compress, 0
-
-        def compress(module, hidden_states, keys, values, attentions, kwargs, original=original, positions=positions):
-            state["layer"] = module.layer_idx
-            kept_keys, kept_values = original(module, hidden_states, keys, values, attentions, kwargs)
-            rows = (kept_keys[0, 0][:, None, :] == keys[0, 0][None, :, :]).all(dim=-1).float().argmax(dim=-1)
-            positions[module.layer_idx] = positions[module.layer_idx][rows]
-            return kept_keys, kept_values
-
-        press.compress = compress
-        cache, greedy = DynamicCache(), []
-        with torch.no_grad(), press(model):
-            logits = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1]
-            for step, token in enumerate(tokens):
-                greedy.append(int(logits.argmax()))
-                state["position"] = length + step
-                for index in positions:
-                    positions[index] = torch.cat([positions[index], torch.tensor([length + step])])
-                logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True,
-                               position_ids=torch.tensor([[length + step]])).logits[:, -1]
+        state["merged"] = 0
+        track_positions(press, positions, state)
+        cache, greedy = replay(model, press, prompt, tokens, positions, state)
         heads = [heads_of(positions[i].expand(layer.keys.shape[1], -1), torch.ones(layer.keys.shape[1:3], dtype=bool),
                           layer.keys, layer.values) for i, layer in enumerate(cache.layers)]
         out[case] = {"heads": heads, "tokens": greedy, "merged": state["merged"]}

@@ -59,8 +59,7 @@ def held_of(positions, valid, values) -> list[dict]:
 def run_kvpress(model, size: tuple, steps: int) -> dict:
     import kvpress
     import torch
-    from parity_cam import counting_bernoulli
-    from transformers import DynamicCache
+    from parity_cam import counting_bernoulli, replay, track_positions
 
     length, target, interval, budget = size
     prompt, tokens = sequence(length, steps, model.config.vocab_size)
@@ -91,33 +90,14 @@ def run_kvpress(model, size: tuple, steps: int) -> dict:
                                merge_budget=budget)
         positions = {index: torch.arange(length) for index in range(model.config.num_hidden_layers)}
         state["merged"] = 0
-
-        def tracked(press, positions=positions):
-            original = press.compress
-
-            def compress(module, hidden_states, keys, values, attentions, kwargs):
-                state["layer"] = module.layer_idx
-                kept_keys, kept_values = original(module, hidden_states, keys, values, attentions, kwargs)
-                rows = (kept_keys[0, 0][:, None, :] == keys[0, 0][None, :, :]).all(dim=-1).float().argmax(dim=-1)
-                positions[module.layer_idx] = positions[module.layer_idx][rows]
-                return kept_keys, kept_values
-
-            press.compress = compress
-
-        tracked(prefill)
-        tracked(cam)
+        track_positions(prefill, positions, state)
+        track_positions(cam, positions, state)
         press = kvpress.PrefillDecodingPress(prefilling_press=prefill, decoding_press=cam)
-        cache, greedy = DynamicCache(), []
-        with torch.no_grad(), press(model):
-            logits = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1]
+
+        def kept_target(positions=positions):
             assert all(len(p) == target for p in positions.values()), "the prefill kept target_size tokens"
-            for step, token in enumerate(tokens):
-                greedy.append(int(logits.argmax()))
-                state["position"] = length + step
-                for index in positions:
-                    positions[index] = torch.cat([positions[index], torch.tensor([length + step])])
-                logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True,
-                               position_ids=torch.tensor([[length + step]])).logits[:, -1]
+
+        cache, greedy = replay(model, press, prompt, tokens, positions, state, after_prefill=kept_target)
         heads = [held_of(positions[i].expand(layer.keys.shape[1], -1), torch.ones(layer.keys.shape[1:3], dtype=bool),
                          layer.values) for i, layer in enumerate(cache.layers)]
         out[variant] = {"heads": heads, "tokens": greedy, "merged": state["merged"]}

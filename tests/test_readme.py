@@ -70,6 +70,8 @@ RUN_ELSEWHERE = {
     "evalkit-report push my-org/kv-results results/ --dry-run out/":
         "tests/test_results_travel.py::test_push_dry_run_builds_a_dataset_that_loads_with_its_card",
     "evalkit-report results/ --html": "tests/browser/test_html_page.py::test_the_report_command_writes_the_page_with_html",
+    "evalkit-report compare RUN_A RUN_B --results results/ --flips flips.csv":
+        "tests/test_report_compare.py::test_compare_two_runs_gives_the_test_interval_unit_and_flips",
     "bash tests/browser/install_chromium.sh":
         "tests/browser/test_html_page.py::test_the_page_renders_and_sorts_in_headless_chromium",
     "EVALKIT_SCREENSHOT_DIR=/tmp/shots python -m pytest -m slow tests/browser":

@@ -21,6 +21,7 @@ import pandas as pd
 
 from evalkit.core import budget as budget_grammar
 
+from . import significance
 from .summary import distinguishing_settings, pivot
 from .tables import CONFIG_COLUMNS, read_runs
 from .terminal_report import FOLLOW_THE_BUDGET, differing_settings, shared_settings
@@ -28,7 +29,8 @@ from .terminal_report import FOLLOW_THE_BUDGET, differing_settings, shared_setti
 SAMPLE_COLUMNS = ["doc_id", "subset", "repeat", "prediction", "target", "score", "prompt_tokens", "generated_tokens",
                   "compression_ratio", "kv_bytes_peak"]
 MAX_SAMPLES = 500  # per run on the page; the CSV has them all
-LEADING = ["metric", "value", "stderr", "baseline", "delta", "95% CI", "paired_docs", "realized_ratio"]
+LEADING = ["metric", "value", "stderr", "baseline", "delta", "95% CI", "verdict", "p_adjusted", "unit", "paired_docs",
+           "realized_ratio"]
 LONG = 40  # characters: a longer cell (a fingerprint, JSON) is cut to one line, its whole text on hover
 
 STYLE = """
@@ -168,7 +170,8 @@ def _differing(summary: pd.DataFrame, column: str) -> bool:
 
 def runs_table(summary: pd.DataFrame, compact: bool = False) -> tuple[pd.DataFrame, dict]:
     """The summary's columns worth a reader's eye, in reading order (columns no run filled are left out), and the
-    delta cells whose 95% interval is below or above zero. ``compact``: what sets the runs apart (task and model
+    delta and verdict cells of configurations worse or better than the full cache (the paired test at the adjusted
+    level, :mod:`.significance`). ``compact``: what sets the runs apart (task and model
     where they differ, method, budget, :func:`evalkit.results.terminal_report.differing_settings`) and the score
     (the column named after the primary metric where all runs share one), its delta and how much smaller the KV
     cache was."""
@@ -185,18 +188,16 @@ def runs_table(summary: pd.DataFrame, compact: bool = False) -> tuple[pd.DataFra
         keys = [c for c in ("task", "model") if _differing(summary, c)]
         score = ["value", "stderr"] if _one_metric(summary) else ["metric", "value", "stderr"]
         columns = ["#", *keys, "method", "budget", *differing_settings(summary), *score, "delta", "95% CI",
-                   "memory_ratio"]
+                   "verdict", "memory_ratio"]
     frame = frame[[c for c in columns if c in frame]].dropna(axis=1, how="all")
     if compact:
         frame = frame.rename(columns={"value": _one_metric(summary) or "value", "stderr": "±",
                                       "memory_ratio": "KV smaller (×)"})
     classes = {}
-    if "delta" in frame:
-        for position, (low, high) in enumerate(zip(summary.get("delta_low", []), summary.get("delta_high", []))):
-            if not _missing(high) and high < 0:
-                classes[(position, "delta")] = "worse"
-            elif not _missing(low) and low > 0:
-                classes[(position, "delta")] = "better"
+    if "delta" in frame and "verdict" in summary:  # the paired test's verdict at the adjusted level
+        for position, verdict in enumerate(summary["verdict"]):
+            if verdict in ("worse", "better"):
+                classes[(position, "delta")] = classes[(position, "verdict")] = verdict
     return frame, classes
 
 
@@ -251,6 +252,34 @@ def run_section(run_id: str, config: dict, samples: pd.DataFrame, results_dir: P
             "</details></section>")
 
 
+def tests_block(summary: pd.DataFrame, paths: dict[str, Path]) -> str:
+    """The paired tests against the full cache, the ties of each budget and the link to the flips (report.md's
+    section "Which differences are real"); empty where nothing was tested."""
+    tests = significance.tests_table(summary)
+    if tests.empty:
+        return ""
+    classes = {(position, "verdict"): verdict for position, verdict in enumerate(tests["verdict"])
+               if verdict in ("worse", "better")}
+    ties = pd.read_csv(paths["ties"]) if "ties" in paths else pd.DataFrame()
+    flips = Path(paths["flips"]).name if "flips" in paths else None
+    text = [f"""<h2 id="tests">Which differences are real</h2>
+<p class="note">Each configuration against its full cache on the items both scored, resampling the independent
+<code>unit</code> (the session where rows are turns of one session, the problem where a document was sampled several
+times, the document otherwise): McNemar's exact test where scores are 0/1 and each unit one item, else a paired
+permutation test on the units' summed differences (named in <code>test</code>); <code>p_adjusted</code>:
+{html.escape(str(tests["adjustment"].iloc[0]))} comparisons; <code>verdict</code> at adjusted p &lt; 0.05.</p>
+{table(tests, "tests-table", classes=classes)}"""]
+    if not ties.empty:
+        text.append(f"""<h2 id="ties">Ties at each budget</h2>
+<p class="note">Configurations of one budget that share a letter in <code>group</code> are not separated by a paired
+test at adjusted p &lt; 0.05 (adjusted over that budget's pairs); the best first.</p>
+{table(ties, "ties-table")}""")
+    if flips:
+        text.append(f'<p class="note">The items each configuration lost and gained against its full cache, with their '
+                    f'ids and subsets: <a href="{html.escape(flips)}">{html.escape(flips)}</a>.</p>')
+    return "\n".join(text)
+
+
 def figure(path: Path) -> str:
     data = base64.b64encode(Path(path).read_bytes()).decode("ascii")
     caption = Path(path).stem.replace("_", " ")
@@ -287,11 +316,13 @@ Click a header to sort.</p>
 {table(score_pivot(summary), "pivot-table")}
 <h2 id="runs">Runs against the full-cache baseline</h2>
 <p class="note"><code>delta</code> = value - baseline on the documents both runs scored (<code>paired_docs</code>),
-with its paired bootstrap 95% interval: red where the interval lies below zero, green above. A run's number
+with its paired bootstrap 95% interval over the independent units; red where the paired test finds the configuration
+worse than the full cache at the adjusted level, green where better (<a href="#tests">the tests</a>). A run's number
 links to its config and samples.</p>
 {table(runs, "runs-table", links, classes)}
 <details id="every-column"><summary>Every column of these runs ({len(every.columns)}: each setting that differs, what
 each run measured)</summary>{table(every, "runs-full-table", links, classes)}</details>
+{tests_block(summary, paths)}
 <h2 id="plots">Plots</h2>
 <div class="plots">{"".join(figure(p) for p in plots)}</div>
 <h2 id="details">Runs: config and samples</h2>

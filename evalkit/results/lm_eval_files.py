@@ -99,3 +99,40 @@ def with_requests(sample: dict, task: str, stats: dict, reasoning: dict | None) 
     rows = [sample_row(sample, repeat, response, None, None, stats.get((task, sample.get("doc_id"), repeat), {}),
                        reasoning) for repeat, response in enumerate(responses)]
     return {**sample, "evalkit": [{column: row[column] for column in REQUEST_COLUMNS} for row in rows]}
+
+
+# What evalkit-report adds to a compared run's lm-eval results file, under its own key (lm-eval's fields unchanged).
+STATISTICS = ("metric", "value", "baseline", "baseline_run_id", "delta", "delta_low", "delta_high", "unit",
+              "paired_units", "paired_items", "paired_docs", "test", "p_value", "p_adjusted", "adjustment", "verdict",
+              "lost", "gained")
+
+
+def with_statistics(results_dir: Path, out: Path, table) -> Path | None:
+    """For every run of ``table`` (a report's summary) compared with its full cache and holding lm-eval's results
+    file: a copy of that file under ``out/lm_eval/<run_id>/`` (the same path below it) with lm-eval's fields as they
+    are and the paired comparison under ``evalkit.against_full_cache``. The run's own file is never changed (its
+    manifest holds it). The folder, or None where no run has such a file."""
+    import json
+    import math
+
+    written = None
+    for _, row in table.iterrows():
+        folder = Path(results_dir) / FOLDER / str(row["run_id"])
+        files = sorted(folder.glob("*/results_*.json")) if pd_notna(row.get("p_value")) and folder.is_dir() else []
+        if not files:
+            continue
+        results = json.loads(files[-1].read_text())
+        statistics = {key: row.get(key) for key in STATISTICS}
+        statistics = {key: None if isinstance(v, float) and math.isnan(v) else v.item() if hasattr(v, "item") else v
+                      for key, v in statistics.items()}
+        evalkit = results.get("evalkit") if isinstance(results.get("evalkit"), dict) else {}
+        results["evalkit"] = {**evalkit, "against_full_cache": {**statistics, "interval_level": 0.95}}
+        target = Path(out) / FOLDER / files[-1].relative_to(Path(results_dir) / FOLDER)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(results, indent=2, ensure_ascii=False), encoding="utf-8")
+        written = Path(out) / FOLDER
+    return written
+
+
+def pd_notna(value) -> bool:
+    return value is not None and not (isinstance(value, float) and value != value)

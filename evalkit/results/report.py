@@ -20,6 +20,7 @@ import pandas as pd
 
 from evalkit.benchmark import task_names, task_of
 
+from . import lm_eval_files, significance
 from .heatmaps import heatmap_axes, subset_grid
 from .outputs import output_folder
 from .subset_lines import subset_lines
@@ -148,11 +149,12 @@ def _save(figure, path: Path) -> Path:
     return path
 
 
-def write_report(results_dir: str | Path, out: str | Path | None = None, iterations: int = 2000) -> dict[str, Path]:
+def write_report(results_dir: str | Path, out: str | Path | None = None, iterations: int = 2000,
+                 adjustment: str = "holm") -> dict[str, Path]:
     results_dir = Path(results_dir)
     out = Path(out) if out else results_dir / "report"
     metrics, samples = read_runs(results_dir)  # a damaged table stops the report here, before anything is written
-    table = summarize(metrics, samples, iterations)
+    table = summarize(metrics, samples, iterations, adjustment)
     output_folder(out)
     paths = {"summary": out / "summary.csv", "markdown": out / "report.md", "plot": out / "accuracy_vs_budget.png"}
     table.to_csv(paths["summary"], index=False)
@@ -162,10 +164,16 @@ def write_report(results_dir: str | Path, out: str | Path | None = None, iterati
     text = [f"# evalkit report: {results_dir}", "", "## Primary metric by task, model, method and budget", "",
             "One cell per configuration; runs that differ in any config column are never averaged.", "",
             pivot_table.round(4).to_markdown(), "", "## Runs against the full-cache baseline", "",
-            "`delta` = value - baseline, computed on the documents both runs scored (`paired_docs`); `delta_low`/"
-            "`delta_high`: paired bootstrap 95% interval. The baseline is the full-cache run with the same model, "
-            "task, data and settings.", "", shown.to_markdown(index=False), "",
+            "`delta` = value - baseline, computed on the documents both runs scored (`paired_docs`; `paired_items`: "
+            "their generations, `paired_units`: the independent units they make); `delta_low`/`delta_high`: paired "
+            "bootstrap 95% interval over those units; `verdict`: the paired test's, below. The baseline is the "
+            "full-cache run with the same model, task, data and settings.", "", shown.to_markdown(index=False), "",
             f"![accuracy vs budget]({paths['plot'].name})", ""]
+    tested, section = significance.write(table, samples, out, iterations, adjustment)
+    paths |= tested
+    if (separates := significance.nothing_separates(table)) is not None:  # the terminal says it too
+        section += [f"Note: {separates}.", ""]
+    text += section
     if "spent_more_in_total" in table and table["spent_more_in_total"].eq(True).any():
         flagged = table[table["spent_more_in_total"].eq(True)]
         text += ["## Held less per step, spent more in total", "",
@@ -180,12 +188,21 @@ def write_report(results_dir: str | Path, out: str | Path | None = None, iterati
         if drawn is not None:
             paths[name.removesuffix(".png")] = drawn
             text += [f"![{name.removesuffix('.png').replace('_', ' ')}]({name})", ""]
-    text += turn_section(samples, out, paths)
+    text += turn_section(samples, out, paths) + heatmap_section(table, metrics, samples, out, paths)
+    if written := lm_eval_files.with_statistics(results_dir, out, table):
+        paths["lm_eval"] = written
+    paths["markdown"].write_text("\n".join(text))
+    return paths
+
+
+def heatmap_section(table: pd.DataFrame, metrics: pd.DataFrame, samples: pd.DataFrame, out: Path,
+                    paths: dict[str, Path]) -> list[str]:
+    """2-D heatmaps (added to ``paths``) and their lines of report.md: evalkit tasks that declare one (needle: depth
+    x length), lm-eval groups with subsets below their tasks (RULER: task x length)."""
+    text = []
     recorded = metrics[["run_id", "task", "task_options"]].drop_duplicates() if "task_options" in metrics else None
     registry_runs = set() if recorded is None else {
         run for run, task, options in recorded.itertuples(index=False) if run_task(task, options).from_registry}
-    # 2-D heatmaps: evalkit tasks that declare one (needle: depth x length), lm-eval groups with subsets below their
-    # tasks (RULER: task x length)
     for registry in (False, True):
         runs = table[table["run_id"].isin(registry_runs) == registry]
         for task in sorted(runs["task"].unique()):
@@ -203,8 +220,7 @@ def write_report(results_dir: str | Path, out: str | Path | None = None, iterati
                                                       out / f"{name}_by_{columns_field}_and_{rows_field}.png", axes,
                                                       label)
                 text += [f"![{task} lines]({paths[f'{name}_lines'].name})", ""]
-    paths["markdown"].write_text("\n".join(text))
-    return paths
+    return text
 
 
 def turn_section(samples: pd.DataFrame, out: Path, paths: dict[str, Path]) -> list[str]:

@@ -13,6 +13,7 @@ import pandas as pd
 from evalkit.benchmark import Task, task_of
 from evalkit.core import budget as budget_grammar
 
+from .paired_stats import ADJUSTMENTS, adjust, compare, pair_items, verdict
 from .tables import CONFIG_COLUMNS
 from .trace_costs import TRACE, against_full, trace_costs
 
@@ -35,6 +36,11 @@ METHOD_COLUMNS = {"method", "budget", "capacity", "window", "kernel_size", "pool
                   "kv_bits", "kv_group_size", "kv_residual",
                   "policy_params", "decode_method", "draft_model", "draft_source", "keep_fraction", "spec_prefill",
                   "compression_scope", "fidelity_tokens", "deployment", "hardware"}
+
+
+# The columns of a run's paired comparison against its full cache (:func:`_against_baseline`, :func:`adjusted`).
+PAIRED = ("baseline_run_id", "unit", "paired_units", "paired_items", "test", "p_value", "lost", "gained",
+          "p_adjusted", "adjustment", "verdict")
 
 
 def config_columns(metrics: pd.DataFrame) -> list[str]:
@@ -89,14 +95,17 @@ def _per_doc(samples: pd.DataFrame, run_id: str) -> pd.Series:
     return rows.groupby("doc_id")["score"].mean()
 
 
-def summarize(metrics: pd.DataFrame, samples: pd.DataFrame, iterations: int = 2000) -> pd.DataFrame:
-    """One row per distinct configuration: its score, the full-cache baseline, delta with CI, realized ratio and
-    memory verdict, and every config column in which the runs differ (so no two configurations ever share a row or a
-    point). Re-runs of one configuration (same config_digest) are not averaged: the newest is reported.
+def summarize(metrics: pd.DataFrame, samples: pd.DataFrame, iterations: int = 2000,
+              adjustment: str = "holm") -> pd.DataFrame:
+    """One row per distinct configuration: its score, the full-cache baseline, delta with CI and test, realized
+    ratio and memory verdict, and every config column in which the runs differ (so no two configurations ever share a
+    row or a point). Re-runs of one configuration (same config_digest) are not averaged: the newest is reported.
 
     The baseline of a run is the full-cache run that agrees with it on every config column outside the compression
     method (model and its source, task and options, data, limit, seed, dtype, ...). ``delta`` = value - baseline over
-    the documents both scored (``paired_docs``), with a paired bootstrap 95% interval.
+    the items both scored (``paired_items``, of ``paired_docs`` documents), with a paired bootstrap 95% interval and
+    a paired test at the independent unit (:mod:`.paired_stats`); the p-values of the whole table are adjusted
+    together (``adjustment``: holm or bh) and each configuration gets its ``verdict`` at the adjusted level.
     """
     runs = metrics.sort_values("started_at" if "started_at" in metrics else "run_id").drop_duplicates("run_id")
     if "config_digest" in runs:  # a configuration run again (resume=false): its newest run
@@ -124,19 +133,39 @@ def summarize(metrics: pd.DataFrame, samples: pd.DataFrame, iterations: int = 20
         same = (runs[matched].map(cell_text) == run[matched].map(cell_text)).all(axis=1)
         baselines = runs[same & (runs["method"] == "full")]
         if len(baselines) and run["method"] != "full":
-            baseline = baselines.iloc[-1]
-            base_value = metrics[(metrics["run_id"] == baseline["run_id"]) & (metrics["subset"] == "all")
-                                 & (metrics["metric"] == metric)]["value"]
-            delta, low, high, paired = paired_bootstrap(
-                _per_doc(samples, run["run_id"]), _per_doc(samples, baseline["run_id"]), iterations
-            )
-            row |= {"baseline": float(base_value.iloc[0]) if len(base_value) else math.nan, "delta": delta,
-                    "delta_low": low, "delta_high": high, "paired_docs": paired}
-            row |= against_full(row, samples[samples["run_id"] == baseline["run_id"]])
+            row |= _against_baseline(row, baselines.iloc[-1]["run_id"], metrics, samples, iterations)
         rows.append(row)
     table = pd.DataFrame(rows)
     table["budget"] = table["budget"].astype(object).fillna("full")  # no run with a budget: a column of NaN
-    return table.sort_values(["task", "model", "method", *shown, "budget"], key=_budget_order).reset_index(drop=True)
+    table = table.sort_values(["task", "model", "method", *shown, "budget"], key=_budget_order).reset_index(drop=True)
+    return adjusted(table, adjustment)
+
+
+def _against_baseline(row: dict, baseline_id: str, metrics: pd.DataFrame, samples: pd.DataFrame,
+                      iterations: int) -> dict:
+    """A run's columns against its full-cache run: the baseline's value, the paired comparison, the trace costs."""
+    base_value = metrics[(metrics["run_id"] == baseline_id) & (metrics["subset"] == "all")
+                         & (metrics["metric"] == row["metric"])]["value"]
+    items = pair_items(samples[samples["run_id"] == row["run_id"]], samples[samples["run_id"] == baseline_id])
+    comparison = compare(items, iterations).as_row()
+    out = {"baseline": float(base_value.iloc[0]) if len(base_value) else math.nan, "baseline_run_id": baseline_id}
+    out |= {key: comparison.pop(key) for key in ("delta", "delta_low", "delta_high")}
+    out |= {"paired_docs": len(items.drop_duplicates(["subset", "doc_id"]))} | comparison
+    return out | against_full(row, samples[samples["run_id"] == baseline_id])
+
+
+def adjusted(table: pd.DataFrame, adjustment: str = "holm") -> pd.DataFrame:
+    """``table`` with its p-values adjusted together (``p_adjusted``, the method and count in ``adjustment``) and
+    each configuration's ``verdict`` against its full cache at the adjusted level."""
+    if "p_value" not in table:
+        return table
+    table = table.copy()
+    table["p_adjusted"] = adjust(table["p_value"], adjustment)
+    tested = int(table["p_value"].notna().sum())
+    table["adjustment"] = [f"{ADJUSTMENTS[adjustment]} over {tested}" if pd.notna(p) else None
+                           for p in table["p_value"]]
+    table["verdict"] = [verdict(d, p) if pd.notna(p) else None for d, p in zip(table["delta"], table["p_adjusted"])]
+    return table
 
 
 def compression_factor(budget: str) -> float:
@@ -153,7 +182,8 @@ def _budget_order(column: pd.Series) -> pd.Series:
 def setting_columns(table: pd.DataFrame) -> list[str]:
     """The columns beside task/model/method/budget that tell configurations apart in ``table``."""
     fixed = {*RUN_KEYS, "metric", "value", "stderr", "realized_ratio", "memory_fits", "onchip_ratio", "run_id",
-             "baseline", "delta", "delta_low", "delta_high", "paired_docs", *MEASURED, *TRACE, "kv_byte_seconds_total"}
+             "baseline", "delta", "delta_low", "delta_high", "paired_docs", *MEASURED, *TRACE, "kv_byte_seconds_total",
+             *PAIRED}
     return [c for c in table.columns if c not in fixed]
 
 
@@ -162,6 +192,17 @@ def distinguishing_settings(table: pd.DataFrame) -> list[str]:
     must show. Settings that follow from the method and budget (capacity, the policy's fields) are left out."""
     groups = table.groupby(RUN_KEYS, dropna=False)
     return [c for c in setting_columns(table) if (groups[c].agg(lambda v: v.map(cell_text).nunique()) > 1).any()]
+
+
+def labels(table: pd.DataFrame, index=None) -> list[str]:
+    """How the configurations of ``index`` (default: all) are named in one line: the task and model where they
+    differ, the method, the budget, and the settings that tell runs of one method and budget apart."""
+    keys = [c for c in ("task", "model") if table[c].map(cell_text).nunique() > 1]
+    settings = distinguishing_settings(table)
+    rows = table if index is None else table.loc[index]
+    return [" ".join([*(cell_text(row[c]) for c in keys), cell_text(row["method"]), cell_text(row["budget"]),
+                      *(f"{c}={cell_text(row[c])}" for c in settings if cell_text(row[c]) != "-")])
+            for _, row in rows.iterrows()]
 
 
 def cell_text(value) -> str:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from .significance import MARKS, mark, nothing_separates
 from .summary import RUN_KEYS, cell_text, config_columns, setting_columns
 
 WIDTH = 120  # a terminal's columns
@@ -23,7 +24,20 @@ def summary(results_dir: Path, paths: dict[str, Path]) -> str:
     out = paths["markdown"].parent
     names = [str(p.relative_to(out)) if p.parent == out else str(p) for p in paths.values()]
     return "\n".join([f"evalkit-report: {len(table)} configurations in {results_dir}", terminal_table(table),
-                      f"written to {out}/: {', '.join(names)} (report.md: every column, the plots)"])
+                      f"written to {out}/: {', '.join(names)} (report.md: every column, the tests, the plots)"
+                      f"{legend(table)}"])
+
+
+def legend(table: pd.DataFrame) -> str:
+    """What the marks beside the intervals say, where the table has them; where nothing separates, that, and the
+    items a test would need (:func:`evalkit.results.significance.nothing_separates`): all on the last line, after the
+    table (the lines above are the table's alone)."""
+    if "verdict" not in table or table["verdict"].isna().all():
+        return ""
+    method = str(table["adjustment"].dropna().iloc[0]).split(" over ")[0]
+    marks = ", ".join(f"{symbol} {verdict}" for verdict, symbol in MARKS.items())
+    separates = nothing_separates(table)  # the intervals too wide to separate anything: the items that would
+    return f"; marks: {marks} at {method}-adjusted p < 0.05" + (f"; {separates}" if separates else "")
 
 
 def differing_settings(table: pd.DataFrame) -> list[str]:
@@ -53,7 +67,8 @@ def _cut(text: str) -> str:
 
 def terminal_table(table: pd.DataFrame, width: int = WIDTH) -> str:
     """A configuration per line: its task, model, method and budget, the settings that set it apart
-    (:func:`differing_settings`), its primary metric, its delta against the full cache with the 95% interval, and how
+    (:func:`differing_settings`), its primary metric, its delta against the full cache with the 95% interval and the
+    mark of its paired test (▼ worse, ▲ better, ≈ indistinguishable at the adjusted level), and how
     much smaller its KV cache was. Within ``width`` characters: where the lines would be longer, the task, model and
     metric that are the same on every line are said once above the table instead, then settings are left out from
     the last one (named under the table; report.md has them)."""
@@ -63,8 +78,10 @@ def terminal_table(table: pd.DataFrame, width: int = WIDTH) -> str:
     cells["metric"] = table["metric"]
     cells["value"] = [f"{v:.4f}" + (f" ± {e:.4f}" if pd.notna(e) else "") for v, e in zip(table["value"], table["stderr"])]
     if "delta" in table:
-        cells["vs full (95% CI)"] = [f"{d:+.4f} [{lo:+.3f}, {hi:+.3f}]" if pd.notna(d) else "-"
-                                     for d, lo, hi in zip(table["delta"], table["delta_low"], table["delta_high"])]
+        verdicts = table["verdict"] if "verdict" in table else [None] * len(table)
+        cells["vs full (95% CI)"] = [f"{d:+.4f} [{lo:+.2f}, {hi:+.2f}] {mark(v)}".rstrip() if pd.notna(d) else "-"
+                                     for d, lo, hi, v in zip(table["delta"], table["delta_low"], table["delta_high"],
+                                                             verdicts)]
     if "memory_ratio" in table:
         cells["KV smaller"] = [f"{r:.2f}x" if pd.notna(r) else "-" for r in table["memory_ratio"]]
 

@@ -65,8 +65,9 @@ def test_the_page_is_one_file_with_its_plots_inline_and_a_section_per_run(result
         assert f'href="#{anchor}"' in text and f'id="{anchor}"' in text
         csv = re.search(rf'<section class="run" id="{anchor}">.*?href="([^"]+samples/[^"]+\.csv)"', text).group(1)
         assert (page.parent / csv).resolve() == (results_dir / "csv" / "samples" / f"{anchor[4:]}.csv").resolve()
-    # header and rows: pivot, runs, the runs' every column, each run's samples
-    assert text.count("<tr>") == (1 + 3) + (1 + 7) + (1 + 7) + 7 * (1 + 20)
+    # header and rows: pivot, runs, the runs' every column, the paired tests of the 6 compressed runs, the ties of the
+    # three budgets (two configurations each), each run's samples
+    assert text.count("<tr>") == (1 + 3) + (1 + 7) + (1 + 7) + (1 + 6) + (1 + 6) + 7 * (1 + 20)
 
 
 def test_the_report_command_writes_the_page_with_html(results_dir):

@@ -88,9 +88,9 @@ class Comparison:
 NO_ITEMS = Comparison("-", 0, 0, math.nan, math.nan, math.nan, "-", math.nan, 0, 0)
 
 
-def compare(items: pd.DataFrame, iterations: int = 2000, seed: int = 0, tests: bool = True) -> Comparison:
-    """The paired comparison of :func:`pair_items`' ``items``: delta, its 95% bootstrap interval over units, and the
-    test of no difference (``tests=False``: the interval only, no p-value)."""
+def compare(items: pd.DataFrame, iterations: int = 2000, seed: int = 0, interval: bool = True) -> Comparison:
+    """The paired comparison of :func:`pair_items`' ``items``: delta, its 95% bootstrap interval over units
+    (``interval=False``: none, NaN), and the test of no difference."""
     if items.empty:
         return NO_ITEMS
     unit = unit_of(items)
@@ -98,15 +98,13 @@ def compare(items: pd.DataFrame, iterations: int = 2000, seed: int = 0, tests: b
     compared, baseline = items["score"].to_numpy(float), items["baseline"].to_numpy(float)
     sums = np.bincount(codes, weights=compared - baseline)
     counts = np.bincount(codes).astype(float)
-    low, high = bootstrap_interval(sums, counts, iterations, seed)
+    low, high = bootstrap_interval(sums, counts, iterations, seed) if interval else (math.nan, math.nan)
     lost, gained = int((compared < baseline).sum()), int((compared > baseline).sum())
-    test, p_value = "-", math.nan
-    if tests:
-        binary = bool(np.isin(compared, (0.0, 1.0)).all() and np.isin(baseline, (0.0, 1.0)).all())
-        if binary and counts.max() == 1:
-            test, p_value = "McNemar exact", mcnemar_exact(lost, gained)
-        else:
-            test, p_value = f"paired permutation over {unit}s", sign_flip_p(sums, iterations, seed)
+    binary = bool(np.isin(compared, (0.0, 1.0)).all() and np.isin(baseline, (0.0, 1.0)).all())
+    if binary and counts.max() == 1:
+        test, p_value = "McNemar exact", mcnemar_exact(lost, gained)
+    else:
+        test, p_value = f"paired permutation over {unit}s", sign_flip_p(sums, iterations, seed)
     return Comparison(unit, len(sums), len(items), float(sums.sum() / counts.sum()), low, high, test, p_value,
                       lost, gained)
 

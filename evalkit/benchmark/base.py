@@ -51,6 +51,11 @@ class Task:
     def definition_paths(self) -> list[Path]:
         raise NotImplementedError
 
+    def version(self) -> str | None:
+        """The version the task declares (``metadata.version`` in its YAML), which names what it does together with
+        :meth:`definition_paths`; None: its files are its identity, code and all (a task of lm-eval's registry)."""
+        return None
+
     def data_origin(self, configs: list[dict]) -> DataOrigin:
         """Where the data of the member ``configs`` (:meth:`config` of each member) comes from."""
         raise NotImplementedError

@@ -47,17 +47,28 @@ def includes(value) -> list[str]:
     return [] if not value else [value] if isinstance(value, str) else list(value)
 
 
-def folders(path: Path) -> list[Path]:
-    """The folders that define the task YAML at ``path``: its own, and those of the YAML files it includes."""
+def files(path: Path) -> list[Path]:
+    """The YAML files that define the task at ``path``: itself, and those it includes (nested includes too)."""
     found, pending = [], [path]
     while pending:
         path = pending.pop()
-        if not path.is_file() or path.parent in found:
+        if not path.is_file() or path in found:
             continue
-        found.append(path.parent)
-        include = yaml.load(path.read_text(), Loader=_Loader).get("include")
-        pending += [(path.parent / item).resolve() for item in includes(include)]
+        found.append(path)
+        pending += [(path.parent / item).resolve() for item in includes(_parsed(path, path.stat().st_mtime_ns)
+                                                                        .get("include"))]
     return found
+
+
+def folders(path: Path) -> list[Path]:
+    """The folders that define the task YAML at ``path``: its own, and those of the YAML files it includes."""
+    return list(dict.fromkeys(file.parent for file in files(path)))
+
+
+def declaring(path: Path, key: str) -> Path:
+    """The file among :func:`files` whose own keys hold ``key`` (``metadata``), the one :func:`read` takes it from:
+    ``path`` first, then what it includes; ``path`` where none does."""
+    return next((file for file in files(path) if key in _parsed(file, file.stat().st_mtime_ns)), path)
 
 
 def module(folder: Path, name: str):

@@ -67,6 +67,10 @@ class FolderTask(Task):
     def check(self) -> None:
         if not self.yaml_path.is_file():
             raise ConfigError(f"unknown task {self.name!r}; available: {task_names()}")
+        if self.version() is None:
+            where = yaml_definition.declaring(self.yaml_path, "metadata").relative_to(tasks_dir().parent)
+            raise ConfigError(f"task {self.name} declares no version: add `metadata: {{version: 1.0}}` to {where} "
+                              "(its identity: bump it whenever the task's prompts or scores change)")
 
     def definition(self) -> dict:
         """The task's YAML as a dict (``!function`` references as text); {} for a task evalkit does not ship."""
@@ -90,8 +94,13 @@ class FolderTask(Task):
         return config
 
     def definition_paths(self) -> list[Path]:
-        """Its folder and those of the YAML files it includes: the YAML and the code (READMEs are left out)."""
-        return yaml_definition.folders(self.yaml_path) or [self.yaml_path.parent]
+        """Its YAML and the YAML files it includes: what it runs is named by them and by its :meth:`version`, not by
+        its code's bytes (an edit that keeps the behaviour keeps the identity; tests/test_task_versions.py pins it)."""
+        return yaml_definition.files(self.yaml_path)
+
+    def version(self) -> str | None:
+        declared = self.metadata().get("version")
+        return None if declared is None else str(declared)
 
     def data_origin(self, configs: list[dict]) -> DataOrigin:
         dataset = configs[0].get("dataset_kwargs") or {}

@@ -79,7 +79,7 @@ CONFIG_COLUMNS: dict[str, pa.DataType] = {
     "spec_prefill": pa.string(),  # every speculative prefill setting, JSON
     "draft_source": pa.string(),
     "dataset_source": pa.string(),  # hub:<id>@<commit> or local:sha256:<fingerprint>
-    "task_definition": pa.string(),  # fingerprint of the task's folder (YAML + hooks)
+    "task_definition": pa.string(),  # version=<the task's declared version> yaml=<fingerprint of its YAML files>
     "config_digest": pa.string(),  # over all of the above: what skip/resume compare
     "evalkit_version": pa.string(),
     "torch_version": pa.string(),

@@ -4,6 +4,7 @@ key on it) and the run id."""
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import hashlib
 import json
 import subprocess
@@ -11,7 +12,7 @@ import uuid
 from importlib import metadata
 from pathlib import Path
 
-from evalkit.benchmark import task_of
+from evalkit.benchmark import Task, task_of
 from evalkit.core import identity
 from evalkit.core.errors import RunError, model_unavailable
 
@@ -64,13 +65,21 @@ def identify(spec: RunSpec) -> dict:
         "stop_token_ids": json.dumps(_stop_ids(spec)),
         "draft_source": source("method.draft_model", _resolved(resolve_pretrained, draft)) if draft else None,
         "dataset_source": dataset,
-        # What runs: the task's YAML and code, not its documentation (a README edit does not make runs new) nor the
-        # declarations its options and rows are checked against (schema.py: they refuse input, never change a run).
-        "task_definition": identity.fingerprint(task.definition_paths(), skip_suffixes=(".md",),
-                                                skip_names=("schema.py",)),
+        "task_definition": task_definition(task),
         "device_class": resolve_device(spec.device).split(":")[0],
     }
     return spec.identity
+
+
+def task_definition(task: Task) -> str:
+    """What the task does: ``version=<its declared version> yaml=<fingerprint of its YAML files>`` (the task's YAML
+    and those it includes), not its code's bytes: an edit that keeps its prompts and scores keeps its runs' identity,
+    and one that changes them bumps ``metadata.version`` (tests/test_task_versions.py holds every shipped task to it).
+    A task of lm-eval's registry declares no version of evalkit's: its folders are fingerprinted whole, code included
+    (documentation and schema.py aside)."""
+    fingerprint = identity.fingerprint(task.definition_paths(), skip_suffixes=(".md",), skip_names=("schema.py",))
+    version = task.version()
+    return fingerprint if version is None else f"version={version} yaml={fingerprint}"
 
 
 def _stop_ids(spec: RunSpec) -> list[int]:
@@ -92,8 +101,34 @@ def _resolved(resolve, name: str) -> str:
 def config_digest(spec: RunSpec) -> str:
     """Identifies everything that can change a run's outputs (its config values and :func:`identify`): the same
     config restarted resumes; a sweep skips configs already done; any difference gives another digest."""
-    ident = {**spec.flat_config(), **identify(spec)}
+    return _digest({**spec.flat_config(), **identify(spec)})
+
+
+def _digest(ident: dict) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+# Each task's task_definition before tasks declared versions, and the one it had when they came.
+EARLIER_DEFINITIONS = "task_definitions_before_versions.json"
+
+
+def earlier_digest(spec: RunSpec) -> str | None:
+    """The config digest this config had before tasks declared versions (their folders' bytes were their identity),
+    where its task is still as it was then (its YAML and version as they came); None otherwise. Runs made then are
+    runs of this config: :func:`evalkit.run.results_dir.completed_runs` renames them to its digest."""
+    ident = identify(spec)
+    recorded = _earlier_definitions().get(spec.task)
+    if not isinstance(recorded, dict) or recorded.get("now") != ident["task_definition"]:
+        return None
+    return _digest({**spec.flat_config(), **ident, "task_definition": recorded["before"]})
+
+
+@functools.cache
+def _earlier_definitions() -> dict:
+    from evalkit.core.paths import tasks_dir
+
+    path = tasks_dir() / EARLIER_DEFINITIONS
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def run_id_for(spec: RunSpec, started: dt.datetime) -> str:

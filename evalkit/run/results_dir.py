@@ -12,12 +12,12 @@ import socket
 import uuid
 from pathlib import Path
 
-from evalkit.core.console import warn
+from evalkit.core.console import say, warn
 from evalkit.core.errors import RunError
-from evalkit.results import manifest
+from evalkit.results import manifest, migrate
 from evalkit.results.tables import DAMAGED, DamagedTable, check_recorded, load_table
 
-from .digest import config_digest
+from .digest import config_digest, earlier_digest, identify
 from .spec import RunSpec
 
 TABLE_FOLDERS = manifest.TABLES
@@ -27,8 +27,23 @@ RUN_FILES = {**TABLE_FOLDERS, manifest.FOLDER: ".json"}  # what moves aside with
 def completed_runs(results_dir: Path, spec: RunSpec) -> list[Path]:
     """Metrics files of earlier runs with this exact config whose tables are whole: they match their run's manifest
     (written last, only when the run is complete), or, for a run written before manifests existed, read back (it gains
-    a manifest). The tables of a run that is not whole are set aside first (:func:`set_aside_damaged`)."""
+    a manifest). The tables of a run that is not whole are set aside first (:func:`set_aside_damaged`). Runs of the
+    config made before tasks declared versions take its digest first (:func:`adopt_earlier_runs`)."""
+    adopt_earlier_runs(Path(results_dir), spec)
     return set_aside_damaged(Path(results_dir), config_digest(spec))
+
+
+def adopt_earlier_runs(results_dir: Path, spec: RunSpec) -> None:
+    """The config's runs under the digest it had before tasks declared versions (:func:`~.digest.earlier_digest`),
+    renamed to its digest now, once (:func:`evalkit.results.migrate.rename_config`)."""
+    earlier = earlier_digest(spec) if results_dir.is_dir() else None
+    progress = bool(earlier) and (results_dir / ".progress" / f"{earlier}.jsonl").exists()
+    if earlier is None or not (progress or migrate.run_ids(results_dir, earlier)):
+        return
+    digest = config_digest(spec)
+    renamed = migrate.rename_config(results_dir, earlier, digest, {"task_definition": identify(spec)["task_definition"]})
+    found = [f"{len(renamed)} finished run(s)"] * bool(renamed) + ["the progress of an interrupted one"] * progress
+    say(f"  this config's digest before task versions was {earlier}: {' and '.join(found)} now under {digest}", err=True)
 
 
 def set_aside_damaged(results_dir: Path, digest: str) -> list[Path]:

@@ -18,7 +18,7 @@ import functools
 import re
 import threading
 
-from evalkit.scoring.data import RowError
+from evalkit.benchmark.data import RowError
 
 HUB_IDS = ("HuggingFaceH4/aime_2024", "Maxwell-Jia/AIME_2024")
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."

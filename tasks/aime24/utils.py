@@ -2,8 +2,8 @@
 
 import datasets
 
-from evalkit.scoring import all_responses, keep_all_samples  # noqa: F401 (the filter named in the YAML)
-from evalkit.scoring.data import DataError, checked_rows, load_rows
+from evalkit.benchmark import all_responses, keep_all_samples  # noqa: F401 (the filter named in the YAML)
+from evalkit.benchmark.data import DataError, checked_rows, load_rows
 from evalkit.tasks.aime24 import aime
 
 

@@ -1,8 +1,8 @@
-"""lm-eval hooks of the kv_retrieval task: the dataset comes from evalkit.synthetic, scoring is exact match."""
+"""lm-eval hooks of the kv_retrieval task: the dataset comes from evalkit.models.synthetic, scoring is exact match."""
 
 import datasets
 
-from evalkit import synthetic
+from evalkit.models import synthetic
 
 
 def load(n_samples=100, seed=1234, min_pairs=40, max_pairs=72, **_metadata):

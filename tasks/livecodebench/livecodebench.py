@@ -1,4 +1,4 @@
-"""LiveCodeBench code generation: official prompts and extraction, tests run in :mod:`evalkit.sandbox`.
+"""LiveCodeBench code generation: official prompts and extraction, tests run in :mod:`evalkit.benchmark.sandbox`.
 
 Every program runs in the sandbox, one process per program over all of a problem's tests, with lcb_runner's
 prelude, ``reliability_guard``, rewriting and comparisons (see :data:`PRELUDE` and the driver). Standard-input tests
@@ -25,8 +25,8 @@ import zlib
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
-from evalkit import sandbox
-from evalkit.scoring.data import RowError, require_text
+from evalkit.benchmark import sandbox
+from evalkit.benchmark.data import RowError, require_text
 
 log = logging.getLogger(__name__)
 

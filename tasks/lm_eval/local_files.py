@@ -4,7 +4,7 @@
 lm-eval loads them with ``datasets``, whose builders say only "An error occurred while generating the dataset"
 (``DatasetGenerationError``) for a line that does not parse, and raise a bare ``StopIteration`` for an empty file.
 Where loading a task's data fails, :func:`problem` reads its local files as evalkit's own tasks read theirs
-(:func:`evalkit.scoring.data.load_rows`) and says which one is wrong and how.
+(:func:`evalkit.benchmark.data.load_rows`) and says which one is wrong and how.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import glob
 from pathlib import Path
 
-from evalkit.errors import one_line
-from evalkit.scoring.data import BUILDERS, DataError, load_rows
+from evalkit.benchmark.data import BUILDERS, DataError, load_rows
+from evalkit.core.errors import one_line
 
 
 def local_files(dataset_kwargs: dict | None) -> list[Path]:

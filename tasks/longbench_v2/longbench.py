@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from evalkit.scoring.data import RowError, require_text
+from evalkit.benchmark.data import RowError, require_text
 
 HUB_ID = "THUDM/LongBench-v2"
 CHOICES = "What is the correct answer to this question: $Q$\nChoices:\n(A) $C_A$\n(B) $C_B$\n(C) $C_C$\n(D) $C_D$\n\n"

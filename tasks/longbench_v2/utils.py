@@ -5,9 +5,9 @@ import json
 
 import datasets
 
+from evalkit.benchmark import all_responses
+from evalkit.benchmark.data import checked_rows, load_rows
 from evalkit.results.rows import doc_key
-from evalkit.scoring import all_responses
-from evalkit.scoring.data import checked_rows, load_rows
 from evalkit.tasks.longbench_v2 import longbench
 
 

@@ -2,7 +2,7 @@
 
 import datasets
 
-from evalkit.tasks.needle import needle
+from evalkit.tasks.needle import haystack, needle
 
 
 def load(lengths=(1000, 1800), depths=(0.0, 0.25, 0.5, 0.75, 1.0), per_cell=2, seed=1234, **_options):
@@ -21,7 +21,7 @@ def doc_to_question(doc):
 
 def dataset_identity(dataset_kwargs):
     """The haystack is built at run time from the Python docs: their version is the data's identity."""
-    return needle.source()
+    return haystack.source()
 
 
 def process_results(doc, results):

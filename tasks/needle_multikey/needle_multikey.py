@@ -1,5 +1,5 @@
 """Multi-key needle in a haystack, RULER's ``niah_multikey_1`` shape (Hsieh et al., arXiv 2404.06654; NVIDIA/RULER
-``scripts/data/synthetic/niah.py``), over Python's reference documentation (the needle task's haystack).
+``scripts/data/synthetic/niah.py``), over Python's reference documentation (:mod:`evalkit.tasks.needle.haystack`).
 
 Each prompt (RULER's template: its opening line, the text, the question) hides ``keys`` sentences "One of the special magic numbers for {key} is: {value}." in a stretch of about
 ``length`` tokens; one key is asked for, its needle at relative ``depth`` (snapped to a sentence boundary), the
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-from evalkit.tasks.needle.needle import CHARS_PER_TOKEN, _sentence_start, haystack, source  # noqa: F401
+from evalkit.tasks.needle import haystack
 
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
 INTRO = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. I will quiz you "
@@ -33,38 +33,18 @@ def _keys(rng: random.Random, count: int) -> list[str]:
     return pairs
 
 
-def _insert(chunk: str, needles: list[tuple[float, str]]) -> str:
-    """``chunk`` with each needle sentence at its relative depth (sentence boundaries, deepest inserted first)."""
-    for depth, sentence in sorted(needles, key=lambda item: -item[0]):
-        at = min(_sentence_start(chunk, round(depth * len(chunk))), len(chunk))
-        chunk = " ".join(part for part in (chunk[:at].strip(), sentence, chunk[at:].strip()) if part)
-    return chunk
-
-
 def build_examples(lengths: list[int], depths: list[float], keys: int = 4, per_cell: int = 1,
                    seed: int = 1234) -> list[dict]:
     if int(keys) < 1:
         raise ValueError(f"keys must be at least 1 (the asked needle), got {keys}")
-    text = haystack()
-    rng = random.Random(seed)
-    rows = []
-    for length in lengths:
-        size = int(length) * CHARS_PER_TOKEN
-        if size >= len(text) // 2:
-            raise ValueError(f"length {length} is too long for the haystack ({len(text) // CHARS_PER_TOKEN} tokens)")
-        for depth in depths:
-            if not 0 <= float(depth) <= 1:
-                raise ValueError(f"depths must be within [0, 1], got {depth}")
-            for index in range(int(per_cell)):
-                start = _sentence_start(text, rng.randrange(1, len(text) - 2 * size))
-                chunk = text[start : start + size]
-                chunk = chunk[: chunk.rfind(". ") + 1] or chunk
-                names = _keys(rng, int(keys))
-                values = [str(rng.randrange(1_000_000, 10_000_000)) for _ in names]
-                needles = [(float(depth), NEEDLE.format(key=names[0], value=values[0]))]
-                needles += [(rng.random(), NEEDLE.format(key=k, value=v)) for k, v in zip(names[1:], values[1:])]
-                rows.append({"id": f"len{length}-depth{depth}-{index}", "context": f"{INTRO}\n{_insert(chunk, needles)}",
-                             "key": names[0], "answer": values[0], "length": str(length), "depth": f"{float(depth):g}"})
+    rng, rows = random.Random(seed), []
+    for length, depth, index, chunk in haystack.cells(lengths, depths, per_cell, rng):
+        names = _keys(rng, int(keys))
+        values = [str(rng.randrange(1_000_000, 10_000_000)) for _ in names]
+        needles = [(float(depth), NEEDLE.format(key=names[0], value=values[0]))]
+        needles += [(rng.random(), NEEDLE.format(key=k, value=v)) for k, v in zip(names[1:], values[1:])]
+        rows.append({"id": f"len{length}-depth{depth}-{index}", "context": f"{INTRO}\n{haystack.insert(chunk, needles)}",
+                     "key": names[0], "answer": values[0], "length": str(length), "depth": f"{float(depth):g}"})
     return rows
 
 

@@ -2,6 +2,7 @@
 
 import datasets
 
+from evalkit.tasks.needle import haystack
 from evalkit.tasks.needle_multikey import needle_multikey
 
 
@@ -21,7 +22,7 @@ def doc_to_question(doc):
 
 def dataset_identity(dataset_kwargs):
     """The haystack is built at run time from the Python docs: their version is the data's identity."""
-    return needle_multikey.source()
+    return haystack.source()
 
 
 def process_results(doc, results):

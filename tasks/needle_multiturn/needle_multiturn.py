@@ -1,5 +1,5 @@
 """Several needles in one haystack, asked one per turn: a session task over Python's reference documentation (the
-haystack of :mod:`evalkit.tasks.needle.needle`), built at run time from a seed.
+haystack of :mod:`evalkit.tasks.needle.haystack`), built at run time from a seed.
 
 Each session is a stretch of about ``length`` tokens with ``needles`` sentences ``The secret code of the <name> door
 is <code>.`` inserted at depths spread evenly from 0 to 1 (snapped to sentence boundaries), each with its own name
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-from evalkit.tasks.needle.needle import CHARS_PER_TOKEN, _sentence_start, haystack
+from evalkit.tasks.needle import haystack
 
 NEEDLE = "The secret code of the {name} door is {code}."
 QUESTION = "What is the secret code of the {name} door mentioned in the text above? Answer with the code only."
@@ -23,19 +23,15 @@ def build_sessions(lengths: list[int], needles: int = 4, per_length: int = 2, se
     ``name``, ``length``, ``depth`` (of the needle the turn asks for)."""
     if not 1 <= int(needles) <= len(NAMES):
         raise ValueError(f"needles must be within [1, {len(NAMES)}], got {needles}")
-    text, rng, docs = haystack(), random.Random(seed), []
+    text, rng, docs = haystack.text(), random.Random(seed), []
     for length in lengths:
-        size = int(length) * CHARS_PER_TOKEN
-        if size >= len(text) // 2:
-            raise ValueError(f"length {length} is too long for the haystack ({len(text) // CHARS_PER_TOKEN} tokens)")
+        size = haystack.size_of(text, length)
         for index in range(int(per_length)):
-            start = _sentence_start(text, rng.randrange(1, len(text) - 2 * size))
-            chunk = text[start: start + size]
-            chunk = chunk[: chunk.rfind(". ") + 1] or chunk
+            chunk = haystack.stretch(text, rng, size)
             names = rng.sample(NAMES, int(needles))
             codes = [str(rng.randrange(100000, 1000000)) for _ in names]
             depths = [k / max(1, int(needles) - 1) for k in range(int(needles))]
-            cuts = [min(_sentence_start(chunk, round(depth * len(chunk))), len(chunk)) for depth in depths]
+            cuts = [min(haystack.sentence_start(chunk, round(depth * len(chunk))), len(chunk)) for depth in depths]
             parts, last = [], 0
             for cut, name, code in zip(cuts, names, codes):
                 parts += [chunk[last:cut].strip(), NEEDLE.format(name=name, code=code)]

@@ -2,7 +2,7 @@
 
 import datasets
 
-from evalkit.tasks.needle import needle
+from evalkit.tasks.needle import haystack, needle
 from evalkit.tasks.needle_multiturn import needle_multiturn
 
 
@@ -26,7 +26,7 @@ def doc_to_follow_up(doc):
 
 
 def dataset_identity(dataset_kwargs):
-    return f"needle_multiturn:{needle.source()}"
+    return f"needle_multiturn:{haystack.source()}"
 
 
 def process_results(doc, results):

@@ -5,9 +5,8 @@ Its packages, from the top: :mod:`evalkit.run` (one evaluation), :mod:`evalkit.l
 :mod:`evalkit.benchmark` (the Task type), :mod:`evalkit.tasks` (each task's own code), :mod:`evalkit.compression` and
 :mod:`evalkit.core`.
 
-A module's name of the earlier, flat layout (:data:`MOVED`) still imports: it is the same module under its new name.
-Task folders keep importing them so: a task folder's bytes are part of its runs' identity, and rewriting its imports
-would give every earlier result of the task another config digest.
+A module's name of the earlier, flat layout (:data:`MOVED`) still imports for this release, as the same module under
+its new name, with a DeprecationWarning naming that name; the next release drops them.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+import warnings
 
 MOVED = {
     "evalkit.scoring.data": "evalkit.benchmark.data",
@@ -52,16 +52,36 @@ def moved_to(name: str) -> str | None:
 
 
 class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Asked first: an earlier name imports as the module it moved to, the very same object (one set of classes)."""
+    """Asked first: an earlier name imports as the module it moved to, the very same object (one set of classes),
+    with a DeprecationWarning at the import that names it."""
 
     def find_spec(self, fullname, path=None, target=None):
         return importlib.util.spec_from_loader(fullname, self) if moved_to(fullname) else None
 
     def create_module(self, spec):
-        return importlib.import_module(moved_to(spec.name))
+        new = moved_to(spec.name)
+        warnings.warn(f"{spec.name} is now {new}: import it from there (the earlier name goes in the next release)",
+                      DeprecationWarning, stacklevel=_importer_level())
+        return importlib.import_module(new)
 
     def exec_module(self, module):
         pass  # already executed under its own name
+
+
+def _importer_level() -> int:
+    """The ``stacklevel`` of the frame whose import named an earlier module, as seen from
+    :meth:`_MovedModules.create_module`: past this module's frames and importlib's (the import system's bootstrap
+    frames are skipped by :mod:`warnings` itself, and not counted)."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if "importlib" in name and "_bootstrap" in name:
+            frame = frame.f_back
+            continue
+        if name != __file__ and not name.endswith(("importlib/__init__.py", "importlib\\__init__.py")):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 1
 
 
 if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):

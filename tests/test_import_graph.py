@@ -123,23 +123,48 @@ def test_no_module_class_or_function_outgrows_its_bound():
 
 @pytest.mark.parametrize("old", ["evalkit.errors", "evalkit.method_config", "evalkit.sandbox", "evalkit.task.folder",
                                  "evalkit.scoring", "evalkit.scoring.data", "evalkit.lm_eval_plugin", "evalkit.synthetic"])
-def test_a_module_of_the_earlier_layout_is_the_same_module_under_its_new_name(old):
-    """Task folders import these (their bytes are their runs' identity, so they keep the names they were written
-    with): an earlier name must give the very module, not a copy with classes of its own."""
+def test_a_module_of_the_earlier_layout_is_the_same_module_under_its_new_name_with_a_warning(old):
+    """For one release an earlier name gives the very module, not a copy with classes of its own, and says where it
+    is now, at the line that imported it."""
+    import sys
+
     import evalkit
 
-    assert importlib.import_module(old) is importlib.import_module(evalkit.moved_to(old))
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=f"{old} is now {evalkit.moved_to(old)}: import it from there") as said:
+        assert importlib.import_module(old) is importlib.import_module(evalkit.moved_to(old))
+    assert {Path(warning.filename).name for warning in said} == {Path(__file__).name}
 
 
-def test_task_folders_import_their_helpers_by_the_earlier_names_too():
-    from evalkit.benchmark.data import DataError
-    from evalkit.scoring.data import DataError as Earlier  # as tasks/lm_eval/local_files.py imports it
+def test_no_module_of_evalkit_or_of_a_task_imports_an_earlier_name():
+    import evalkit
 
-    assert Earlier is DataError
+    tasks = PACKAGE.parent / "tasks"
+    earlier = [f"{path.relative_to(PACKAGE.parent)}: {name}" for path in [*PACKAGE.rglob("*.py"), *tasks.rglob("*.py")]
+               if path != PACKAGE / "__init__.py" for name in imported_names(path) if evalkit.moved_to(name)]
+    assert earlier == []
+
+
+def imported_names(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+    return found
+
+
+def test_load_model_imports_from_evalkit_lm_as_before_with_a_warning_naming_its_place():
+    with pytest.warns(DeprecationWarning, match="evalkit.lm.load_model is now evalkit.models.load_model"):
+        from evalkit.lm import load_model
+    from evalkit.models import load_model as now
+
+    assert load_model is now
 
 
 def test_the_entry_points_users_import_still_work():
-    from evalkit import sandbox
+    from evalkit.benchmark import sandbox
     from evalkit.config import compose  # noqa: F401
     from evalkit.lm import EvalkitLM
     from evalkit.memory import kv_bytes_per_token  # noqa: F401

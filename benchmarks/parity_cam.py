@@ -25,11 +25,9 @@ the two sides' next greedy tokens agree.
 
 from __future__ import annotations
 
-import sys
-import tempfile
-from pathlib import Path
+from parity_model import agreement, load_saved, model_options, save_model
+from parity_runner import Parity, Side, kvpress_environment, run_parity
 
-HERE = Path(__file__).resolve().parent
 STEPS, SEED = 100, 0
 # case: (kvpress' target_size, compression_interval, merge_budget, prompt tokens)
 CASES = {
@@ -54,15 +52,16 @@ def sequence(length: int):
     return ids[None, :length], ids[length:].tolist()
 
 
-def heads_of(positions, valid, keys, values) -> list[dict]:
-    """Per KV head, its held positions (``positions`` ``[H, S]`` where ``valid``) in text order with their keys and
-    values (``[1, H, S, D]``)."""
+def heads_of(positions, valid, values, keys=None) -> list[dict]:
+    """Per KV head, its held positions (``positions`` ``[H, S]`` where ``valid``) in text order with their values
+    (``[1, H, S, D]``) and, where given, keys."""
     out = []
-    for head in range(keys.shape[1]):
+    for head in range(values.shape[1]):
         slots = valid[head].nonzero().flatten()
         slots = slots[positions[head, slots].argsort()]
-        out.append({"kept": positions[head, slots].tolist(), "keys": keys[0, head, slots].tolist(),
-                    "values": values[0, head, slots].tolist()})
+        out.append({"kept": positions[head, slots].tolist(), "values": values[0, head, slots].tolist()})
+        if keys is not None:
+            out[-1]["keys"] = keys[0, head, slots].tolist()
     return out
 
 
@@ -135,28 +134,35 @@ def run_kvpress(model) -> dict:
         track_positions(press, positions, state)
         cache, greedy = replay(model, press, prompt, tokens, positions, state)
         heads = [heads_of(positions[i].expand(layer.keys.shape[1], -1), torch.ones(layer.keys.shape[1:3], dtype=bool),
-                          layer.keys, layer.values) for i, layer in enumerate(cache.layers)]
+                          layer.values, layer.keys) for i, layer in enumerate(cache.layers)]
         out[case] = {"heads": heads, "tokens": greedy, "merged": state["merged"]}
     return out
 
 
-def run_evalkit(model) -> dict:
+def cam_replay(model, prompt, tokens: list, target: int, interval: int, budget: int):
+    """evalkit's ``cam`` (``capacity = target + interval``, seeded ``SEED``) fed ``prompt`` then ``tokens`` one at a
+    time: its session and the greedy token before each step."""
     import torch
 
     import evalkit.compression as ec
 
+    session = ec.CompressionSession(model, ec.CaM.from_config(target + interval, interval=interval,
+                                                              merge_budget=budget, seed=SEED))
+    logits, greedy = session.prefill(prompt), []
+    for token in tokens:
+        greedy.append(int(logits.argmax()))
+        logits = session.step(torch.tensor([[token]]))[:, -1]
+    return session, greedy
+
+
+def run_evalkit(model) -> dict:
     out, state = {}, {"merged": 0}
     counting_bernoulli(state, give_generator=False)
     for case, (target, interval, budget, length) in CASES.items():
         prompt, tokens = sequence(length)
         state["merged"] = 0
-        session = ec.CompressionSession(model, ec.CaM.from_config(target + interval, interval=interval,
-                                                                  merge_budget=budget, seed=SEED))
-        logits, greedy = session.prefill(prompt), []
-        for token in tokens:
-            greedy.append(int(logits.argmax()))
-            logits = session.step(torch.tensor([[token]]))[:, -1]
-        heads = [heads_of(layer.heads.positions[0], layer.heads.valid[0], layer.keys, layer.values)
+        session, greedy = cam_replay(model, prompt, tokens, target, interval, budget)
+        heads = [heads_of(layer.heads.positions[0], layer.heads.valid[0], layer.values, layer.keys)
                  for layer in session.cache.layers]
         out[case] = {"heads": heads, "tokens": greedy, "merged": state["merged"]}
     return out
@@ -167,30 +173,28 @@ def largest_difference(pairs: list, name: str) -> float:
                default=float("nan"))
 
 
-def main() -> None:
-    sys.path.insert(0, str(HERE))
-    from parity_model import agreement, load_saved, model_parser, save_model
+def without_grad(side):
+    """A side ``side(model)`` as a worker runs it, gradients off: on the model :func:`save_model` wrote."""
 
-    args = model_parser(__doc__.splitlines()[0]).parse_args()
-    from bench_vs_kvpress import kvpress_python, report, run_worker
-
-    if args.worker:
+    def compute(args) -> dict:
         import torch
 
         torch.set_grad_enabled(False)
-        model, _ = load_saved(args.model)
-        return report((run_kvpress if args.worker == "kvpress" else run_evalkit)(model))
-    python = kvpress_python(Path(args.venv))
-    if python is None:
-        return
-    with tempfile.TemporaryDirectory() as folder:
-        save_model(Path(folder), 8)  # the prompt is this script's own
-        sides = {side: run_worker(python if side == "kvpress" else Path(sys.executable), Path(__file__), side,
-                                  "--model", folder) for side in ("kvpress", "evalkit")}
+        return side(load_saved(args.model)[0])
+
+    return compute
+
+
+SIDES = {"kvpress": Side(without_grad(run_kvpress), reference=True), "evalkit": Side(without_grad(run_evalkit))}
+
+
+def compare(parity: Parity, args) -> None:
+    save_model(parity.folder, 8)  # the prompt is this script's own
+    theirs_all, ours_all = parity.both("--model", str(parity.folder))
     print(f"{'case':<26} heads agreeing  positions differing  max |dkeys|  max |dvalues|  merged (kvpress, evalkit)  "
           "next tokens agreeing")
-    for case, theirs in sides["kvpress"].items():
-        ours = sides["evalkit"][case]
+    for case, theirs in theirs_all.items():
+        ours = ours_all[case]
         same, heads, differ = agreement([[h["kept"] for h in layer] for layer in theirs["heads"]],
                                         [[h["kept"] for h in layer] for layer in ours["heads"]])
         pairs = [(a, b) for la, lb in zip(theirs["heads"], ours["heads"]) for a, b in zip(la, lb) if a["kept"] == b["kept"]]
@@ -201,4 +205,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_parity(__file__, __doc__, SIDES, compare, options=model_options, environment=kvpress_environment)

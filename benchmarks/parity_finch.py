@@ -2,28 +2,28 @@
 loaded by both sides) and prompt of distinct tokens; do they keep the same tokens per layer and KV head, and hold the
 same re-rotated keys?
 
-    /tmp/kvpress-venv/bin/python benchmarks/parity_finch.py --write tests/fixtures/kvpress_finch.json   # kvpress
-    .venv/bin/python benchmarks/parity_finch.py [--fixture tests/fixtures/kvpress_finch.json]           # evalkit
+    .venv/bin/python benchmarks/parity_finch.py --write tests/fixtures/kvpress_finch.json [--venv /tmp/kvpress-venv]
+    .venv/bin/python benchmarks/parity_finch.py [--fixture tests/fixtures/kvpress_finch.json]
 
 * kvpress: ``context + delimiter + question`` through ``model.model`` inside the press (as its pipeline prefills the
   context; the press' embedding hook drops the delimiter and sets the window to the question's length). Kept tokens
   are the positions whose values (never rotated) the cache holds, matched to a full-cache run of the prompt.
 * evalkit: the prompt without the delimiter, ``Finch(capacity=int(N * (1 - ratio)), window=<question length>)``.
 
-``--write`` stores kvpress' kept sets (and re-rotated keys) with the prompt as the fixture tests/test_finch.py checks
-evalkit against; without it, evalkit's side is compared with the fixture.
+``--write`` runs kvpress 0.5.5 in its own environment (made on demand as in bench_vs_kvpress.py) and stores its kept
+sets (and re-rotated keys) with the prompt as the fixture tests/test_finch.py checks evalkit against; without it,
+evalkit's side is compared with the fixture.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from parity_presses import fixture_options, held
+from parity_runner import HERE, Parity, Side, from_tests, kvpress_environment, run_parity, write_fixture
+
 FIXTURE = HERE.parent / "tests" / "fixtures" / "kvpress_finch.json"
 N, DELIMITER = 60, 1  # prompt length (context + question); the delimiter id, absent from the prompt
 CASES = {  # case: (question tokens, compression ratio, kvpress' other settings, as evalkit's)
@@ -40,18 +40,6 @@ def sequence():
     import torch
 
     return (3 + torch.randperm(94, generator=torch.Generator().manual_seed(0))[:N])[None]
-
-
-def held(full, values) -> list[list[int]]:
-    """Per KV head, the positions of ``full`` ``[H, T, D]`` nearest the values ``values`` (per head ``[m, D]``)."""
-    import torch
-
-    out = []
-    for head in range(len(values)):
-        distances = torch.cdist(values[head].double(), full[head].double())
-        assert bool((distances.min(dim=1).values < 1e-4).all()), "a cached value matches no value of the prompt"
-        out.append(sorted(distances.argmin(dim=1).tolist()))
-    return out
 
 
 def run_kvpress(folder: str) -> dict:
@@ -71,7 +59,8 @@ def run_kvpress(folder: str) -> dict:
         ids = torch.cat([prompt[:, : N - question], torch.tensor([[DELIMITER]]), prompt[:, N - question :]], dim=1)
         with torch.no_grad(), press(model):
             model.model(input_ids=ids, past_key_values=cache)
-        kept[case] = [held(f.values[0], list(layer.values[0])) for f, layer in zip(full.layers, cache.layers)]
+        kept[case] = [held(f.values[0], list(layer.values[0]), tolerance=1e-4, what="value")
+                      for f, layer in zip(full.layers, cache.layers)]
         if press.rerotate_keys:  # each head's kept keys in text order, re-rotated
             keys[case] = [layer.keys[0].tolist() for layer in cache.layers]
     return {"kept": kept, "keys": keys}
@@ -100,7 +89,7 @@ def run_evalkit(model) -> dict:
     return {"kept": kept, "keys": keys}
 
 
-def compare(theirs: dict, ours: dict) -> list[tuple[str, int, int, float | None]]:
+def compare_kept(theirs: dict, ours: dict) -> list[tuple[str, int, int, float | None]]:
     """Per case: heads agreeing, heads in all, and the largest re-rotated key difference (None: no re-rotation)."""
     import torch
 
@@ -114,37 +103,32 @@ def compare(theirs: dict, ours: dict) -> list[tuple[str, int, int, float | None]
     return rows
 
 
-def save_tiny_model(python: str, folder: str) -> None:
-    """tests/conftest.py's tiny Llama, built by evalkit's environment (``python``) and saved to ``folder``."""
-    code = (f"import sys; sys.path.insert(0, {str(HERE.parent / 'tests')!r}); from conftest import tiny_model; "
-            f"tiny_model().save_pretrained({folder!r})")
-    subprocess.run([python, "-c", code], check=True, cwd=HERE.parent)
+def options(parser) -> None:
+    fixture_options(parser, "run kvpress (in its environment) and write its kept sets to this fixture")
+    parser.add_argument("--fixture", default=str(FIXTURE), help="the fixture to compare with")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", help="(kvpress' environment) the fixture to write kvpress' kept sets to")
-    parser.add_argument("--evalkit", default=str(HERE.parent / ".venv" / "bin" / "python"),
-                        help="(kvpress' environment) evalkit's python, which builds the tiny model")
-    parser.add_argument("--fixture", default=str(FIXTURE), help="(evalkit's environment) the fixture to compare with")
-    args = parser.parse_args()
+def environment(args) -> Path | None:
+    """kvpress' interpreter where it runs (``--write``); else the fixture is kvpress' side."""
+    return kvpress_environment(args) if args.write else Path(sys.executable)
+
+
+SIDES = {"kvpress": Side(lambda args: run_kvpress(args.model), reference=True)}
+
+
+def compare(parity: Parity, args) -> None:
     if args.write:
-        with tempfile.TemporaryDirectory() as folder:
-            save_tiny_model(args.evalkit, folder)
-            theirs = run_kvpress(folder)
-        fixture = {"reference": "kvpress 0.5.5", "prompt": sequence()[0].tolist(), **theirs}
-        Path(args.write).write_text(json.dumps(fixture, separators=(",", ":")) + "\n")
+        from_tests("conftest").tiny_model().save_pretrained(parity.folder)
+        theirs = parity.run("kvpress", "--model", str(parity.folder))
+        write_fixture(args.write, {"prompt": sequence()[0].tolist(), **theirs})
         print(f"wrote {args.write} ({len(theirs['kept'])} cases)")
         return
-    sys.path.insert(0, str(HERE.parent / "tests"))
-    from conftest import tiny_model  # noqa: E402 (tests/ on the path)
-
     theirs = json.loads(Path(args.fixture).read_text())
     assert theirs["prompt"] == sequence()[0].tolist(), "the fixture was written for another prompt"
     print(f"{'case':<54} heads agreeing  re-rotated keys' largest gap")
-    for case, same, heads, gap in compare(theirs, run_evalkit(tiny_model())):
+    for case, same, heads, gap in compare_kept(theirs, run_evalkit(from_tests("conftest").tiny_model())):
         print(f"{case:<54} {same}/{heads:<13} {'-' if gap is None else f'{gap:.2e}'}")
 
 
 if __name__ == "__main__":
-    main()
+    run_parity(__file__, __doc__, SIDES, compare, options=options, environment=environment)

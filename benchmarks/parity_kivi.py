@@ -19,7 +19,6 @@ references' dequantized tensors. Where they apply: transformers quantizes the wh
 
 from __future__ import annotations
 
-import argparse
 import ast
 import hashlib
 import json
@@ -27,7 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from parity_runner import HERE, Parity, Side, run_parity
+
 RECORD = HERE / "records" / "kivi_reference.json"
 
 FUNCTIONS = ("quant_and_pack_kcache", "quant_and_pack_vcache", "unpack_and_dequant_kcache",
@@ -105,39 +105,40 @@ def quanto_outputs() -> dict:
     return out
 
 
-def record_quanto(venv: Path) -> dict:
-    """Run :func:`quanto_outputs` in its own environment; its record entry."""
+def quanto_record(args) -> dict:
+    """The record entry of transformers' quanto layer (its worker, in its own environment)."""
+    from importlib.metadata import version
+
     import transformers
 
-    sys.path.insert(0, str(HERE))
-    from bench_vs_kvpress import reference_python, run_worker
+    return {"reference": f"transformers {transformers.__version__} QuantoQuantizedLayer (optimum-quanto "
+                         f"{version('optimum-quanto')}), axis_key=-1, axis_value=0",
+            "sha256": {k: digest(v) for k, v in quanto_outputs().items()}}
 
-    version = f"transformers=={transformers.__version__}"
-    python = reference_python(venv, ["optimum-quanto", version], "import optimum.quanto, transformers",
-                              "transformers' quanto backend", "its own environment")
+
+def quanto_environment(args) -> Path:
+    """With ``--quanto``: the interpreter of transformers' quanto backend (this transformers and optimum-quanto),
+    made on demand."""
+    if not args.quanto:
+        return Path(sys.executable)
+    import transformers
+    from bench_vs_kvpress import reference_python
+
+    python = reference_python(Path(args.quanto), ["optimum-quanto", f"transformers=={transformers.__version__}"],
+                              "import optimum.quanto, transformers", "transformers' quanto backend",
+                              "its own environment")
     if python is None:
         raise SystemExit("transformers' quanto backend could not be installed")
-    return run_worker(python, Path(__file__), "quanto")
+    return python
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(parser) -> None:
     parser.add_argument("--repo", help="a checkout of jy-yuan/KIVI: run its functions and write the record")
     parser.add_argument("--quanto", nargs="?", const=str(HERE.parent / ".quanto-venv"),
                         help="run transformers' quanto layer in this environment and write the record")
-    parser.add_argument("--worker", choices=["quanto"])
-    args = parser.parse_args()
-    if args.worker:
-        from importlib.metadata import version
 
-        import transformers
 
-        theirs = quanto_outputs()
-        print("RESULT " + json.dumps({
-            "reference": f"transformers {transformers.__version__} QuantoQuantizedLayer (optimum-quanto "
-                         f"{version('optimum-quanto')}), axis_key=-1, axis_value=0",
-            "sha256": {k: digest(v) for k, v in theirs.items()}}))
-        return
+def compare(parity: Parity, args) -> None:
     ours = evalkit_outputs()
     record = json.loads(RECORD.read_text()) if RECORD.exists() else {}
     differences = {}
@@ -148,7 +149,7 @@ def main() -> None:
         record["kivi"] = {"reference": f"jy-yuan/KIVI {revision.stdout.strip() or '(no git)'} quant/new_pack.py",
                           "sha256": {k: digest(v) for k, v in theirs.items()}}
     if args.quanto:
-        record["transformers"] = record_quanto(Path(args.quanto))
+        record["transformers"] = parity.run("quanto")
     if args.repo or args.quanto:
         RECORD.parent.mkdir(exist_ok=True)
         RECORD.write_text(json.dumps(record, indent=1))
@@ -164,4 +165,5 @@ def main() -> None:
 GROUP = 32
 
 if __name__ == "__main__":
-    main()
+    run_parity(__file__, __doc__, {"quanto": Side(quanto_record, reference=True)}, compare, options=options,
+               environment=quanto_environment)

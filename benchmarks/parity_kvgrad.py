@@ -19,12 +19,11 @@ over layer-heads), the mean Jaccard index, and the greedy tokens that agree befo
 
 from __future__ import annotations
 
-import argparse
-import sys
-import tempfile
-from pathlib import Path
+from functools import partial
 
-HERE = Path(__file__).resolve().parent
+from parity_kvzip import NEW, compare, save_models, scenario_options, scenario_runs, scenario_sides
+from parity_runner import Parity, kvpress_environment, run_parity
+
 CASES = {  # case: (kvpress' press settings, evalkit's method and settings)
     "kvgrad": ({}, ("kvgrad", {})),
     "kvgrad layerwise": ({"layerwise": True}, ("kvgrad", {"layerwise": True})),
@@ -49,72 +48,26 @@ def kvgrad_press(kvpress, prefix: list[int], detect: bool, **settings):
     return (PrefixDetected if detect else kvpress.KVgradPress)(**settings)
 
 
-def worker(args) -> dict:
-    """parity_kvzip.py's worker on KVgrad's cases and press."""
-    import parity_kvzip
-
-    parity_kvzip.CASES, parity_kvzip.kvzip_press = CASES, kvgrad_press
-    return parity_kvzip.worker(args)
-
-
 def differing(theirs: dict, ours: dict) -> int:
     """Positions kept by one side only, summed over the layer-heads."""
     return sum(len(set(a) ^ set(b)) for la, lb in zip(theirs["kept"], ours["kept"]) for a, b in zip(la, lb))
 
 
-def scenario_rows(python: Path, folder: Path, models: dict, scenario: tuple) -> None:
-    from bench_vs_kvpress import run_worker
-    from parity_kvzip import LABELS, NEW, compare, save_prompt
-    from transformers import AutoTokenizer
-
-    model, length, chunk, cases, ratios = scenario
-    tokenizer = AutoTokenizer.from_pretrained(models[model])
-    print(f"\n{LABELS[model]}, {length}-token prompts, chunks of {chunk}\n{'prompt':<6} {'method':<17} {'ratio':>5}  "
-          f"{'kvpress':<16} {'identical':>9}  {'differing':>9}  {'Jaccard':>7}  greedy")
-    for kind in ("chat", "plain"):
-        prompt = folder / f"{model}-{length}-{kind}.pt"
-        save_prompt(prompt, tokenizer, length, chat=kind == "chat")
-        args = ["--model", str(models[model]), "--chunk", str(chunk), "--cases", ",".join(cases), "--ratios",
-                ",".join(map(str, ratios)), "--prompt", str(prompt)]
-        ours = run_worker(Path(sys.executable), Path(__file__), "evalkit", *args)["cases"]
-        modes = {"as shipped": []} if kind == "chat" else {"as shipped": [], "prefix detected": ["--detect-prefix"]}
-        for mode, extra in modes.items():
-            theirs = run_worker(python, Path(__file__), "kvpress", *args, *extra)
-            for key, case in ours.items():
-                same, heads, jaccard, agree = compare(theirs[key], case)
-                name, ratio = key.rsplit("@", 1)
-                print(f"{kind:<6} {name:<17} {ratio:>5}  {mode:<16} {same:>4}/{heads:<4}  "
-                      f"{differing(theirs[key], case):>9}  {jaccard:>7.3f}  {agree}/{NEW}", flush=True)
-
-
-def main() -> None:
-    sys.path.insert(0, str(HERE))
-    from parity_model import model_parser
-
-    parser = model_parser(__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the 600-token scenarios at ratio 0.75 only")
-    parser.add_argument("--prompt")
-    parser.add_argument("--chunk", type=int, default=512)
-    parser.add_argument("--cases", default=",".join(CASES))
-    parser.add_argument("--ratios", default="0.75")
-    parser.add_argument("--detect-prefix", action="store_true", help="kvpress worker: skip the prefix only where "
-                        "the prompt starts with it")
-    parser.add_argument("--costs", action="store_true", help=argparse.SUPPRESS)  # read by the worker
-    args = parser.parse_args()
-    from bench_vs_kvpress import kvpress_python, report
-
-    if args.worker:
-        return report(worker(args))
-    python = kvpress_python(Path(args.venv))
-    if python is None:
-        return
-    from parity_kvzip import save_models
-
-    with tempfile.TemporaryDirectory() as folder:
-        models = save_models(Path(folder))
-        for scenario in (QUICK if args.quick else FULL) if models else []:
-            scenario_rows(python, Path(folder), models, scenario)
+def compare_scenarios(parity: Parity, args) -> None:
+    columns = (f"{'prompt':<6} {'method':<17} {'ratio':>5}  {'kvpress':<16} {'identical':>9}  {'differing':>9}  "
+               f"{'Jaccard':>7}  greedy")
+    models = save_models(parity.folder)
+    for scenario in (QUICK if args.quick else FULL) if models else []:
+        for kind, ours, runs in scenario_runs(parity, models, scenario, columns):
+            for mode, theirs in runs.items():
+                for key, case in ours["cases"].items():
+                    same, heads, jaccard, agree = compare(theirs[key], case)
+                    name, ratio = key.rsplit("@", 1)
+                    print(f"{kind:<6} {name:<17} {ratio:>5}  {mode:<16} {same:>4}/{heads:<4}  "
+                          f"{differing(theirs[key], case):>9}  {jaccard:>7.3f}  {agree}/{NEW}", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    run_parity(__file__, __doc__, scenario_sides(CASES, kvgrad_press), compare_scenarios, environment=kvpress_environment,
+               options=partial(scenario_options, table=CASES, ratios="0.75",
+                               quick="the 600-token scenarios at ratio 0.75 only"))

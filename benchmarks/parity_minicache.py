@@ -6,7 +6,7 @@ the restored states are apart.
     python benchmarks/parity_minicache.py --repo KVCache-Factory [--commit c97f9d7]
 
 ``--repo``: a clone (its work tree, or a bare git directory: the file is read at ``--commit``). The reference runs in
-a throwaway process that imports the file from a temporary folder. Two ways of feeding it: in float64, its merge held
+a throwaway process that imports the file from a temporary folder (and the rows' evalkit side). Two ways of feeding it: in float64, its merge held
 in the cache's dtype and restored from that (evalkit's procedure: identical results expected), and as shipped, the
 cache's fp32 tensors straight in (its angles in fp32, so a near tie may retain another token).
 """
@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
+from parity_runner import Parity, Side, run_parity
 
 FILE = "pyramidkv/minicache.py"
 LAYERS, PROMPT = 4, 200
@@ -92,34 +92,35 @@ def rows(module, states, interpolation: float = 0.6, ratio: float = 0.05) -> lis
     return out
 
 
-def worker(reference: Path, tensors: Path) -> None:
-    spec = importlib.util.spec_from_file_location("kvcache_factory_minicache", reference)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    print("\n".join(rows(module, torch.load(tensors))))
+def official_rows(args) -> list[str]:
+    """:func:`rows` with the reference's file (at ``args.commit`` of ``args.repo``) imported from a temporary folder,
+    on the states saved in ``args.states``."""
+    with tempfile.TemporaryDirectory() as folder:
+        reference = Path(folder) / "minicache.py"
+        reference.write_text(reference_source(args.repo, args.commit))
+        spec = importlib.util.spec_from_file_location("kvcache_factory_minicache", reference)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return rows(module, torch.load(args.states))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(parser) -> None:
     parser.add_argument("--repo", type=Path, required=True)
     parser.add_argument("--commit", default="c97f9d7")
-    parser.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        return worker(*args.worker)
-    with tempfile.TemporaryDirectory() as folder:
-        reference, tensors = Path(folder) / "minicache.py", Path(folder) / "states.pt"
-        reference.write_text(reference_source(args.repo, args.commit))
-        torch.save(cache_states(), tensors)
-        print(f"KVCache-Factory {args.commit} {FILE} beside evalkit: a seeded {LAYERS}-layer Llama's {PROMPT}-token "
-              "prompt cache (fp32), interpolation 0.6, retention ratio 0.05")
-        print("| layers | states | retained, float64 | restored, float64 | retained, as shipped | restored, as shipped "
-              "| pair held / dense |")
-        print("|---|---|---|---|---|---|---|")
-        sys.stdout.flush()
-        subprocess.run([sys.executable, __file__, "--repo", str(args.repo), "--worker", str(reference), str(tensors)],
-                       check=True)
+    parser.add_argument("--states", type=Path, help=argparse.SUPPRESS)
+
+
+def compare(parity: Parity, args) -> None:
+    states = parity.folder / "states.pt"
+    torch.save(cache_states(), states)
+    theirs = parity.run("official", "--repo", str(args.repo), "--commit", args.commit, "--states", str(states))
+    print(f"KVCache-Factory {args.commit} {FILE} beside evalkit: a seeded {LAYERS}-layer Llama's {PROMPT}-token "
+          "prompt cache (fp32), interpolation 0.6, retention ratio 0.05")
+    print("| layers | states | retained, float64 | restored, float64 | retained, as shipped | restored, as shipped "
+          "| pair held / dense |")
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(theirs))
 
 
 if __name__ == "__main__":
-    main()
+    run_parity(__file__, __doc__, {"official": Side(official_rows)}, compare, options=options)

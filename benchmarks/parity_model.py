@@ -16,11 +16,10 @@ positions that differ.
 from __future__ import annotations
 
 import argparse
-import sys
-import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from parity_runner import HERE, Parity, Side, kvpress_environment, run_parity, venv_option
+
 RATIOS = (0.5, 0.75)
 SNAPKV = {"window_size": 64, "kernel_size": 5}
 # case: (kvpress' press from kvpress and the ratio, evalkit's method from evalkit.compression and the capacity)
@@ -142,44 +141,32 @@ def load_saved(folder: str, prompt: str | None = None):
     return model, torch.load(prompt or Path(folder) / "prompt.pt")
 
 
-def model_parser(description: str) -> argparse.ArgumentParser:
+def model_options(parser: argparse.ArgumentParser) -> None:
     """The arguments of the model-level parity scripts: the prompt's length, kvpress' environment, and a worker's
-    side and model folder."""
-    parser = argparse.ArgumentParser(description=description)
+    model folder."""
     parser.add_argument("--length", type=int, default=600)
-    parser.add_argument("--venv", default=str(HERE.parent / ".kvpress-venv"))
-    parser.add_argument("--worker", choices=["kvpress", "evalkit"])
+    venv_option(parser, str(HERE.parent / ".kvpress-venv"))
     parser.add_argument("--model")
-    return parser
 
 
-def main() -> None:
-    parser = model_parser(__doc__.splitlines()[0])
-    args = parser.parse_args()
-    sys.path.insert(0, str(HERE))
-    if args.worker:
-        from bench_vs_kvpress import report
+def loaded(side, folder: bool = False):
+    """A side ``side(model, prompt)`` as a worker runs it: on the model and prompt :func:`save_model` wrote in
+    ``args.model`` (``folder``: that folder too, ``side(model, prompt, folder)``)."""
+    return lambda args: side(*load_saved(args.model), *([Path(args.model)] if folder else []))
 
-        model, prompt = load_saved(args.model)
-        report(kept_by_kvpress(model, prompt) if args.worker == "kvpress" else kept_by_evalkit(model, prompt))
-        return
-    from bench_vs_kvpress import kvpress_python
-    from parity_scores import run_side
 
-    python = kvpress_python(Path(args.venv))
-    if python is None:
-        return
-    with tempfile.TemporaryDirectory() as folder:
-        save_model(Path(folder), args.length)
-        sides = {side: run_side(python if side == "kvpress" else Path(sys.executable), side, folder, model=True)
-                 for side in ("kvpress", "evalkit")}
+SIDES = {"kvpress": Side(loaded(kept_by_kvpress), reference=True), "evalkit": Side(loaded(kept_by_evalkit))}
+
+
+def compare(parity: Parity, args: argparse.Namespace) -> None:
+    save_model(parity.folder, args.length)
+    theirs, ours = parity.both("--model", str(parity.folder))
     print(f"{'method':<22} {'ratio':>5}  heads agreeing  positions differing")
-    for key, theirs in sides["kvpress"].items():
-        ours = sides["evalkit"][key]
+    for key, kept in theirs.items():
         case, ratio = key.rsplit("@", 1)
-        same, heads, differ = agreement(theirs, ours)
+        same, heads, differ = agreement(kept, ours[key])
         print(f"{case:<22} {ratio:>5}  {same}/{heads:<13} {differ}")
 
 
 if __name__ == "__main__":
-    main()
+    run_parity(__file__, __doc__, SIDES, compare, options=model_options, environment=kvpress_environment)

@@ -16,13 +16,8 @@ kvpress' kept sets with the prompt and tokens as the fixture tests/test_kvpress_
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-import tempfile
-from pathlib import Path
+from parity_runner import Parity, Side, from_tests, kvpress_environment, run_parity, venv_option, write_fixture
 
-HERE = Path(__file__).resolve().parent
 N, NEW = 60, 30
 KVCOMPOSE = {  # case: (kvpress' settings, evalkit's), at compression_ratio 0.5 (capacity N // 2)
     "default": ({}, {}),
@@ -47,14 +42,15 @@ def sequence():
     return ids[None, :N], ids[N:].tolist()
 
 
-def held(full, keys) -> list[list[int]]:
-    """Per KV head, the positions of ``full`` ``[H, T, D]`` nearest the keys ``keys`` (per head ``[m, D]``)."""
+def held(full, rows, tolerance: float = 1e-3, what: str = "key") -> list[list[int]]:
+    """Per KV head, the positions of ``full`` ``[H, T, D]`` nearest the cached ``rows`` (per head ``[m, D]``: keys,
+    or ``what`` they are) within ``tolerance``."""
     import torch
 
     out = []
-    for head in range(len(keys)):
-        distances = torch.cdist(keys[head].double(), full[head].double())
-        assert bool((distances.min(dim=1).values < 1e-3).all()), "a cached key matches no key of the sequence"
+    for head in range(len(rows)):
+        distances = torch.cdist(rows[head].double(), full[head].double())
+        assert bool((distances.min(dim=1).values < tolerance).all()), f"a cached {what} matches no {what} of the sequence"
         out.append(sorted(distances.argmin(dim=1).tolist()))
     return out
 
@@ -167,43 +163,40 @@ def run_evalkit(model) -> dict:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--venv", default="/tmp/kvpress-venv")
-    parser.add_argument("--write", help="the fixture to write kvpress' kept sets to")
-    parser.add_argument("--worker", choices=["kvpress"])
-    parser.add_argument("--model")
-    args = parser.parse_args()
-    if args.worker:
-        print("RESULT " + json.dumps(run_kvpress(args.model)))
-        return
-    sys.path.insert(0, str(HERE))
-    sys.path.insert(0, str(HERE.parent / "tests"))
-    from bench_vs_kvpress import kvpress_python, run_worker
-    from conftest import tiny_model
+def kept_cells(theirs, ours) -> str:
+    """A row's cells after its label: the heads whose kept sets agree and the positions that differ, or kvpress'
+    failure (``theirs`` its message)."""
+    if isinstance(theirs, str):
+        return f"kvpress fails: {theirs}"
+    pairs = [(set(a), set(b)) for la, lb in zip(theirs, ours) for a, b in zip(la, lb)]
+    same, differ = sum(a == b for a, b in pairs), sum(len(a ^ b) for a, b in pairs)
+    return f"{same}/{len(pairs):<13} {differ}"
 
-    python = kvpress_python(Path(args.venv))
-    if python is None:
-        return
-    model = tiny_model()
-    with tempfile.TemporaryDirectory() as folder:
-        model.save_pretrained(folder)
-        theirs = run_worker(python, Path(__file__), "kvpress", "--model", folder)
+
+def fixture_options(parser, write: str = "the fixture to write kvpress' kept sets to") -> None:
+    """The arguments of a parity that records kvpress' side as a test's fixture (this script's, parity_finch.py's,
+    parity_expected_attention_stats.py's): kvpress' environment, the fixture, and a worker's model folder."""
+    venv_option(parser)
+    parser.add_argument("--write", help=write)
+    parser.add_argument("--model")
+
+
+SIDES = {"kvpress": Side(lambda args: run_kvpress(args.model), reference=True)}
+
+
+def compare(parity: Parity, args) -> None:
+    model = from_tests("conftest").tiny_model()
+    model.save_pretrained(parity.folder)
+    theirs = parity.run("kvpress", "--model", str(parity.folder))
     ours = run_evalkit(model)
     print(f"{'method':<28} {'case':<34} heads agreeing  positions differing")
     for name, cases in theirs.items():
         for case, kept in cases.items():
-            if isinstance(kept, str):
-                print(f"{name:<28} {case:<34} kvpress fails: {kept}")
-                continue
-            pairs = [(set(a), set(b)) for la, lb in zip(kept, ours[name][case]) for a, b in zip(la, lb)]
-            same, differ = sum(a == b for a, b in pairs), sum(len(a ^ b) for a, b in pairs)
-            print(f"{name:<28} {case:<34} {same}/{len(pairs):<13} {differ}")
+            print(f"{name:<28} {case:<34} {kept_cells(kept, ours[name][case])}")
     if args.write:
         prompt, tokens = sequence()
-        fixture = {"reference": "kvpress 0.5.5", "prompt": prompt[0].tolist(), "tokens": tokens, "kept": theirs}
-        Path(args.write).write_text(json.dumps(fixture, separators=(",", ":")) + "\n")
+        write_fixture(args.write, {"prompt": prompt[0].tolist(), "tokens": tokens, "kept": theirs})
 
 
 if __name__ == "__main__":
-    main()
+    run_parity(__file__, __doc__, SIDES, compare, options=fixture_options, environment=kvpress_environment)

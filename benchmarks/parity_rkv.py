@@ -20,7 +20,6 @@ the same model without a file.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -28,7 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from parity_runner import HERE, Parity, Side, run_parity
+
 RECORD = HERE / "records" / "rkv_reference.json"
 TRANSFORMERS = "transformers==4.51.3"
 # (prompt tokens, R-KV budget, interval, generated tokens): a prompt over the budget (compressed at prefill, then
@@ -170,43 +170,43 @@ def evalkit_trace(length: int, budget: int, interval: int, tokens: list[int]) ->
     return trace(held, chosen)
 
 
-def compare(reference: dict, ours: dict) -> tuple[int, int, int | None]:
+def compare_traces(reference: dict, ours: dict) -> tuple[int, int, int | None]:
     """Steps whose evictions agree, steps compared, and the first step that differs (None: none)."""
     steps = sorted({*map(int, reference["evicted"]), *map(int, ours["evicted"])})
     differing = [s for s in steps if reference["evicted"].get(str(s)) != ours["evicted"].get(str(s))]
     return len(reference["tokens"]) - len(differing), len(reference["tokens"]), (differing[0] if differing else None)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(parser) -> None:
     parser.add_argument("--repo", help="a checkout of Zefan-Cai/R-KV: run the reference and write the record")
     parser.add_argument("--venv", default=str(HERE.parent / ".rkv-venv"))
-    parser.add_argument("--worker", action="store_true")
     parser.add_argument("--case")
     parser.add_argument("--sorted", action="store_true")
-    args = parser.parse_args()
-    if args.worker:
-        print("RESULT " + json.dumps(reference_trace(args.repo, *CASES[args.case], sort_topk=args.sorted)))
-        return
-    if args.repo:
-        sys.path.insert(0, str(HERE))
-        from bench_vs_kvpress import reference_python
 
-        python = reference_python(Path(args.venv), [TRANSFORMERS], "import transformers; assert transformers."
-                                  "__version__ == '4.51.3'", "the reference's environment", "the reference's API")
-        if python is None:
-            return
+
+def environment(args) -> Path | None:
+    """With ``--repo``: the reference's interpreter (transformers 4.51.3), made on demand."""
+    if not args.repo:
+        return Path(sys.executable)
+    from bench_vs_kvpress import reference_python
+
+    return reference_python(Path(args.venv), [TRANSFORMERS], "import transformers; assert transformers.__version__ "
+                            "== '4.51.3'", "the reference's environment", "the reference's API")
+
+
+SIDES = {"reference": Side(lambda args: reference_trace(args.repo, *CASES[args.case], sort_topk=args.sorted),
+                           reference=True)}
+
+
+def compare(parity: Parity, args) -> None:
+    if args.repo:
         record = {"reference": "Zefan-Cai/R-KV " + subprocess.run(
                       ["git", "-C", args.repo, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
                   "transformers": TRANSFORMERS, "cases": {}}
         for case in CASES:
             for variant, flag in (("as_shipped", []), ("sorted_topk", ["--sorted"])):
-                done = subprocess.run([str(python), __file__, "--worker", "--repo", args.repo, "--case", case, *flag],
-                                      capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
-                lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-                if not lines:
-                    raise SystemExit(f"the reference failed: {done.stderr.strip()[-1500:]}")
-                record["cases"][f"{case}/{variant}"] = json.loads(lines[-1][7:])
+                record["cases"][f"{case}/{variant}"] = parity.run("reference", "--repo", args.repo, "--case", case,
+                                                                  *flag)
         RECORD.parent.mkdir(exist_ok=True)
         RECORD.write_text(json.dumps(record))
     record = json.loads(RECORD.read_text())
@@ -217,10 +217,10 @@ def main() -> None:
         case, variant = key.split("/")
         length, budget, interval, _ = CASES[case]
         ours = evalkit_trace(length, budget, interval, reference["tokens"])
-        same, steps, first = compare(reference, ours)
+        same, steps, first = compare_traces(reference, ours)
         equal = ours["tokens"] == reference["tokens"]
         print(f"{case:<14} {variant:<12} {str(equal):>12} {f'{same}/{steps}':>15} {str(first):>21}")
 
 
 if __name__ == "__main__":
-    main()
+    run_parity(__file__, __doc__, SIDES, compare, options=options, environment=environment)

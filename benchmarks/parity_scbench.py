@@ -69,7 +69,7 @@ def _stub_modules() -> None:
     sys.modules.update({"torch": torch, "torch.profiler": torch.profiler, "transformers": transformers, "args": args})
 
 
-def official_side(given: Path, out: Path, official: Path, port: Path) -> None:
+def official_side(given: Path, official: Path, port: Path) -> dict:
     sys.path.insert(0, str(official))
     import evaluate  # noqa: F401 (first: datasets looks for a real torch, which the stubs are not)
 
@@ -101,7 +101,7 @@ def official_side(given: Path, out: Path, official: Path, port: Path) -> None:
             result[task]["port_scores"] = [port_scoring.score(case["docs"][c["doc"]], c["pred"]) for c in case["cases"]]
             result[task]["matches"] = [_official_match(repo_qa_utils, entries[c["doc"]], c["pred"], needles)
                                        for c in case["cases"]]
-    out.write_text(json.dumps(result))
+    return result
 
 
 def _prediction_entries(eval_utils, examples, data_name) -> list[dict]:
@@ -327,19 +327,14 @@ def compare_prompts(utils, docs: list[dict], official: list[dict]) -> dict[str, 
     return counts
 
 
-def run(venv: Path, official: Path) -> None:
+def compare(parity, args) -> None:
     sys.path.insert(0, str(ROOT))
     from evalkit.tasks.scbench import generators, scbench, scoring, utils
 
     cases, docs_by_task = build_cases(utils, scbench, generators)
-    with tempfile.TemporaryDirectory() as scratch:
-        given, out = Path(scratch) / "cases.json", Path(scratch) / "official.json"
-        given.write_text(json.dumps(cases, ensure_ascii=False))
-        env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
-               "HF_DATASETS_OFFLINE": os.environ.get("HF_DATASETS_OFFLINE", "1")}
-        subprocess.run([str(venv / "bin" / "python"), str(HERE), "--official-side", str(given), str(out),
-                        "--official", str(official)], check=True, env=env)
-        official_results = json.loads(out.read_text())
+    given = parity.folder / "cases.json"
+    given.write_text(json.dumps(cases, ensure_ascii=False))
+    official_results = parity.run("official", "--cases", str(given), "--official", str(official_files(args)))
     print(f"{'task':30} {'scorer agrees':>14}  prompts identical (first turn / chat follow-up / history / forced "
           "prefix / plain follow-up / request context / request query)")
     totals = [0, 0, 0, 0, 0]  # equal, all; official ones, between, zeros
@@ -403,24 +398,30 @@ def official_files(args) -> Path:
     return folder
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def options(parser) -> None:
     parser.add_argument("venv", nargs="?", help="the throwaway virtual environment of the official side")
     parser.add_argument("--official", help="a folder holding compute_scores.py, eval_utils.py, repo_qa_utils.py")
     parser.add_argument("--mirror", default=MINFERENCE_MIRROR, help="a git mirror of microsoft/MInference")
     parser.add_argument("--rouge-script", help="evaluate's metrics/rouge/rouge.py, for an offline machine")
     parser.add_argument("--evaluate-mirror", default=EVALUATE_MIRROR, help="a git mirror of huggingface/evaluate")
-    parser.add_argument("--official-side", nargs=2, metavar=("CASES", "OUT"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.official_side:
-        given, out = map(Path, args.official_side)
-        official_side(given, out, Path(args.official), ROOT / "tasks" / "scbench" / "scoring.py")
-        return
+    parser.add_argument("--cases", help=argparse.SUPPRESS)
+
+
+def check(parser, args) -> None:
     if not args.venv:
         parser.error("give the throwaway virtual environment's path (see the docstring)")
     if not args.official and not Path(args.mirror).exists():
         parser.error("give the official files: --official MInference/scbench (a clone's folder) or --mirror GITDIR")
-    run(Path(args.venv), official_files(args))
+
+
+def main() -> None:
+    sys.path.insert(0, str(HERE.parent))
+    from parity_runner import Side, run_parity
+
+    official = Side(lambda args: official_side(Path(args.cases), Path(args.official),
+                                               ROOT / "tasks" / "scbench" / "scoring.py"), reference=True)
+    run_parity(str(HERE), __doc__, {"official": official}, compare, options=options, check=check,
+               environment=lambda args: Path(args.venv) / "bin" / "python")
 
 
 if __name__ == "__main__":

@@ -18,11 +18,10 @@ evalkit towards the earlier token).
 from __future__ import annotations
 
 import argparse
-import sys
-import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from parity_runner import HERE, Parity, Side, kvpress_environment, run_parity, venv_option
+
 RATIOS = (0.5, 0.75)
 # name: (kvpress press and its arguments, evalkit method and its settings)
 CASES = {
@@ -203,47 +202,50 @@ def kept_by_evalkit(tensors: dict) -> dict:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def tensors_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--length", type=int, default=600)
-    parser.add_argument("--venv", default=str(HERE.parent / ".kvpress-venv"))
-    parser.add_argument("--worker", choices=["kvpress", "evalkit"])
+    venv_option(parser, str(HERE.parent / ".kvpress-venv"))
     parser.add_argument("--tensors")
-    args = parser.parse_args()
+
+
+def loaded(side):
+    """A side ``side(tensors)`` as a worker runs it: on the tensors :func:`save_tensors` wrote."""
+
+    def compute(args: argparse.Namespace) -> dict:
+        import torch
+
+        return side(torch.load(args.tensors))
+
+    return compute
+
+
+SIDES = {"kvpress": Side(loaded(kept_by_kvpress), reference=True), "evalkit": Side(loaded(kept_by_evalkit))}
+
+
+def save_tensors(folder: Path, length: int) -> Path:
+    """The seeded keys, values, hidden states and Q-Filters both sides score, and where the learned weights go."""
     import torch
-
-    if args.worker:
-        tensors = torch.load(args.tensors)
-        kept = kept_by_kvpress(tensors) if args.worker == "kvpress" else kept_by_evalkit(tensors)
-        from bench_vs_kvpress import report
-
-        report(kept)
-        return
-    sys.path.insert(0, str(HERE))
-    from bench_vs_kvpress import kvpress_python
-
-    python = kvpress_python(Path(args.venv))
-    if python is None:
-        return
     from safetensors.torch import save_file
 
     generator = torch.Generator().manual_seed(0)
-    tensors = {"keys": torch.randn(1, 2, args.length, 16, generator=generator),
-               "values": torch.randn(1, 2, args.length, 16, generator=generator),
-               "hidden": torch.randn(1, args.length, HIDDEN, generator=generator),
+    tensors = {"keys": torch.randn(1, 2, length, 16, generator=generator),
+               "values": torch.randn(1, 2, length, 16, generator=generator),
+               "hidden": torch.randn(1, length, HIDDEN, generator=generator),
                "filters": torch.randn(1, 2, 16, generator=generator)}
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "tensors.pt"
-        tensors["kvzap"], tensors["filters_dir"] = str(Path(folder) / "kvzap"), str(Path(folder) / "qfilt")
-        tensors["gates"] = str(Path(folder) / "q2_dim16_sink16.pt")
-        Path(tensors["filters_dir"]).mkdir()
-        save_file({"q_filters": tensors["filters"]}, str(Path(tensors["filters_dir"]) / "model.safetensors"))
-        torch.save(tensors, path)
-        sides = {side: run_side(python if side == "kvpress" else Path(sys.executable), side, path)
-                 for side in ("kvpress", "evalkit")}
+    path = folder / "tensors.pt"
+    tensors["kvzap"], tensors["filters_dir"] = str(folder / "kvzap"), str(folder / "qfilt")
+    tensors["gates"] = str(folder / "q2_dim16_sink16.pt")
+    Path(tensors["filters_dir"]).mkdir()
+    save_file({"q_filters": tensors["filters"]}, str(Path(tensors["filters_dir"]) / "model.safetensors"))
+    torch.save(tensors, path)
+    return path
+
+
+def compare(parity: Parity, args: argparse.Namespace) -> None:
+    theirs_all, ours_all = parity.both("--tensors", str(save_tensors(parity.folder, args.length)))
     print(f"{'method':<28} {'ratio':>5}  {'kept':>9}  heads agreeing  positions differing  kvpress' scores of the kept equal")
-    for key, reference in sides["kvpress"].items():
-        theirs, ours, scores = reference["kept"], sides["evalkit"][key], reference["scores"]
+    for key, reference in theirs_all.items():
+        theirs, ours, scores = reference["kept"], ours_all[key], reference["scores"]
         case, ratio = key.rsplit("@", 1)
         same = sum(a == b for a, b in zip(theirs, ours))
         differ = sum(len(set(a) ^ set(b)) for a, b in zip(theirs, ours)) // 2
@@ -254,13 +256,5 @@ def main() -> None:
         print(f"{case:<28} {ratio:>5}  {kept:>9}  {same}/{len(theirs)}             {differ:<19}  {ties}")
 
 
-def run_side(python: Path, side: str, tensors: Path | str, model: bool = False) -> dict:
-    """One side's worker in its own environment (``model``: parity_model.py's, given the model folder)."""
-    from bench_vs_kvpress import run_worker
-
-    script, flag = (HERE / "parity_model.py", "--model") if model else (Path(__file__), "--tensors")
-    return run_worker(python, script, side, flag, str(tensors))
-
-
 if __name__ == "__main__":
-    main()
+    run_parity(__file__, __doc__, SIDES, compare, options=tensors_option, environment=kvpress_environment)

@@ -36,11 +36,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
-import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from parity_model import _held, agreement, full_keys, kept_in_cache, loaded, model_options, save_model
+from parity_runner import Parity, Side, from_tests, kvpress_environment, run_parity
+
 RATIOS = (0.5, 0.75)
 SNAPKV = {"window_size": 64, "kernel_size": 5}
 THINK = {"key_channel_compression_ratio": 0.5, "window_size": 32}
@@ -132,7 +132,6 @@ def run_kvpress(model, prompt, files: Path) -> dict:
     import kvpress
     import torch
     from kvpress.presses.duo_attention_press import DuoAttentionPress
-    from parity_model import full_keys, kept_in_cache
     from transformers import DynamicCache
 
     DuoAttentionPress.load_attention_pattern = staticmethod(lambda model: local_duo_pattern(files / "duo"))
@@ -175,7 +174,6 @@ def run_kvpress(model, prompt, files: Path) -> dict:
 
 
 def run_evalkit(model, prompt, files: Path) -> dict:
-    from parity_model import _held, full_keys
 
     import evalkit.compression as ec
 
@@ -215,36 +213,19 @@ def run_evalkit(model, prompt, files: Path) -> dict:
 def save_files(folder: Path) -> None:
     """DuoAttention's pattern (``duo``) and LU-KV's curve (``lukv.npy``) in the model's folder, as
     tests/learned_files.py writes them."""
-    sys.path.insert(0, str(HERE.parent / "tests"))
-    import learned_files
-
+    learned_files = from_tests("learned_files")
     shutil.copytree(learned_files.duo_pattern(DUO_SCORES, sink=16, recent=64), folder / "duo")
     shutil.copy(learned_files.lukv_curve(layers=len(DUO_SCORES), kv_heads=len(DUO_SCORES[0])), folder / "lukv.npy")
 
 
-def main() -> None:
-    sys.path.insert(0, str(HERE))
-    from parity_model import model_parser
+SIDES = {"kvpress": Side(loaded(run_kvpress, folder=True), reference=True),
+         "evalkit": Side(loaded(run_evalkit, folder=True))}
 
-    parser = model_parser(__doc__.splitlines()[0])
-    args = parser.parse_args()
-    from bench_vs_kvpress import kvpress_python, report, run_worker
-    from parity_model import agreement, load_saved, save_model
 
-    if args.worker:
-        model, prompt = load_saved(args.model)
-        return report((run_kvpress if args.worker == "kvpress" else run_evalkit)(model, prompt, Path(args.model)))
-
-    python = kvpress_python(Path(args.venv))
-    if python is None:
-        return
-    with tempfile.TemporaryDirectory() as folder:
-        save_model(Path(folder), args.length)
-        save_files(Path(folder))
-        sides = {side: run_worker(python if side == "kvpress" else Path(sys.executable), Path(__file__), side,
-                                  "--model", folder)
-                 for side in ("kvpress", "evalkit")}
-    theirs, ours = sides["kvpress"], sides["evalkit"]
+def compare(parity: Parity, args) -> None:
+    save_model(parity.folder, args.length)
+    save_files(parity.folder)
+    theirs, ours = parity.both("--model", str(parity.folder))
     print(f"{'method':<26} {'ratio':>5}  heads agreeing  positions differing  max |dkeys|  max |dvalues|")
     for key in [*theirs["caches"], *theirs["kept"]]:
         case, ratio = key.rsplit("@", 1)
@@ -264,4 +245,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_parity(__file__, __doc__, SIDES, compare, options=model_options, environment=kvpress_environment)

@@ -57,14 +57,10 @@ try:
     from evalkit.core.paths import conf_dir
     from evalkit.run.spec import precheck
     from evalkit.run.sweep_progress import job_done, job_label
+    from evalkit.run.sweeper import method_was_chosen  # the sweeper checks a job's config as evaluate() does
 except KeyboardInterrupt:
     _INTERRUPTED = True
 _stop_if_interrupted()
-
-
-def method_was_chosen(overrides: list[str]) -> bool:
-    """Whether the user picked the method (otherwise a run without budget is the full-cache baseline)."""
-    return any(o.lstrip("+~").split("=", 1)[0] in ("method", "method.name") for o in overrides)
 
 
 def evaluate(cfg: DictConfig, overrides: list[str], sweeping: bool = False, job_number: int = 0) -> None:

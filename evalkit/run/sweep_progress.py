@@ -12,6 +12,8 @@ from hydra.experimental.callback import Callback
 
 from evalkit.core import console
 
+from .sweeper import planned, swept_keys
+
 
 @dataclass
 class Plan:
@@ -31,24 +33,10 @@ _PLAN: list[Plan] = []  # the sweep running in this process (none in a job that 
 
 
 def sweep_jobs(config) -> list[list[str]]:
-    """The overrides of each job, as Hydra's basic sweeper makes them: the sweeper's params, then the command line's
-    overrides (a later value of a key replaces an earlier one)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    params = [f"{key}={value}" for key, value in (config.hydra.sweeper.get("params") or {}).items()]
-    overrides = OverridesParser.create().parse_overrides([*params, *config.hydra.overrides.task])
-    return BasicSweeper.split_arguments(overrides, None)[0]
-
-
-def swept_keys(jobs: list[list[str]]) -> list[str]:
-    """The keys whose value differs between jobs, in the order they appear."""
-    values: dict[str, set[str]] = {}
-    for job in jobs:
-        for override in job:
-            key, _, value = override.partition("=")
-            values.setdefault(key.lstrip("+~"), set()).add(value)
-    return [key for key, seen in values.items() if len(seen) > 1]
+    """The overrides of each job the sweep of ``config`` launches, in Hydra's order: every combination of the
+    sweeper's params and the command line's overrides (a later value of a key replaces an earlier one), less those
+    that cannot run where the sweep's sweeper is evalkit's (:mod:`evalkit.run.sweeper`)."""
+    return planned(config).jobs
 
 
 class QuietHydra(Callback):
@@ -66,16 +54,19 @@ class SweepProgress(QuietHydra):
     def on_multirun_start(self, config, **kwargs) -> None:
         super().on_multirun_start(config, **kwargs)
         try:
-            jobs = sweep_jobs(config)
+            sweep = planned(config)
         except Exception:  # noqa: BLE001 (a sweep Hydra's parser reads only with its config loader: Hydra reports it)
+            return
+        if not sweep.jobs:  # none can run: the sweeper says so in one line
             return
         launcher = str(config.hydra.launcher.get("_target_", ""))
         here = launcher.endswith("BasicLauncher")
-        plan = Plan(total=len(jobs), swept=swept_keys(jobs))
+        plan = Plan(total=len(sweep.jobs), swept=swept_keys(sweep.jobs))
         varies = f" over {', '.join(plan.swept)}" if plan.swept else ""
         where = "" if here else f" on {launcher.rsplit('.', 1)[-1]}; each job's output under {config.hydra.sweep.dir}/"
-        console.say(f"evalkit: sweep of {plan.total} jobs{varies}{where}\n  results: {config.get('results_dir')}/ "
-                    "(each job's libraries' log under logs/ there)")
+        left_out = f"\n  {sweep.left_out_line()}" if sweep.left_out else ""
+        console.say(f"evalkit: sweep of {plan.total} jobs{varies}{where}{left_out}\n  results: "
+                    f"{config.get('results_dir')}/ (each job's libraries' log under logs/ there)")
         if here:
             from tqdm import tqdm
 

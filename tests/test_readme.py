@@ -153,6 +153,8 @@ BENCHMARK_TESTS = {
     "bench_multiturn_needle.py": RUN_BY_THIS_FILE,
     "parity_scbench.py": "tests/test_sessions.py::test_the_scbench_paritys_evalkit_side_builds_scored_cases_for_every_task",
     "bench_shared_prefill.py": RUN_BY_THIS_FILE,
+    "build_leaderboard.py": "tests/test_leaderboard.py::"
+                            "test_the_page_gives_each_configuration_its_score_delta_mark_and_memory_ratio_from_the_results",
     "bench_spec_prefill.py": RUN_BY_THIS_FILE,
     "bench_reasoning_traces.py":
         "tests/test_reasoning_methods.py::test_the_reasoning_trace_benchmark_reports_trace_costs_on_the_real_model",

@@ -120,8 +120,8 @@ def evalkit_side(model, ids: torch.Tensor, policy, steps: int) -> dict:
         seen["keys"].append(view.keys)
         return rewrite(view, *args)
 
-    def spy_visible(query, keys, mask, layer_idx):
-        chosen = visible(query, keys, mask, layer_idx)
+    def spy_visible(query, keys, mask, layer_idx, states=None):
+        chosen = visible(query, keys, mask, layer_idx, states)
         seen["masks"].append((query, keys[:, :, int(mask[0].any(dim=0).nonzero().max())][:, :, None], chosen))
         return chosen
 
@@ -151,7 +151,7 @@ def compare(policy, ours: dict, theirs: dict, groups: int) -> tuple[str, str, st
     """Layers keeping the same candidate chunks, (step, layer, head) selecting the same chunks, and the largest
     difference of the rebuilt keys relative to the largest key."""
     size, layers = policy.chunk_size, len(ours["keys"])
-    shadows = [policy._layers[i].prompts[-1] for i in range(layers)]
+    shadows = [ours["session"].cache.layers[i].slot_states[0] for i in range(layers)]
     same = sum(torch.equal(shadows[i].chunks, theirs["landmark_chunks"][i]) for i in range(layers))
     agree = total = 0
     worst, largest = 0.0, 0.0

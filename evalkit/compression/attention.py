@@ -92,7 +92,7 @@ def _hooked_attention(delegate, eager: bool):
             attention_mask = layer.layout.decode_mask(layer, step, attention_mask, query.shape[1],
                                                       query.dtype if eager else None)
             if layer.layout.policy.selects_while_decoding:
-                attention_mask = _selected(layer.layout.policy, module, query, key, attention_mask, eager)
+                attention_mask = _selected(layer, module, query, key, attention_mask, eager)
         forward = family_eager(module, delegate) if eager else delegate
         if decoding and layer.key_channels is not None:  # ThinK's reduced prompt keys, then full-width ones
             output = attend_reduced(query, key, layer.key_channels, layer.later_keys, value, attention_mask,
@@ -109,13 +109,14 @@ def _hooked_attention(delegate, eager: bool):
     return attention
 
 
-def _selected(policy, module, query, key, mask, eager: bool):
+def _selected(layer, module, query, key, mask, eager: bool):
     """``mask`` (None: every slot; bool ``[B, 1 or H, q, S]``; additive under eager) narrowed to the slots the
-    policy lets this step read (:meth:`~.methods.base.Policy.decode_visible`)."""
+    layer's policy lets this step read (:meth:`~.methods.base.Policy.decode_visible`, handed the layer's state per
+    row)."""
     batch, slots = query.shape[0], key.shape[2]
     visible = (torch.ones(batch, 1, 1, slots, dtype=torch.bool, device=key.device) if mask is None
                else mask == 0 if eager else mask)
-    chosen = policy.decode_visible(query, key, visible[:, :, -1], module.layer_idx)
+    chosen = layer.layout.policy.decode_visible(query, key, visible[:, :, -1], module.layer_idx, layer.slot_states)
     if chosen is None:
         return mask
     visible = visible & chosen[:, :, None]

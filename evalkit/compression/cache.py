@@ -133,6 +133,8 @@ class CompressedLayer(PackedStorage, DynamicLayer):
         # kv_heads, C]`` the channels it keeps per head, ``later_keys`` the full-width keys of the slots after it.
         self.key_channels: torch.Tensor | None = None
         self.later_keys: torch.Tensor | None = None
+        # The policy's state per row (``Policy.keeps_slot_state``; None: it keeps none), made as the prompt is kept.
+        self.slot_states: list | None = None
 
     @property
     def cache(self) -> CompressedCache:
@@ -366,6 +368,8 @@ class CompressedCache(Cache):
         elif policy.rewrites:
             layer.keys, layer.values = policy.rewrite(view, indices, counts, layer.keys, layer.values)
             hold_merged(self, layer_idx)
+        if policy.keeps_slot_state:
+            layer.slot_states = policy.prefill_state(view)
         layer.layout.after_compress(self, layer_idx, view, query, indices, counts, raw)
 
     def _removes_channels(self, layer: CompressedLayer, view: PrefillView, counts: torch.Tensor) -> bool:

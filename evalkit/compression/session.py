@@ -162,7 +162,8 @@ class CompressionSession:
         bounds = [(0, n)] if chunk is None or chunk >= n else [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
         chunked = len(bounds) > 1
         # Row layouts compress only rows over their budget or padded; per-head ones always.
-        rewrites = any(p.rewrites for p in self.cache.layer_policies)  # a short prompt is rewritten all the same
+        # A short prompt is rewritten, and its state kept, all the same.
+        rewrites = any(p.rewrites or p.keeps_slot_state for p in self.cache.layer_policies)
         plan = PrefillPlan(key_valid, positions,
                            compress=bool((real_len > keep).any()) or not bool(key_valid.all()) or rewrites,
                            chunk_mode=chunk_mode if chunked else None, reserve=n if chunked and chunk_mode == "exact" else None,

@@ -61,7 +61,7 @@ def held_bytes(layers, row: int, row_peak: int, seen: int, fed_back: int, reserv
     cache, held somewhere)."""
     peak = reserved = full = 0
     quantized, formats = 0.0, 0
-    offload = _offloaded(layers, row, row_peak, fed_back)
+    offload = _offloaded(layers, row, row_peak)
     for index, layer in enumerate(layers):
         key_dim, value_dim, element = _key_width(layer), layer.values.shape[-1], layer.keys.element_size()
         token_bytes = (key_dim + value_dim) * element
@@ -83,17 +83,19 @@ def held_bytes(layers, row: int, row_peak: int, seen: int, fed_back: int, reserv
             **({"kv_quantized_tokens": round(quantized / len(layers), 3)} if formats else {}), **offload}
 
 
-def _offloaded(layers, row: int, row_peak: int, fed_back: int) -> dict:
-    """Row ``row``'s ``kv_bytes_device`` and ``kv_bytes_fetched_step`` where a layer's policy offloads (a layer
-    that does not, or holds its prompt whole, counts whole on the device); empty where none can."""
+def _offloaded(layers, row: int, row_peak: int) -> dict:
+    """Row ``row``'s ``kv_bytes_device`` and ``kv_bytes_fetched_step`` where a layer's policy offloads, priced by
+    the policy from the row's state in that layer (``slot_states``: ShadowKV's landmarks and chunks) and the
+    ``row_peak`` tokens it held (a layer that does not offload, or holds its prompt whole, counts whole on the
+    device); empty where none can."""
     if not any(hasattr(layer.layout.policy, "offloaded_bytes") for layer in layers):
         return {}
     device = fetched = 0
     for layer in layers:
         policy, element = layer.layout.policy, layer.keys.element_size()
         heads, key_dim, value_dim = layer.keys.shape[1], _key_width(layer), layer.values.shape[-1]
-        split = getattr(policy, "offloaded_bytes", lambda *args: None)(row_peak - fed_back, fed_back, heads, key_dim,
-                                                                        element)
+        state = layer.slot_states[row] if getattr(layer, "slot_states", None) else None  # the policy's, of this row
+        split = getattr(policy, "offloaded_bytes", lambda *args: None)(state, row_peak, heads, key_dim, element)
         if split is None:
             device += layer.layout.held(layer, row, row_peak)[1] * (key_dim + value_dim) * element
         else:

@@ -72,6 +72,7 @@ class Scheduler:
                 continue
             self.done[resident.index] = completion = complete(slot, resident)
             del self.residents[slot]
+            self.pool.release(slot)
             if on_finish is not None:
                 on_finish(completion)
 

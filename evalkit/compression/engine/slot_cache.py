@@ -24,7 +24,8 @@ def decode_attention(module, query, key, value, attention_mask, dropout: float =
     attention_mask = layer.layout.packed_mask(layer, attention_mask)
     groups = query.shape[1] // key.shape[1]
     batch, _, _, dim = query.shape
-    chosen = layer.layout.policy.decode_visible(query, key, attention_mask[:, :, -1], module.layer_idx)
+    chosen = layer.layout.policy.decode_visible(query, key, attention_mask[:, :, -1], module.layer_idx,
+                                                layer.slot_states)
     if chosen is not None:  # the slots the policy lets this step read (Quest), per query head: [B, Hkv, G, S]
         attention_mask = attention_mask & chosen.view(batch, key.shape[1], groups, -1)
     sinks = attention_sinks(module)
@@ -59,6 +60,8 @@ class SlotLayer(DynamicLayer):
         super().__init__()
         # ``step``: this step's per-slot inputs on this layer's device (see SlotCache).
         self.step, self.keys, self.values, self.heads, self.layout = step, keys, values, heads, layout
+        # The policy's state per slot (``Policy.keeps_slot_state``; None: it keeps none), set at admission.
+        self.slot_states = [None] * keys.shape[0] if layout.policy.keeps_slot_state else None
         self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
 
     def update(self, key_states, value_states, *args, **kwargs):

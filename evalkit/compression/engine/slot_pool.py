@@ -191,6 +191,12 @@ class SlotPool:
         held, limit = int(state.valid[0].sum()), int(state.fixed[0]) + int(state.ring[0])
         return Resident(index, request, stats, int(state.written[0]), held, limit, done)
 
+    def release(self, slot: int) -> None:
+        """A finished request's slot keeps none of its policy's state."""
+        for layer in self.cache.layers:
+            if layer.slot_states is not None:
+                layer.slot_states[slot] = None
+
     def _move_cache(self, slot: int, index: int, request: Request, layers: list) -> None:
         """Copy a session's layers (row 0) into ``slot``, what each uses (growing the slots under ``grow``)."""
         used_by_layer = [layout.used(layer) for layout, layer in zip(self.layouts, layers)]
@@ -205,6 +211,8 @@ class SlotPool:
                 layer.keys[slot, :, :used] = source.keys[0, :, :used]
                 layer.values[slot, :, :used] = source.values[0, :, :used]
             layer.layout.load(layer, slot, source, used)
+            if layer.slot_states is not None:  # the request's state replaces the slot's last one
+                layer.slot_states[slot] = source.slot_states[0] if source.slot_states else None
 
 
 def continue_prefix(prefix, ids: torch.Tensor):

@@ -7,7 +7,12 @@
 * how the cache behaves while decoding: the surviving prompt tokens are followed by a region of ``ring_size`` slots
   that new tokens fill in order and, once full, overwrite oldest first. The first ``fixed`` cached tokens are never
   overwritten. A method that evicts by score while decoding (H2O, TOVA, SnapKV re-applied) names, after each step's
-  attention, the slots it frees (``decode_evict``); the next tokens take them.
+  attention, the slots it frees (``decode_evict``); the next tokens take them;
+* what it keeps of each row's own prompt for its decode-time hooks (``keeps_slot_state``): one object per layer and
+  row, made by :meth:`Policy.prefill_state` as the row's prompt is kept and handed back to :meth:`Policy.decode_visible`
+  as ``states``. The runtime carries it with the row: the session's layer per row, into its engine slot at admission,
+  copied with a forked session, dropped when the slot's request ends (a free slot holds None). A policy instance holds
+  no per-request state of its own: rows of one batch, slots of one engine and forks share it.
 
 A method is a dataclass of settings (:func:`~.settings.setting`: type, bounds and default in one place). Its
 capabilities are plain values: class attributes, which a wrapper (:mod:`.wrapper`) sets on its instance from what it
@@ -68,6 +73,9 @@ class Policy:
     extra_passes: ClassVar[bool] = False
     # Keeps every token but lets each decode step attend to part of them (Quest): :meth:`decode_visible`.
     selects_while_decoding: ClassVar[bool] = False
+    # Keeps state per row (per engine slot) from the row's prefill: :meth:`prefill_state`, read back by
+    # :meth:`decode_visible` (ShadowKV's landmarks).
+    keeps_slot_state: ClassVar[bool] = False
     # Its ranking can serve a wrapper (AdaKV, DecodingSnapKV, ...); False where it is tied to the method's own sizing
     # and schedule (R-KV keeps ``capacity - interval``).
     wrappable: ClassVar[bool] = True
@@ -213,11 +221,19 @@ class Policy:
         ``counts`` of each head real) as the cache will hold them. Runs after :meth:`select` where ``rewrites``."""
         return keys, values
 
-    def decode_visible(self, query: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
-                       layer_idx: int) -> torch.Tensor | None:
+    def prefill_state(self, view: PrefillView) -> list:
+        """What the method keeps of each row's prompt in layer ``view.layer_idx``, one object per row (None: nothing),
+        from the prompt as ``view`` holds it. Runs where ``keeps_slot_state``, once the layer's prompt is kept (after
+        :meth:`select` and :meth:`rewrite`); the runtime carries each row's object (module docstring)."""
+        return [None] * view.keys.shape[0]
+
+    def decode_visible(self, query: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, layer_idx: int,
+                       states: list | None = None) -> torch.Tensor | None:
         """The held slots a decode step's attention reads, ``[B, Hq, S]`` bool (None: every visible one). ``query``
         ``[B, Hq, q, D]`` (post-RoPE), ``keys`` ``[B, Hkv, S, D]`` (this step's written), ``visible`` ``[B, 1 or Hkv,
-        S]`` the slots the step may see. Runs before the attention where ``selects_while_decoding``."""
+        S]`` the slots the step may see, ``states`` the layer's :meth:`prefill_state` objects per row (an engine's per
+        slot, None where a slot holds none; None for a method that keeps none). Runs before the attention where
+        ``selects_while_decoding``."""
         return None
 
     def decode_evict(self, view: DecodeView) -> torch.Tensor | None:

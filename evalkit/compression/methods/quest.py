@@ -30,8 +30,8 @@ class Quest(Policy):
     page_size: int = setting(16, low=1)
     dense_layers: int = setting(2, low=0)
 
-    def decode_visible(self, query: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
-                       layer_idx: int) -> torch.Tensor | None:
+    def decode_visible(self, query: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, layer_idx: int,
+                       states: list | None = None) -> torch.Tensor | None:
         if layer_idx < self.dense_layers or query.shape[2] != 1:
             return None
         batch, q_heads, _, dim = query.shape

@@ -19,8 +19,6 @@ from ..views import PrefillView, row_of
 from .base import Policy, refused_kv_format
 
 LANDMARK_DIVISOR = math.sqrt(128)  # the reference's landmark logits divisor (its models' sqrt(head_dim)), kept as is
-HELD_PROMPTS = 64  # prompts whose landmarks a layer keeps before dropping the oldest no row reads
-LANDMARK_INDEX_BYTES = 8  # each landmark's chunk index, an int64 as the reference's ``k_landmark_idx``
 
 
 def unrotated(keys: torch.Tensor, positions: torch.Tensor, rotary) -> torch.Tensor:
@@ -69,60 +67,13 @@ def chunk_scores(query: torch.Tensor, landmarks: torch.Tensor) -> torch.Tensor:
 
 @dataclasses.dataclass
 class PromptShadow:
-    """What ShadowKV keeps of one row's prompt in one layer: its ``tokens`` (from the row's first slot), per head
-    the landmarks ``[H, C, D]`` of the chunks it may read and their chunk indices ``[H, C]`` (None: a prompt too
-    short to select from, read whole), and what finds the prompt again in a cache: its rewritten keys at the first
-    and last slot ``[2, H, D]`` and a position-weighted fp64 sum of them all."""
+    """ShadowKV's state of one row in one layer (:meth:`ShadowKV.prefill_state`, carried with the row by the runtime):
+    its prompt's ``tokens`` (from the row's first slot), per KV head the landmarks ``[H, C, D]`` of the chunks it may
+    read and their chunk indices ``[H, C]``. A prompt too short to select from has none (None): it is read whole."""
 
     tokens: int
-    landmarks: torch.Tensor | None
-    chunks: torch.Tensor | None
-    edges: torch.Tensor
-    checksum: float
-
-    @staticmethod
-    def sum_of(keys: torch.Tensor) -> float:
-        weights = torch.arange(1, keys.shape[1] + 1, device=keys.device, dtype=torch.float64)[:, None]
-        return float((keys.contiguous().double() * weights).sum())
-
-    def held_in(self, keys: torch.Tensor, first: int, thorough: bool) -> bool:
-        """Whether a row's keys ``[H, S, D]`` hold this prompt from slot ``first`` (``thorough``: every key)."""
-        end = first + self.tokens
-        if end > keys.shape[1] or not (torch.equal(keys[:, first], self.edges[0])
-                                       and torch.equal(keys[:, end - 1], self.edges[1])):
-            return False
-        return not thorough or math.isclose(self.sum_of(keys[:, first:end]), self.checksum, rel_tol=1e-12)
-
-
-class HeldPrompts:
-    """One layer's prompts (:class:`PromptShadow`, newest last) and which one each row of the decoding cache holds.
-    The runtime keeps no per-row state for a policy: a row is matched to its prompt by content, in full once after
-    each prompt registered (a new request may have taken an engine slot), otherwise by its first and last key."""
-
-    def __init__(self):
-        self.prompts: list[PromptShadow] = []
-        self.rows: dict[int, tuple[PromptShadow, int]] = {}  # row: (its prompt, registrations when last checked)
-        self.registered = 0
-
-    def add(self, shadow: PromptShadow) -> None:
-        self.prompts.append(shadow)
-        self.registered += 1
-        read = {id(bound) for bound, _ in self.rows.values()}
-        while len(self.prompts) > HELD_PROMPTS:
-            stale = next((p for p in self.prompts if id(p) not in read), self.prompts[0])
-            self.prompts.remove(stale)
-
-    def find(self, row: int, keys: torch.Tensor, first: int) -> PromptShadow | None:
-        bound, seen = self.rows.get(row, (None, -1))
-        if bound is not None and bound.held_in(keys, first, thorough=seen < self.registered):
-            self.rows[row] = (bound, self.registered)
-            return bound
-        found = next((p for p in reversed(self.prompts) if p.held_in(keys, first, thorough=True)), None)
-        if found is None:
-            self.rows.pop(row, None)
-        else:
-            self.rows[row] = (found, self.registered)
-        return found
+    landmarks: torch.Tensor
+    chunks: torch.Tensor
 
 
 @dataclasses.dataclass
@@ -137,7 +88,8 @@ class ShadowKV(Policy):
     step's query scores the landmarks (softmax of ``q . landmark / sqrt(128)`` per query head, the most over a KV
     group's heads) and reads the ``capacity // chunk_size`` best chunks per KV head, beside every exact token (local
     window, outliers, generated tokens). Values are always exact (the reference fetches the selected ones from the
-    host). The prefill, and any multi-token step, reads everything.
+    host). The prefill, and any multi-token step, reads everything. A row's landmarks and their chunk indices are its
+    state (:class:`PromptShadow`, ``keeps_slot_state``), which the runtime keeps with the row.
 
     Differences from the reference: the rebuilt keys are computed once at prefill (the same numbers the reference
     computes for a chunk each step it is read); the pre-RoPE keys are the post-RoPE ones rotated back in fp32 (the
@@ -149,6 +101,7 @@ class ShadowKV(Policy):
 
     name: ClassVar[str] = "shadowkv"
     selects_while_decoding: ClassVar[bool] = True
+    keeps_slot_state: ClassVar[bool] = True
     rewrites: ClassVar[bool] = True
     wrappable: ClassVar[bool] = False
     latent_refusal: ClassVar[str] = "it factors per-head pre-RoPE keys; a latent cache holds none"
@@ -165,7 +118,6 @@ class ShadowKV(Policy):
         if self.capacity < self.chunk_size:
             raise ValueError(f"ShadowKV.capacity must be >= chunk_size ({self.chunk_size}): it reads capacity // "
                              f"chunk_size chunks a step, got {self.capacity}")
-        self._layers: dict[int, HeldPrompts] = {}
 
     def check_model(self, config) -> None:
         super().check_model(config)
@@ -176,11 +128,6 @@ class ShadowKV(Policy):
 
     def bind_model(self, model) -> None:
         self.check_model(model.config)  # again on the loaded model, for a caller that did not check it before
-
-    def for_prompt(self, n: int) -> Policy:
-        sized = super().for_prompt(n)
-        sized._layers = self._layers  # a prompt sized by a ``removed`` budget is decoded by this instance
-        return sized
 
     def selected_chunks(self) -> int:
         return self.capacity // self.chunk_size
@@ -194,51 +141,62 @@ class ShadowKV(Policy):
     def rewrite(self, view: PrefillView, indices: torch.Tensor, counts: torch.Tensor, keys: torch.Tensor,
                 values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         keys = keys.clone()
-        held = self._layers.setdefault(view.layer_idx, HeldPrompts())
         for row in range(keys.shape[0]):  # every token kept: a row's prompt in its first slots, in text order
             alone, _ = row_of(view, row)
-            shadow_keys, landmarks, chunks = self.shadow(alone.keys[0], alone.positions[0], view.rotary)
+            shadow_keys = self.shadow(alone.keys[0], alone.positions[0], view.rotary)
             keys[row, :, : shadow_keys.shape[1]] = shadow_keys
-            edges = torch.stack([shadow_keys[:, 0], shadow_keys[:, -1]])
-            held.add(PromptShadow(shadow_keys.shape[1], landmarks, chunks, edges, PromptShadow.sum_of(shadow_keys)))
         return keys, values
 
-    def shadow(self, keys: torch.Tensor, positions: torch.Tensor, rotary):
-        """One prompt's post-RoPE keys ``[H, n, D]`` at ``positions`` ``[n]`` as ShadowKV holds them, its candidate
-        chunks' landmarks ``[H, C, D]`` and chunk indices ``[H, C]`` (None, None: read whole)."""
+    def prefill_state(self, view: PrefillView) -> list[PromptShadow | None]:
+        """Each row's :class:`PromptShadow` (None: its prompt is read whole), from its prompt's exact keys."""
+        states = []
+        for row in range(view.keys.shape[0]):
+            keys = row_of(view, row)[0].keys[0]
+            candidates = self.candidates(keys)
+            states.append(None if candidates is None else PromptShadow(keys.shape[1], *candidates))
+        return states
+
+    def candidates(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One prompt's post-RoPE keys ``[H, n, D]``: the landmarks ``[H, C, D]`` of its candidate chunks (every
+        context chunk but the outliers) and their chunk indices ``[H, C]`` (None: read whole)."""
         heads, tokens, dim = keys.shape
         shape = self.geometry(tokens)
         if shape is None:
-            return keys, None, None
+            return None
         chunks, _ = shape
         chunked = keys[:, : chunks * self.chunk_size].reshape(heads, chunks, self.chunk_size, dim)
         landmarks, outliers = outlier_chunks(chunked, self.outlier_chunks)
         rest = torch.ones(heads, chunks, dtype=torch.bool, device=keys.device).scatter(-1, outliers, False)
         candidates = torch.arange(chunks, device=keys.device).expand(heads, -1)[rest].view(heads, -1)
-        landmarks = landmarks.gather(1, candidates[..., None].expand(-1, -1, dim))
+        return landmarks.gather(1, candidates[..., None].expand(-1, -1, dim)), candidates
+
+    def shadow(self, keys: torch.Tensor, positions: torch.Tensor, rotary) -> torch.Tensor:
+        """One prompt's post-RoPE keys ``[H, n, D]`` at ``positions`` ``[n]`` as ShadowKV holds them: its candidate
+        chunks' keys rebuilt from the low-rank factors, the rest exact."""
+        heads, tokens, dim = keys.shape
+        chosen = self.candidates(keys)
+        if chosen is None:
+            return keys
+        candidates = chosen[1]
         rank = min(self.rank, tokens, heads * dim)
         u, sv = low_rank_factors(unrotated(keys, positions, rotary), rank, keys.dtype)
         index = (candidates[..., None] * self.chunk_size + torch.arange(self.chunk_size, device=keys.device)).flatten(1)
         held = keys.clone()
         held.scatter_(1, index[..., None].expand(-1, -1, dim), rebuilt_keys(u, sv, positions[index], rotary))
-        return held, landmarks, candidates
+        return held
 
-    def decode_visible(self, query: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
-                       layer_idx: int) -> torch.Tensor | None:
-        held = self._layers.get(layer_idx)
-        if held is None or query.shape[2] != 1:
+    def decode_visible(self, query: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, layer_idx: int,
+                       states: list[PromptShadow | None] | None = None) -> torch.Tensor | None:
+        if states is None or query.shape[2] != 1:
             return None
         batch, query_heads = query.shape[:2]
         kv_heads, slots = keys.shape[1], keys.shape[2]
         chosen = visible.expand(batch, kv_heads, slots).clone()
-        for row in range(batch):
-            occupied = visible[row].any(dim=0)
-            if not bool(occupied.any()):
+        for row, shadow in enumerate(states):
+            if shadow is None:  # a prompt read whole, or an engine slot no request holds
                 continue
-            first = int(occupied.int().argmax())
-            shadow = held.find(row, keys[row], first)
-            if shadow is not None and shadow.landmarks is not None:  # none: an engine slot no request holds
-                chosen[row] &= self.readable(shadow, query[row], first, slots)
+            first = int(visible[row].any(dim=0).int().argmax())  # the row's prompt from its first held slot
+            chosen[row] &= self.readable(shadow, query[row], first, slots)
         return chosen.repeat_interleave(query_heads // kv_heads, dim=1)
 
     def readable(self, shadow: PromptShadow, query: torch.Tensor, first: int, slots: int) -> torch.Tensor:
@@ -254,20 +212,18 @@ class ShadowKV(Policy):
         readable.scatter_(1, slots_of(shadow.chunks), False)
         return readable.scatter_(1, slots_of(shadow.chunks.gather(1, picked)), True)
 
-    def offloaded_bytes(self, tokens: int, generated: int, kv_heads: int, head_dim: int,
+    def offloaded_bytes(self, shadow: PromptShadow | None, held: int, kv_heads: int, head_dim: int,
                         element: int) -> tuple[int, int] | None:
-        """For one layer's row whose cache holds a ``tokens``-token prompt and ``generated`` decoded tokens: the
-        bytes ShadowKV keeps on the device (``U``, ``SV``, landmarks with their int64 chunk indices, the exact local
-        window, outlier chunks and decoded tokens, the step's buffer of read keys and values) and those it fetches
+        """For one layer's row holding ``held`` tokens (its prompt and those after it) with the state ``shadow``: the
+        bytes ShadowKV keeps on the device (``U``, ``SV``, the landmarks with their int64 chunk indices, the exact
+        local window, outlier chunks and later tokens, the step's buffer of read keys and values) and those it fetches
         from the host each step (the read chunks' values). None: a prompt read whole (all on the device)."""
-        shape = self.geometry(tokens)
-        if shape is None:
+        if shadow is None:
             return None
-        chunks, candidates = shape
         token = kv_heads * head_dim * element  # one token's keys, or values, over the heads
-        rank = min(self.rank, tokens, kv_heads * head_dim)
-        exact = tokens - chunks * self.chunk_size + self.outlier_chunks * self.chunk_size + generated
+        rank = min(self.rank, shadow.tokens, kv_heads * head_dim)
+        exact = held - shadow.chunks.shape[1] * self.chunk_size  # all but the candidate chunks
         read = self.selected_chunks() * self.chunk_size
-        factors = (tokens * rank + kv_heads * rank * head_dim) * element
-        landmarks = candidates * (token + kv_heads * LANDMARK_INDEX_BYTES)
+        factors = (shadow.tokens * rank + kv_heads * rank * head_dim) * element
+        landmarks = sum(t.numel() * t.element_size() for t in (shadow.landmarks, shadow.chunks))
         return factors + landmarks + 2 * (exact + read) * token, read * token

@@ -193,7 +193,7 @@ class RowLayout:
         return mask
 
     def after_attention(self, layer, step: DecodeStep, query, keys, values, scaling: float, sinks, module) -> None:
-        settle_format(layer, self.policy, step.slot_positions[:, None, : layer.keys.shape[-2]], step)
+        settle_format(layer, self.policy, step.slot_positions[:, None, : layer.get_seq_length()], step)
 
     # -- the engine's slots ------------------------------------------------------------------------------------------
     def allocate(self, rows: int, kv_heads: int, size: int, query_shape: tuple[int, int], dtype, device):
@@ -203,7 +203,7 @@ class RowLayout:
         """Slots a session's layer uses (what admission copies; reduced prompt keys widened to the slots' width)."""
         if getattr(layer, "key_channels", None) is not None:
             layer.widen()
-        return layer.keys.shape[-2]
+        return layer.get_seq_length()
 
     def load(self, target, slot: int, source, used: int) -> None:
         return None
@@ -216,7 +216,7 @@ class RowLayout:
 
     def held(self, layer, slot: int, row_peak: int) -> tuple[float, int]:
         """The most tokens a slot held at once: the mean per KV head, and the sum over KV heads."""
-        return row_peak, row_peak * layer.keys.shape[1]
+        return row_peak, row_peak * layer.kv_heads
 
 
 class HeadLayout:

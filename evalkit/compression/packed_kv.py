@@ -100,6 +100,10 @@ class PackedKV:
         return self.key_codes.shape[2]
 
     @property
+    def device(self) -> torch.device:
+        return self.key_codes.device
+
+    @property
     def dense_shape(self) -> tuple[int, int, int, int]:
         """``[B, H, S, D]``: the keys' (and values') shape dequantized."""
         return (*self.key_codes.shape[:3], self.residual_keys.shape[-1])
@@ -322,6 +326,10 @@ class PackedStorage:
     def slot_count(self) -> int:
         return self.packed.slots if self.packed is not None else self.keys.shape[-2]
 
+    @property
+    def kv_heads(self) -> int:
+        return self.packed.dense_shape[1] if self.packed is not None else self.keys.shape[1]
+
     def pack(self, fmt: KVFormat, held: torch.Tensor) -> None:
         """Hold the kept prompt packed from now on (``held`` ``[B, H or 1, S]``: the slots holding tokens)."""
         self.packed = PackedKV.from_prompt(fmt, self._keys, self._values, held)
@@ -338,9 +346,12 @@ class PackedStorage:
     def close_step(self, positions: torch.Tensor, step) -> None:
         """After the step's attention: quantize what leaves the residual (``positions`` ``[B, H or 1, S]`` of the
         held tokens, as :meth:`.KVFormat.settle` takes them), and give the workspace back."""
-        held = self.heads.valid if self.heads is not None else self.cache.state.valid[:, None, : self.packed.slots]
-        self.packed.settle(*self.workspace, positions, step.positions[:, -1], step.steps, held)
+        self.packed.settle(*self.workspace, positions, step.positions[:, -1], step.steps, self.held_slots())
         self.workspace = None
+
+    def held_slots(self) -> torch.Tensor:
+        """``[B, H or 1, S]``: the slots holding tokens (a per-head layout's own, else the rows')."""
+        return self.heads.valid if self.heads is not None else self.cache.state.valid[:, None, : self.packed.slots]
 
     def _dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.workspace is not None:
@@ -367,7 +378,9 @@ def _lent(cache, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch
 
 
 def packs(layer, cache) -> bool:
-    """Whether a session's ``layer`` holds its quantized cache packed: not while the engine admits a request (its
-    slots hold the dense format, into which admission copies), and where the head width splits into whole bytes."""
+    """Whether a session's ``layer`` holds its quantized cache packed: where the head width splits into whole bytes,
+    and not where the engine admits the request into a dense slot of this layer (which admission writes into; the
+    engine's packed slots take the packed layer, :mod:`.engine.packed_slots`)."""
     fmt = layer.layout.policy.kv_format
-    return cache.targets is None and layer.keys.shape[-1] % (8 // fmt.bits) == 0
+    dense_slot = cache.targets is not None and cache.targets[layer.index] is not None
+    return not dense_slot and layer.keys.shape[-1] % (8 // fmt.bits) == 0

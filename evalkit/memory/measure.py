@@ -73,9 +73,8 @@ class Throughput:
             self._started = None
         if engine is not None and engine.counters["decode_steps"]:
             self.utilization = engine.utilization()
-        if engine is not None and engine.cache is not None:
-            self.cache_bytes = sum(t.numel() * t.element_size() for layer in engine.cache.layers
-                                   for t in (layer.keys, layer.values))
+        if engine is not None and engine.cache is not None:  # its slots' tensors (packed, reduced or dense)
+            self.cache_bytes = engine.cache.nbytes()
         if engine is not None:
             self.decode_steps = engine.counters["decode_steps"]
         if model is not None and self.cache_bytes is not None:

@@ -8,6 +8,7 @@ import time
 
 from ..merged_storage import merged_saving
 from ..methods.sliding_window import SlidingWindow
+from ..packed_kv import PackedKV
 from .request import Completion, Resident
 from .slot_pool import SlotPool
 
@@ -63,9 +64,8 @@ def held_bytes(layers, row: int, row_peak: int, seen: int, fed_back: int, reserv
     quantized, formats = 0.0, 0
     offload = _offloaded(layers, row, row_peak)
     for index, layer in enumerate(layers):
-        key_dim, value_dim, element = _key_width(layer), layer.values.shape[-1], layer.keys.element_size()
+        heads, key_dim, value_dim, element = _geometry(layer)
         token_bytes = (key_dim + value_dim) * element
-        heads = layer.keys.shape[1]
         policy = layer.layout.policy
         shape = (heads, key_dim, value_dim, element)
         held = layer.layout.held(layer, row, row_peak)[1]
@@ -103,6 +103,15 @@ def _offloaded(layers, row: int, row_peak: int) -> dict:
     return {"kv_bytes_device": math.ceil(device), "kv_bytes_fetched_step": fetched}
 
 
+def _geometry(layer) -> tuple[int, int, int, int]:
+    """``layer``'s KV heads, a token's key and value widths (full key width also where the prompt's keys are held
+    reduced, ThinK's) and element bytes: a packed layer's read off its storage, not dequantized."""
+    if isinstance(getattr(layer, "packed", None), PackedKV):
+        _, heads, _, dim = layer.packed.dense_shape
+        return heads, dim, dim, layer.packed.like.element_size()
+    return layer.keys.shape[1], _key_width(layer), layer.values.shape[-1], layer.keys.element_size()
+
+
 def _key_width(layer) -> int:
     """A token's key width in ``layer``: full width also where the prompt's keys are held reduced (ThinK)."""
     later = getattr(layer, "later_keys", None)
@@ -116,6 +125,7 @@ def _removed_bytes(layer, row: int) -> int:
     if channels is None:
         return 0
     heads, prompt, width = layer.keys.shape[1:]
+    prompt = layer.prompt_kept[row] if hasattr(layer, "prompt_kept") else prompt  # an engine slot's own prompt
     removed = heads * prompt * (_key_width(layer) - width) * layer.keys.element_size()
     return removed - channels[row].numel() * channels.element_size()
 

@@ -3,7 +3,9 @@
 The engine owns ``slots`` per-sequence caches, allocated once: ``[slots, kv_heads, slot_tokens, head_dim]`` per layer.
 A fixed-capacity policy (SnapStream, StreamingLLM) gets ``slot_tokens`` = its capacity; a growing one (Full, SnapKV)
 gets its prompt capacity plus the most new tokens a request asks for, which is what a static-graph server must
-reserve (``grow=True`` instead starts small and grows the slots when a row would run out).
+reserve (``grow=True`` instead starts small and grows the slots when a row would run out). The slots hold what the
+method stores: under ``kv_bits`` every layer's slots packed (:mod:`.packed_slots`), under ThinK each slot's prompt
+keys at the reduced width (:mod:`.reduced_keys`).
 
 One decode step feeds one token to every slot at once, with static shapes: the slot each token is written to, the
 attention mask and the positions are computed on the device from per-slot state, so the step can be compiled once

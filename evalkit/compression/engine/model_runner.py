@@ -38,7 +38,7 @@ class ModelRunner:
         # engine's masks.
         eager = model.config._attn_implementation == "eager"
         self.own_attention = (not eager or pool.head_layouts or pool.policy.selects_while_decoding
-                              or pool.policy.kv_format is not None)
+                              or pool.policy.kv_format is not None or pool.reduced is not None)
         self.compile, self.backend, self.mode = compile, backend, mode
         self._step_fn = None
 

@@ -14,9 +14,13 @@ from ..generate import prefill
 from ..layout import DecodeStep, layout_of, tensor_fields
 from ..methods.base import Policy
 from ..model_spec import cache_geometry, rotary_embedding
+from .packed_slots import empty_slots, packs_slots
+from .packed_slots import load_slot as load_packed
+from .reduced_keys import ReducedKeys, reduced_channels, shift_row
+from .reduced_keys import load_slot as load_reduced
 from .request import Request, Resident
 from .sampling import choose_tokens
-from .slot_cache import SlotCache
+from .slot_cache import PackedSlotLayer, ReducedSlotLayer, SlotCache
 
 OUT_RING = 256  # columns of the generated-token ring (at least 2 x (sync_every + 1))
 SEED_BITS = (1 << 63) - 1  # a request's seed as the non-negative int64 its random stream hashes
@@ -91,6 +95,10 @@ class SlotPool:
         self.layouts = [layout_of(p, rotary_embedding(model)) for p in layer_policies]
         self.layout = layout_of(policy)  # the rows': per-head layouts mask by their own validity
         self.head_layouts = any(layout.per_head for layout in self.layouts)
+        # ThinK: the key channels a slot keeps of its prompt's keys (None: full width), in a block of the prompt's
+        # capacity (:mod:`.reduced_keys`).
+        self.reduced = reduced_channels(model, policy, layer_policies)
+        self.prompt_block = policy.prompt_capacity() if self.reduced is not None else None
         self.cache: SlotCache | None = None
         self.rows: SlotRows | None = None
         self.slot_tokens = 0
@@ -115,35 +123,51 @@ class SlotPool:
         self.rows.finished.fill_(True)
 
     def _needed(self, request: Request) -> int:
-        return slots_needed(self.model.config, self.policy, request)
+        if self.reduced is None:
+            return slots_needed(self.model.config, self.policy, request)
+        # the whole prompt block, then every token after it: a prefix's request's own, a question after its context
+        n = request.input_ids.numel()
+        head = n if request.compress_prefix is None or request.compress_prefix >= n else request.compress_prefix
+        return self.prompt_block + n - (0 if request.prefix is not None else head) + request.max_new_tokens
 
     def allocate(self, size: int) -> None:
         config = self.model.config
-        dtype = self.model.dtype
-        (kv_heads, key_dim, value_dim), query_dim = cache_geometry(config)
+        (kv_heads, _, _), query_dim = cache_geometry(config)
         query_shape = (config.num_attention_heads, query_dim)
-        layers = [(torch.zeros(self.slots, kv_heads, size, key_dim, dtype=dtype, device=at),
-                   torch.zeros(self.slots, kv_heads, size, value_dim, dtype=dtype, device=at),
-                   layout.allocate(self.slots, kv_heads, size, query_shape, dtype, at))
+        layers = [(*self._storage(layout.policy.kv_format, size, at),
+                   layout.allocate(self.slots, kv_heads, size, query_shape, self.model.dtype, at))
                   for layout, at in zip(self.layouts, self.layer_devices)]
         self.rows = SlotRows.empty(self.slots, size, self.out_width, self.model.device)
-        self.cache = SlotCache(layers, self.layouts, self.rows.step_inputs())
+        self.cache = SlotCache(layers, self.layouts, self.rows.step_inputs(), self.rows.valid)
         self.slot_tokens = size
         if self.static:  # compiled: the step's tensors keep their addresses (CUDA graphs read them in place)
             heads = [tensor for *_, state in layers if state is not None for tensor in tensor_fields(state).values()]
-            for tensor in [*(t for keys, values, _ in layers for t in (keys, values)), *heads,
-                           *self.cache.state_tensors(), *tensor_fields(self.rows).values()]:
+            # a packed layer's tensors are read by its kernels only, outside the compiled graphs
+            slot_tensors = [tensor for layer in self.cache.layers if not isinstance(layer, PackedSlotLayer)
+                            for tensor in layer.tensors()]
+            for tensor in [*slot_tensors, *heads, *self.cache.state_tensors(), *tensor_fields(self.rows).values()]:
                 torch._dynamo.mark_static_address(tensor)
+
+    def _storage(self, fmt, size: int, at) -> tuple:
+        """A layer's slots: a :class:`.PackedKV` of every slot under a format that packs (values None), ThinK's
+        :class:`.ReducedKeys` and the values, or dense keys and values."""
+        (kv_heads, key_dim, value_dim), _ = cache_geometry(self.model.config)
+        shape, dtype = (self.slots, kv_heads, size), self.model.dtype
+        if packs_slots(fmt, key_dim, value_dim):
+            return empty_slots(fmt, *shape, key_dim, dtype, at), None
+        values = torch.zeros(*shape, value_dim, dtype=dtype, device=at)
+        if self.reduced is not None:
+            return ReducedKeys.empty(*shape, min(self.prompt_block, size), self.reduced, key_dim, dtype, at), values
+        return torch.zeros(*shape, key_dim, dtype=dtype, device=at), values
 
     def grow_to(self, size: int) -> None:
         size = 64 * math.ceil(size / 64)
         extra = size - self.slot_tokens
         for layer in self.cache.layers:
-            layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, 0, extra))
-            layer.values = torch.nn.functional.pad(layer.values, (0, 0, 0, extra))
+            layer.grow_to(size)
         self.rows.valid = torch.nn.functional.pad(self.rows.valid, (0, extra), value=False)
         self.rows.slot_pos = torch.nn.functional.pad(self.rows.slot_pos, (0, extra), value=-1)
-        self.cache.step.slot_positions = self.rows.slot_pos
+        self.cache.step.slot_positions, self.cache.valid = self.rows.slot_pos, self.rows.valid
         self.slot_tokens = size
 
     def make_room(self, residents: dict[int, Resident], steps: int) -> None:
@@ -162,15 +186,16 @@ class SlotPool:
         if request.prefix is not None:  # a shared context's session: copied, then the request's tokens on top
             session, logits, seconds = continue_prefix(request.prefix, ids)
         else:
-            slot_view = [(layer.keys[slot:slot + 1], layer.values[slot:slot + 1]) for layer in self.cache.layers]
             session, logits, seconds = prefill(self.model, self.policy, ids, None, request.compress_prefix, positions,
-                                               self.prefill_chunk, self.prefill_chunk_mode, targets=slot_view)
-        self._move_cache(slot, index, request, session.cache.layers)
+                                               self.prefill_chunk, self.prefill_chunk_mode, targets=self._targets(slot))
+        shifted = self._move_cache(slot, index, request, session.cache.layers)
         state = session.state
         row = SlotRows.empty(1, self.slot_tokens, self.out_width, self.rows.finished.device)
         row.valid[0], row.fixed[0], row.ring[0] = self.layout.slot_row(state, self.slot_tokens)
         row.slot_pos[0, : min(state.slots, self.slot_tokens)] = state.slot_pos[0, : self.slot_tokens]
         row.positions[0], row.written[0] = int(state.seq_len[0]), int(state.written[0])
+        if shifted is not None:  # ThinK's reduced slots: the tokens after the prompt start after its block
+            shift_row(row, *shifted, self.prompt_block)
         row.seeds[0], row.do_sample[0], row.max_new[0] = request.seed & SEED_BITS, request.do_sample, request.max_new_tokens
         row.temperature[0], row.top_p[0] = request.temperature or 1.0, request.top_p or 1.0
         first = choose_tokens(logits.float().to(row.finished.device), not request.do_sample, row.seeds, row.generated,
@@ -189,7 +214,7 @@ class SlotPool:
                  **({"prefill_tokens_computed": request.input_ids.numel(), "prefill_tokens_shared": shared}
                     if request.prefix is not None else {})}
         held, limit = int(state.valid[0].sum()), int(state.fixed[0]) + int(state.ring[0])
-        return Resident(index, request, stats, int(state.written[0]), held, limit, done)
+        return Resident(index, request, stats, int(row.written[0]), held, limit, done)
 
     def release(self, slot: int) -> None:
         """A finished request's slot keeps none of its policy's state."""
@@ -197,22 +222,39 @@ class SlotPool:
             if layer.slot_states is not None:
                 layer.slot_states[slot] = None
 
-    def _move_cache(self, slot: int, index: int, request: Request, layers: list) -> None:
-        """Copy a session's layers (row 0) into ``slot``, what each uses (growing the slots under ``grow``)."""
-        used_by_layer = [layout.used(layer) for layout, layer in zip(self.layouts, layers)]
+    def _targets(self, slot: int) -> list | None:
+        """Per layer, the dense slot admission compresses a prompt straight into (None where the slots are packed or
+        hold reduced keys: the session's own layer, packed or reduced, is copied); None where no layer's is dense."""
+        targets = [None if isinstance(layer, (PackedSlotLayer, ReducedSlotLayer)) else
+                   (layer.keys[slot:slot + 1], layer.values[slot:slot + 1]) for layer in self.cache.layers]
+        return targets if any(target is not None for target in targets) else None
+
+    def _move_cache(self, slot: int, index: int, request: Request, layers: list) -> tuple[int, int] | None:
+        """Copy a session's layers (row 0) into ``slot``, what each uses (growing the slots under ``grow``). Returns,
+        where the slots hold ThinK's reduced keys, the prompt tokens the row kept and the tokens after them."""
+        if self.reduced is None:
+            used_by_layer = [layout.used(layer) for layout, layer in zip(self.layouts, layers)]
+        else:  # the prompt block, then what came after it
+            used_by_layer = [self.prompt_block + layer.get_seq_length() - layer.keys.shape[-2] for layer in layers]
         used = max(used_by_layer)
         if used > self.slot_tokens:
             if not self.grow:
                 raise ValueError(f"request {index} needs {used} cache slots after prefill, more than the "
                                  f"{self.slot_tokens} reserved per slot (raise slot_tokens or use grow=True)")
             self.grow_to(used + request.max_new_tokens)
+        shifted = None
         for layer, source, used in zip(self.cache.layers, layers, used_by_layer):
-            if not _is_slot(source.keys, layer.keys, slot):  # written straight into the slot at compression, or not
+            if isinstance(layer, ReducedSlotLayer):
+                shifted = load_reduced(layer, slot, source)
+            elif isinstance(layer, PackedSlotLayer):
+                load_packed(layer.packed, slot, source.packed, used)
+            elif not _is_slot(source.keys, layer.keys, slot):  # written straight into the slot at compression, or not
                 layer.keys[slot, :, :used] = source.keys[0, :, :used]
                 layer.values[slot, :, :used] = source.values[0, :, :used]
             layer.layout.load(layer, slot, source, used)
             if layer.slot_states is not None:  # the request's state replaces the slot's last one
                 layer.slot_states[slot] = source.slot_states[0] if source.slot_states else None
+        return shifted
 
 
 def continue_prefix(prefix, ids: torch.Tensor):
@@ -230,7 +272,7 @@ def slots_needed(config, policy: Policy, request: Request) -> int:
     """Cache slots ``request`` needs under a growing ``policy`` (its largest head's, for per-head layouts)."""
     n = request.input_ids.numel()
     if request.prefix is not None:  # what the prefix's session holds, then the request's own tokens
-        return max(layer.keys.shape[-2] for layer in request.prefix.cache.layers) + n + request.max_new_tokens
+        return max(layer.get_seq_length() for layer in request.prefix.cache.layers) + n + request.max_new_tokens
     (kv_heads, _, _), _ = cache_geometry(config)
     if request.compress_prefix is not None and request.compress_prefix < n:
         head = request.compress_prefix

@@ -24,9 +24,10 @@ class ThinK(Rewriting):
     :func:`~evalkit.compression.generate_shared`) removes the channels: a layer keeps its prompt keys at the reduced
     width ``[B, Hkv, kept, D - pruned]`` with the channels kept per head ``[B, Hkv, D - pruned]``, later tokens'
     keys at full width (ThinK prunes the prompt's keys), and :func:`attend_reduced` reads both; its bytes say so.
-    The engine (a static, full-width slot cache) holds the same keys with the pruned channels zeroed, as kvpress
-    does: the same logits, no bytes freed. So does a layer where removal does not fit (a per-head layout, a ring,
-    a quantized KV format, learned attention sinks), and ``remove_channels = False`` on an instance."""
+    The engine's slots hold them so too, each slot its own channels (:mod:`..engine.reduced_keys`). Where removal
+    does not fit (a per-head layout, a ring, a quantized KV format, learned attention sinks, a hybrid model's engine
+    slots) and with ``remove_channels = False`` on an instance, the keys are held at full width with the pruned
+    channels zeroed, as kvpress does: the same logits, no bytes freed."""
 
     name: ClassVar[str] = "think"
     key_channel_compression_ratio: float = setting(0.5, low=0, high=1)
@@ -37,10 +38,14 @@ class ThinK(Rewriting):
         needed = self.scorer.prefill_queries()
         return None if needed is None else max(needed, self.window_size)
 
+    def kept_channel_count(self, dim: int) -> int:
+        """Key channels a KV head of width ``dim`` keeps: ``dim - int(dim * key_channel_compression_ratio)``."""
+        return dim - int(dim * self.key_channel_compression_ratio)
+
     def kept_channels(self, view: PrefillView, counts: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
         """The key channels each KV head keeps, ``[B, Hkv, D - pruned]`` in channel order (None: none pruned)."""
         batch, heads, kept, dim = keys.shape
-        pruned = int(dim * self.key_channel_compression_ratio)
+        pruned = dim - self.kept_channel_count(dim)
         if pruned == 0:
             return None
         query = view.query[:, :, -self.window_size :].float()

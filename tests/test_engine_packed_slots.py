@@ -155,7 +155,7 @@ def cli_rows(tmp_path, *extra) -> dict:
     from evalkit.results import read_table
 
     results = tmp_path / "_".join(extra).replace("=", "")
-    result = evalkit("limit=3", "batch_size=4", f"results_dir={results}", *extra, cwd=tmp_path)
+    result = evalkit("limit=2", "batch_size=4", f"results_dir={results}", *extra, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     metrics = read_table(results, "metrics").set_index("metric")["value"]
     return {**metrics.to_dict(), "slot_tokens": int(read_table(results, "samples")["reserved_cache_tokens"].max())}

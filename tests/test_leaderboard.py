@@ -115,6 +115,7 @@ def test_the_presets_jobs_are_the_full_cache_and_every_method_at_kvpress_ratios_
 def test_the_builders_commands_are_the_presets_two_halves():
     class Args:
         limit, threads, tasks, methods, results = 3, 1, builder.TASKS, None, Path("results/leaderboard")
+        max_gen_toks, scopes = None, ["context", "prompt"]
     context, prompt = builder.sweep_commands("gemma3_270m", Args)
     assert context[:6] == ["evalkit", "-m", "+experiment=leaderboard_small", "model=gemma3_270m", "limit=3", "threads=1"]
     assert "compression_scope=prompt" in prompt and f"method={','.join(builder.QUERY_AWARE)}" in prompt

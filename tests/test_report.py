@@ -176,6 +176,9 @@ def test_a_task_of_lm_evals_registry_is_not_taken_for_evalkits_task_of_the_same_
     ])
     assert primary_metric("aime25", metrics, ours) == "pass@1"
     assert primary_metric("aime25", metrics, registry) == "exact_match"
+    # a sweep job's closing line reads its own run's metric rows, which carry no task column
+    own_rows = metrics[metrics["run_id"] == "b"].drop(columns=["task", "task_options"])
+    assert primary_metric("aime25", own_rows, registry) == "exact_match"
 
 
 def test_a_ruler_group_run_gets_a_task_by_length_heatmap(tmp_path):

@@ -69,7 +69,9 @@ def primary_metric(task: str, metrics: pd.DataFrame, task_options: str | None = 
     declared = run_task(task, task_options).primary_metric()
     if declared is not None:
         return declared
-    names = metrics[(metrics["task"] == task) & (metrics["subset"] == "all") & ~metrics["metric"].isin(SECONDARY)]
+    names = metrics[(metrics["subset"] == "all") & ~metrics["metric"].isin(SECONDARY)]
+    if "task" in metrics:  # a report's joined tables; a run's own metric rows carry no task column
+        names = names[names["task"] == task]
     if task_options is not None and "task_options" in metrics:
         names = names[names["task_options"] == task_options]
     if names.empty:

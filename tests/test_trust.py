@@ -249,8 +249,13 @@ def test_a_job_config_is_what_hydra_composes_for_it():
 
 
 # baselines_grid's 111 jobs are validated, and counted, by test_baselines_grid_is_the_paper_grid_with_every_method.
-@pytest.mark.parametrize("preset", sorted(p.stem for p in (conf_dir() / "experiment").glob("*.yaml")
-                                          if p.stem != "baselines_grid"))
+# The two largest grids (scbench_grid's 576 jobs, leaderboard_small's 648: 35-56 s) in the slow tier.
+HEAVY_PRESETS = ("leaderboard_small", "scbench_grid")
+
+
+@pytest.mark.parametrize("preset", [
+    pytest.param(p, marks=pytest.mark.slow) if p in HEAVY_PRESETS else p
+    for p in sorted(p.stem for p in (conf_dir() / "experiment").glob("*.yaml") if p.stem != "baselines_grid")])
 def test_every_job_of_every_preset_validates(preset):
     valid, pairings = 0, 0
     for _, cfg in job_configs(preset):

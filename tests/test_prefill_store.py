@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import SMALL_POLICIES, random_prompt, tiny_model
+from conftest import SMALL_POLICIES, TINY_RECONSTRUCTION, random_prompt, tiny_model
 from test_chunked_prefill import chunk_lengths
 
 import evalkit.compression as ec
@@ -27,7 +27,8 @@ def test_a_replayed_prefill_is_the_prefill(name):
         replayed = ec.generate(model, prompt, SMALL_POLICIES[name](), attention_mask=mask, max_new_tokens=12)
     policy = SMALL_POLICIES[name]()  # a method's own passes over the prompt (KVCompose reads it again) run as ever
     own = sum(ids.shape[0] == 120 for _, _, ids in policy.passes(prompt[0])) if policy.extra_passes else 0
-    assert (store.hits, store.misses) == (1, 1) and passes.count(120) == 1 + own  # the prefill ran once
+    misses = 1 + (policy.budget_free_passes and not getattr(policy, "appends", False))  # + its pass scores
+    assert (store.hits, store.misses) == (1, misses) and passes.count(120) == 1 + own  # the prefill ran once
     assert replayed.sequences.tolist() == plain.sequences.tolist()
     assert torch.equal(replayed.logits, plain.logits)
     assert [s["kept_prompt_tokens_per_head"] for s in replayed.stats] == [
@@ -62,3 +63,27 @@ def test_chunked_prefills_and_other_models_are_not_replayed():
         ec.generate(model, prompt, ec.Full(), max_new_tokens=2, prefill_chunk=32)
     assert store.hits == 0
     assert ours.sequences.tolist() == ec.generate(other, prompt, ec.Full(), max_new_tokens=5).sequences.tolist()
+
+
+@pytest.mark.parametrize("name", ["kvzip", "kvzip_plus"])
+def test_kvzips_passes_run_once_for_every_budget(name):
+    """KVzip's reconstruction scores do not depend on the budget: a second budget over the same prompt reads them
+    from the store (no pass runs) and keeps what it keeps alone, with the same prefill peak."""
+    model = tiny_model("llama", seed=2)
+    prompt = random_prompt(150, seed=4)
+    method = {"kvzip": ec.KVzip, "kvzip_plus": ec.KVzipPlus}[name]
+    sized = [method(capacity=c, chunk_size=64).with_prompts(TINY_RECONSTRUCTION) for c in (30, 70)]
+    plain = ec.generate(model, prompt, sized[1], max_new_tokens=10)
+    store = PrefillStore(max_bytes=1 << 30)
+    calls = chunk_lengths(model)
+    with sharing_prefills(store):
+        ec.generate(model, prompt, sized[0], max_new_tokens=2)
+        before = len(calls)
+        shared = ec.generate(model, prompt, sized[1], max_new_tokens=10)
+    assert store.hits == 2  # the prefill and the passes' scores
+    assert all(n == 1 for n in calls[before:])  # the second budget ran no pass (and no prefill): decode steps only
+    assert shared.sequences.tolist() == plain.sequences.tolist()
+    assert [s["kept_prompt_tokens_per_head"] for s in shared.stats] == [
+        s["kept_prompt_tokens_per_head"] for s in plain.stats]
+    assert [s["kv_bytes_prefill_peak"] for s in shared.stats] == [s["kv_bytes_prefill_peak"] for s in plain.stats]
+    assert torch.tensor(shared.stats[0]["kept_prompt_tokens_per_head"]).float().mean() < 100  # it compressed

@@ -3,8 +3,9 @@ prompt; the method only decides what the cache keeps of it), so a sweep of metho
 model over each prompt once. While a :class:`PrefillStore` is active (:func:`sharing_prefills`), a session's
 one-pass prefill records what each layer's attention hands the cache (queries, keys, values, the attention's input)
 and the last token's logits; a later session of the same model and prompt replays those calls into its own cache
-instead of running the model, with the same arithmetic after them (kept tokens and outputs identical). Bounded in
-bytes, least recently used first out."""
+instead of running the model, with the same arithmetic after them (kept tokens and outputs identical). A method
+whose own passes after the prefill score the prompt whatever the budget (KVzip's reconstruction) records those
+scores too, and a later budget of it keeps its share of them. Bounded in bytes, least recently used first out."""
 
 from __future__ import annotations
 
@@ -42,6 +43,19 @@ class RecordedPrefill:
         return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
 
 
+@dataclasses.dataclass
+class RecordedScores:
+    """A method's pass scores over one prompt (``budget_free_passes``) and the prefill's peak bytes as they left it."""
+
+    model: weakref.ref
+    scores: torch.Tensor
+    peak_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.scores.numel() * self.scores.element_size()
+
+
 class PrefillStore:
     """Recorded prefills by model and prompt, at most ``max_bytes`` of them (the least recently used go first)."""
 
@@ -60,7 +74,14 @@ class PrefillStore:
                 digest.update(tensor.detach().to("cpu", torch.long).numpy().tobytes())
         return id(model), model.config._attn_implementation, str(input_ids.device), digest.hexdigest()
 
-    def get(self, key: tuple, model) -> RecordedPrefill | None:
+    @staticmethod
+    def passes_key(prefill_key: tuple, policy) -> tuple:
+        """A method's pass scores over the prompt of ``prefill_key``: its class and every setting but the budget's."""
+        settings = {k: v for k, v in policy.settings().items() if k not in policy.budget_fields}
+        return (*prefill_key, "passes", type(policy).__qualname__, repr(sorted(settings.items())),
+                repr(getattr(policy, "prompts", None)))
+
+    def get(self, key: tuple, model) -> RecordedPrefill | RecordedScores | None:
         entry = self.entries.get(key)
         if entry is None or entry.model() is not model:
             self.misses += 1
@@ -73,7 +94,7 @@ class PrefillStore:
         self.entries.clear()
         self.sizes.clear()
 
-    def put(self, key: tuple, entry: RecordedPrefill) -> None:
+    def put(self, key: tuple, entry: RecordedPrefill | RecordedScores) -> None:
         size = entry.nbytes
         if size > self.max_bytes:
             return

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from . import prefill_store
 from .attention import hooked, recording_inputs
 from .methods.base import best_in_order
 from .model_spec import cache_kwargs
+from .prefill_store import RecordedScores
 
 
 class PassCache(Cache):
@@ -83,10 +86,18 @@ def compress_by_passes(session, input_ids: torch.Tensor, key_valid: torch.Tensor
     cache, model, policy = session.cache, session.model, session.policy
     layers = cache.layers
     batch, n = input_ids.shape
-    scores = torch.zeros(len(layers), batch, layers[0].keys.shape[1], n, device=layers[0].keys.device)
+    shared = cache.plan.compress and policy.budget_free_passes and not getattr(policy, "appends", False)
+    store = prefill_store.active() if shared else None
+    key = store.passes_key(store.key(model, input_ids, key_valid, positions), policy) if store else None
+    recorded = store.get(key, model) if key else None
+    if recorded is not None:  # another budget of this method scored this prompt already
+        scores = recorded.scores.clone()
+        cache.prefill_peak_bytes = max(cache.prefill_peak_bytes, recorded.peak_bytes)
+    else:
+        scores = torch.zeros(len(layers), batch, layers[0].keys.shape[1], n, device=layers[0].keys.device)
     inputs: dict[int, list[torch.Tensor]] = {}
     appended: dict[int, tuple | None] = {}  # row: (first position, each layer's keys and values) of its own tokens
-    for row in range(batch if cache.plan.compress else 0):  # (nothing to compress: every prompt is kept whole)
+    for row in range(batch if cache.plan.compress and recorded is None else 0):  # (nothing to compress: all kept)
         first = n - int(key_valid[row].sum())
         prompt = [(layer.keys[row : row + 1, :, first:], layer.values[row : row + 1, :, first:]) for layer in layers]
         pass_cache = PassCache(prompt)
@@ -102,6 +113,8 @@ def compress_by_passes(session, input_ids: torch.Tensor, key_valid: torch.Tensor
             pass_cache.reset()
         if getattr(policy, "appends", False):
             appended[row] = append_pass(session, pass_cache, after)
+    if key is not None and recorded is None:
+        store.put(key, RecordedScores(weakref.ref(model), scores.clone(), cache.prefill_peak_bytes))
     scores = scores.masked_fill(~key_valid.to(scores.device)[None, :, None], float("-inf"))
     scores, counts = policy.allocate_layers(scores, key_valid.sum(dim=1).to(scores.device))  # counts [L, B, Hkv]
     added = None

@@ -71,6 +71,9 @@ class Policy:
     # Scores the prompt by running the model again over inputs of its own after the prefill (KVzip's context
     # reconstruction, :mod:`..reconstruction`): every layer is sized and compressed once all the passes have run.
     extra_passes: ClassVar[bool] = False
+    # Its passes' scores do not depend on the budget: the jobs of a sweep over the same prompt run them once
+    # (:mod:`..prefill_store`) and each budget keeps its share of them.
+    budget_free_passes: ClassVar[bool] = False
     # Keeps every token but lets each decode step attend to part of them (Quest): :meth:`decode_visible`.
     selects_while_decoding: ClassVar[bool] = False
     # Keeps state per row (per engine slot) from the row's prefill: :meth:`prefill_state`, read back by

@@ -75,6 +75,7 @@ class KVzip(Policy):
     needs_scores: ClassVar[bool] = True
     per_head: ClassVar[bool] = True
     extra_passes: ClassVar[bool] = True
+    budget_free_passes: ClassVar[bool] = True
     latent_refusal: ClassVar[str] = "its passes score per-head keys"
     # KVzip+: a query's attention divided by the norm of its hidden state, a key's multiplied by ||v W_O||.
     normalized: ClassVar[bool] = False

@@ -27,6 +27,7 @@ DATA = {  # a data file for each task that reads one (the others build their dat
 }
 BUILT = {"needle": {"lengths": [300], "depths": [0.0, 0.5, 1.0], "per_cell": 1}, "kv_retrieval": {"n_samples": 3},
          "needle_multiturn": {"lengths": [300], "needles": 3, "per_length": 1},
+         "agent_loop": {"calls": 3, "n_sessions": 1, "doc_tokens": 60},
          "needle_multikey": {"lengths": [300], "depths": [0.0, 0.5, 1.0], "per_cell": 1}}
 
 

@@ -68,6 +68,8 @@ def inputs(task: str, folder: Path) -> tuple[dict, object]:
         return {"lengths": [300], "depths": [0.5], "keys": 3, "per_cell": 1}, lambda doc, target: f" {target}."
     if task == "needle_multiturn":
         return {"lengths": [300], "needles": 3, "per_length": 1}, lambda doc, target: f"{target}"
+    if task == "agent_loop":
+        return {"calls": 2, "n_sessions": 1, "doc_tokens": 60}, lambda doc, target: f"{target}"
     if task.startswith("scbench_"):  # rows in the hub's schema (tests/fixtures/scbench)
         code = task.startswith("scbench_repoqa")
         return {"source": "file", "path": str(FIXTURES / "scbench" / f"{task}.jsonl")}, lambda doc, target: (

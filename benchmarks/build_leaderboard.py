@@ -65,9 +65,11 @@ def sweep_commands(model: str, args) -> list[list[str]]:
             f"threads={args.threads}", f"results_dir={results}", f"hydra.sweep.dir={results / 'sweeps'}"]
     base += [f"+experiment/leaderboard_task={','.join(args.tasks)}"] if args.tasks != TASKS else []
     base += [f"task.generation.max_gen_toks={args.max_gen_toks}"] if args.max_gen_toks else []
+    budgets = args.budgets or list(RATIOS)
     context = base + ([f"method={','.join(args.methods)}"] if args.methods else [])
+    context += ["budget=" + ",".join(["none", *budgets])] if args.budgets else []
     aware = [m for m in QUERY_AWARE if not args.methods or m in args.methods]
-    prompt = base + ["compression_scope=prompt", f"method={','.join(aware)}", "budget=" + ",".join(RATIOS)]
+    prompt = base + ["compression_scope=prompt", f"method={','.join(aware)}", "budget=" + ",".join(budgets)]
     return ([context] if "context" in args.scopes else []) + ([prompt] if aware and "prompt" in args.scopes else [])
 
 
@@ -486,6 +488,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", nargs="+", default=MODELS, help="conf/model names (default: the two real ones)")
     parser.add_argument("--tasks", nargs="+", default=TASKS, choices=TASKS)
     parser.add_argument("--methods", nargs="+", default=None, help="a part of the grid (a pilot); default: all")
+    parser.add_argument("--budgets", nargs="+", default=None, choices=list(RATIOS),
+                        help="a part of the ratios (default: all four; the full cache runs with any)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--scopes", nargs="+", default=["context", "prompt"], choices=["context", "prompt"],
                         help="the preset's query-agnostic sweep, its query-aware half, or both (default)")

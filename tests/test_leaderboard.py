@@ -115,11 +115,15 @@ def test_the_presets_jobs_are_the_full_cache_and_every_method_at_kvpress_ratios_
 def test_the_builders_commands_are_the_presets_two_halves():
     class Args:
         limit, threads, tasks, methods, results = 3, 1, builder.TASKS, None, Path("results/leaderboard")
-        max_gen_toks, scopes = None, ["context", "prompt"]
+        max_gen_toks, scopes, budgets = None, ["context", "prompt"], None
     context, prompt = builder.sweep_commands("gemma3_270m", Args)
+    assert not any(part.startswith("budget=") for part in context)  # the preset's own budgets
     assert context[:6] == ["evalkit", "-m", "+experiment=leaderboard_small", "model=gemma3_270m", "limit=3", "threads=1"]
     assert "compression_scope=prompt" in prompt and f"method={','.join(builder.QUERY_AWARE)}" in prompt
     Args.tasks, Args.methods = ["needle"], ["full", "snapkv", "knorm"]
     context, prompt = builder.sweep_commands("gemma3_270m", Args)
     assert "+experiment/leaderboard_task=needle" in context and "method=full,snapkv,knorm" in context
     assert "method=snapkv" in prompt
+    Args.budgets = ["2x", "8x"]  # a part of the ratios: the full cache still runs (budget none)
+    context, prompt = builder.sweep_commands("gemma3_270m", Args)
+    assert "budget=none,2x,8x" in context and "budget=2x,8x" in prompt

@@ -9,6 +9,15 @@ Pure torch + transformers; no Hydra or lm-eval imports here.
     out = ec.generate(model, input_ids, policy, max_new_tokens=64)
 """
 
+from .agent_calls import (
+    RECOMPRESS,
+    cache_tokens,
+    generate_calls,
+    held_tokens,
+    recompress_refusal,
+    share_of,
+    take_in,
+)
 from .cache import CompressedCache
 from .engine import Completion, Engine, Request, compile_backend
 from .fidelity import fidelity
@@ -55,6 +64,13 @@ __all__ = [
     "policy_from_budget",
     "score_continuation",
     "SharedContextOutput",
+    "RECOMPRESS",
+    "cache_tokens",
+    "generate_calls",
+    "held_tokens",
+    "recompress_refusal",
+    "share_of",
+    "take_in",
     "generate_shared",
     "prefill_context",
     "snapkv_scores",

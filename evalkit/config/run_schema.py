@@ -32,6 +32,7 @@ RUN = {
     "kv_group_size": Key("int", "quantization group", low=1),
     "kv_residual": Key("int", "generated tokens kept at full precision", low=1),
     "memory": Key("mapping", "memory.enforce: a budget that does not fit is an error"),
+    "session": Key("mapping", "session.recompress: what a multi_turn session's cache does with a call's new content"),
 }
 GROUPS = ("model", "method", "task", "hardware", "deployment", "parallel", "logger")  # config groups, declared below
 
@@ -47,6 +48,13 @@ MODEL = {
 }
 
 MEMORY = {"enforce": Key("bool", "a budget that does not fit the deployment is a config error")}
+
+# What a multi_turn session's compressed cache does with the new content a later call brings (a tool output): never
+# (appended, the default), each_call (the whole cache compressed again to the budget), new_content (the new content
+# alone compressed to its share). evalkit.compression.agent_calls runs them.
+SESSION = {"recompress": Key("str", "a later call's new content: appended, the cache recompressed, or the content "
+                                    "compressed alone", choices=("never", "each_call", "new_content"),
+                             says="one of never, each_call, new_content")}
 
 TASK = {
     "name": Key("text", "the task"),

@@ -55,6 +55,8 @@ CONFIG_COLUMNS: dict[str, pa.DataType] = {
     "compression_scope": pa.string(),
     "task_mode": pa.string(),  # multi_request | multi_turn: a session task's queries over one context; empty: single
     "task_history": pa.string(),  # multi_turn: own | gold, what the chat kept of each answer
+    # multi_turn: each_call | new_content, what the cache did with a later call's new content; empty: never (appended)
+    "session_recompress": pa.string(),
     "prefill_chunk": pa.int64(),  # tokens prefilled at a time; empty: the whole prompt at once
     "prefill_chunk_mode": pa.string(),  # exact | compress (compressed back to the budget after every chunk)
     "kv_bits": pa.int64(),  # quantized KV storage (KIVI); empty: the model's dtype

@@ -1,5 +1,6 @@
-"""A run's task mode, checked: ``task.mode`` (single | multi_request | multi_turn) and ``task.history`` (own | gold),
-and what a session mode cannot be combined with yet. The modes themselves: :mod:`evalkit.lm.sessions`."""
+"""A run's task mode, checked: ``task.mode`` (single | multi_request | multi_turn), ``task.history`` (own | gold) and
+``session.recompress`` (never | each_call | new_content), and what a session mode cannot be combined with yet. The
+modes themselves: :mod:`evalkit.lm.sessions`; the recompression rules: :mod:`evalkit.compression.agent_calls`."""
 
 from __future__ import annotations
 
@@ -31,11 +32,35 @@ def check_mode(task_name: str, options: dict) -> None:
                           f"the scbench_* tasks); task {task_name} asks one query per context: use task.mode=single")
 
 
+def check_recompress(session: dict, options: dict) -> str:
+    """``session.recompress`` (its value checked already), read: a rule other than ``never`` only under
+    ``task.mode=multi_turn``, where one chat's calls bring their content into one cache."""
+    rule, mode = session.get("recompress") or "never", options.get("mode", "single")
+    if rule != "never" and mode != "multi_turn":
+        why = ("each query continues its own copy of the context, so no call's content reaches a later one"
+               if mode == "multi_request" else "each query is a request of its own, with no session's cache")
+        raise ConfigError(f"session.recompress={rule} takes no effect with task.mode={mode}: it says what a multi_turn "
+                          f"session's cache does with each call's new content, and here {why}; add "
+                          "task.mode=multi_turn, or leave session.recompress out")
+    return rule
+
+
 def session_refusal(spec):
     """``spec``, or a ConfigError saying why its session mode cannot run with the rest of it: what shares one
     context's cache across calls is one process's sessions, prefilled whole, greedy."""
     mode = spec.task_options.get("mode", "single")
-    others = [(spec.parallel is not None, "parallel=ray"), (spec.prefill_chunk is not None, "prefill_chunk"), (spec.fidelity_tokens > 0, "fidelity_tokens"),
+    if spec.recompress != "never":
+        import evalkit.compression as ec
+
+        refusal = ec.recompress_refusal(spec.policy, spec.recompress)
+        if refusal:
+            raise ConfigError(refusal)
+        from evalkit.lm import sessions
+
+        if not getattr(sessions, "TAKES_RECOMPRESS", False):  # the runner says so once it calls ec.generate_calls
+            raise ConfigError(f"session.recompress={spec.recompress} is not run by task.mode=multi_turn's session "
+                              "runner yet (evalkit.lm.sessions); leave session.recompress out")
+    others = [(spec.prefill_chunk is not None, "prefill_chunk"), (spec.fidelity_tokens > 0, "fidelity_tokens"),
               ((spec.task_options.get("repeats") or 1) > 1, "task.repeats")]
     named = [name for given, name in others if given]
     if mode == "single" or not named:

@@ -17,7 +17,7 @@ from evalkit.core import schema
 from evalkit.core.errors import ConfigError
 from evalkit.lm.parallel import ParallelSettings, parallel_settings
 
-from .session_mode import check_mode, session_refusal
+from .session_mode import check_mode, check_recompress, session_refusal
 
 if TYPE_CHECKING:  # torch and the compression code load with the first validate(), not with this module
     import evalkit.compression as ec
@@ -78,6 +78,8 @@ class RunSpec:
     # logger=trackio | wandb: the finished run also logged to that tracker (None: none). Not part of the config
     # either: logging does not change what a run writes.
     logger: LoggerSettings | None = None
+    # session.recompress: what a multi_turn session's cache does with a later call's new content (never: appended)
+    recompress: str = "never"
 
     def flat_config(self) -> dict:
         params = self.policy.settings()
@@ -119,6 +121,7 @@ class RunSpec:
                if self.prefill_chunk is not None else {}),
             **({"task_mode": self.task_options["mode"], "task_history": self.task_options.get("history", "own")}
                if self.task_options.get("mode", "single") != "single" else {}),
+            **({"session_recompress": self.recompress} if self.recompress != "never" else {}),
             **({"kv_bits": self.kv_format.bits, "kv_group_size": self.kv_format.group_size,
                 "kv_residual": self.kv_format.residual} if self.kv_format is not None else {}),
         }
@@ -153,6 +156,7 @@ def precheck(cfg: dict, method_explicit: bool = True, sweeping: bool = False) ->
     model = cfg.get("model") or {}
     _checked(model, run_schema.MODEL, "model.")
     _checked(cfg.get("memory") or {}, run_schema.MEMORY, "memory.")
+    _checked(cfg.get("session") or {}, run_schema.SESSION, "session.")
     for group, keys in (("parallel", run_schema.PARALLEL), ("logger", run_schema.LOGGER)):
         if isinstance(cfg.get(group), dict):
             _checked(cfg[group], keys, f"{group}.")
@@ -168,8 +172,9 @@ def precheck(cfg: dict, method_explicit: bool = True, sweeping: bool = False) ->
     method_settings(cfg.get("method") or {}, budget, method_explicit)
     max_context = _require(model, "max_context", "model")
     task_name, options = _checked_task(cfg.get("task") or {})
+    recompress = check_recompress(cfg.get("session") or {}, options)
     return {
-        "budget": budget, "max_context": max_context, "task": task_name, "options": options,
+        "budget": budget, "max_context": max_context, "task": task_name, "options": options, "recompress": recompress,
         "warnings": _checked_kv_settings(cfg, sweeping),
         "apply_chat_template": model.get("apply_chat_template", False),
         **_checked_run_settings(cfg),
@@ -332,6 +337,7 @@ def validate(cfg: dict, method_explicit: bool = True, checked: dict | None = Non
         own_deployment=model.get("deployment"),
         parallel=checked["parallel"],
         logger=checked["logger"],
+        recompress=checked["recompress"],
     ))
 
 

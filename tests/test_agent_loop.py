@@ -100,6 +100,9 @@ def test_new_content_compresses_only_the_new_tokens(llama):
     held = before[0][0].shape[-2]
     share = ec.share_of(session.policy, CONTENT, CONTEXT)
     assert share == -(-CONTENT * 64 // CONTEXT) and share < CONTENT
+    # at least sink + window, and a size the method takes (SnapKV keeps more than its window)
+    assert ec.share_of(ec.SnapKV(capacity=64, window=32), 40, 400) == 33
+    assert ec.share_of(ec.SnapKV(capacity=64, window=32), 20, 400) == 20 and ec.share_of(ec.Full(), 20, 400) == 20
     ec.take_in(session, content, "new_content", share)
     last = int(before[0][2].max())
     for (keys, values, positions), (old_keys, old_values, old_positions) in zip(ec.held_tokens(session), before):
@@ -132,7 +135,7 @@ def test_a_method_that_cannot_rescore_a_held_cache_refuses_in_one_line(llama):
 
 @pytest.mark.parametrize("calls, rule, fragment", [
     (agent_calls(), "sometimes", "session.recompress must be one of never, each_call, new_content, got 'sometimes'"),
-    ([(NONE, torch.tensor([5, 6])), (NONE, torch.tensor([7]))], "each_call", "call 2 brings no new content"),
+    ([(NONE, torch.tensor([5, 6])), (NONE, torch.tensor([7]))], "each_call", "call 2 brings no new content for"),
     ([(NONE, torch.tensor([5, 6])), (torch.tensor([3, 4]), NONE)], "never", "call 2 has no question"),
 ])
 def test_a_mistaken_rule_or_call_is_one_line(llama, calls, rule, fragment):

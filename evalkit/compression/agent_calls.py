@@ -12,7 +12,7 @@ question, over one cache compressed under a policy. What a compressed cache does
 - ``new_content`` (compress the new content at the context's ratio): the new content alone is compressed, as a
   prompt of its own (its keys computed over the held cache, its last queries scoring its own keys), to its share of
   the budget: the fraction of the context that the budget kept, ``ceil(new * prompt_capacity / context)``, at least
-  the method's sink + window and at most the new content; the held tokens stay as they are, bit for bit. The cache
+  the method's sink + window (and a size the method takes) and at most the new content; the held tokens stay as they are, bit for bit. The cache
   grows by each call's share, at the budget's ratio.
 
 The budget is the one policy's for every call. Each call's statistics are :func:`generate_shared`'s, plus
@@ -131,21 +131,23 @@ class _NewContentShare(Policy, register=False):
 
 def share_of(policy: Policy, new: int, context: int) -> int:
     """The tokens ``new_content`` keeps of ``new`` new tokens: the fraction of the ``context`` tokens the budget kept,
-    at least the method's sink + window, at most all of them."""
+    at least the method's sink + window (and the smallest size the method takes), at most all of them."""
     capacity = policy.prompt_capacity()
     if capacity is None:
         return new
-    share = math.ceil(new * min(capacity, context) / context)
-    return min(new, max(share, policy.kept_sink() + policy.kept_window()))
+    share = min(new, max(math.ceil(new * min(capacity, context) / context), policy.kept_sink() + policy.kept_window()))
+    while share < new and _sized(policy, share) is None:
+        share += 1
+    return share
 
 
-def _sized(policy: Policy, share: int) -> Policy:
-    """``policy`` keeping ``share`` prompt tokens (its capacity moved by as much as its prompt capacity)."""
+def _sized(policy: Policy, share: int) -> Policy | None:
+    """``policy`` keeping ``share`` prompt tokens (its capacity moved by as much as its prompt capacity), or None
+    where the method takes no such size."""
     try:
         sized = dataclasses.replace(policy, capacity=policy.capacity - policy.prompt_capacity() + share)
-    except ValueError as error:
-        raise ValueError(f"session.recompress=new_content: a share of {share} tokens is too few for {policy.name}: "
-                         f"{error}") from None
+    except ValueError:
+        return None
     for name, value in vars(policy).items():  # what was bound at run time, as Policy.for_prompt keeps it
         if name not in vars(sized):
             setattr(sized, name, value)
@@ -183,8 +185,11 @@ def take_in(session: CompressionSession, ids: torch.Tensor, rule: str, share: in
                        chunk_mode="compress")
     policies = cache.layer_policies
     if rule == "new_content" and compress:
-        chosen = _NewContentShare(_sized(session.policy, share), count)
-        cache.layer_policies = [chosen] * len(policies)
+        sized = _sized(session.policy, share)
+        if sized is None:
+            raise ValueError(f"session.recompress=new_content: {session.policy.name} takes no share of {share} tokens "
+                             "(ec.share_of gives one it takes)")
+        cache.layer_policies = [_NewContentShare(sized, count)] * len(policies)
     cache.plan, cache.compressed_layers, cache.chunk_memory = plan, set(), {}
     try:
         with hooked(model):
@@ -227,8 +232,9 @@ def _check_calls(context_ids: torch.Tensor, calls: list, rule: str, history: str
     for number, (new, question) in enumerate(calls, start=1):
         if len(question) == 0:
             raise ValueError(f"call {number} has no question")
-        if number > 1 and len(new) == 0:
-            raise ValueError(f"call {number} brings no new content (only the first call's may be in the context)")
+        if number > 1 and len(new) == 0 and rule != "never":
+            raise ValueError(f"call {number} brings no new content for session.recompress={rule} to take in (only the "
+                             "first call's may be the context's end)")
     if history == "gold" and (gold_answers is None or len(gold_answers) != len(calls)):
         raise ValueError("history='gold' needs one gold answer per call")
 
@@ -241,7 +247,7 @@ def generate_calls(model, context_ids: torch.Tensor, calls: list[tuple[torch.Ten
                    compress_first_query: bool = False,
                    context_positions: torch.Tensor | None = None) -> SharedContextOutput:
     """Greedy answers to ``calls`` (each ``(new_content_ids, question_ids)``, 1-d; the first call's new content may be
-    empty, its content being the context's end) over one ``context_ids`` ``[1, tokens]``, asked in order as a chat
+    empty, its content being the context's end, and under ``never`` any call's) over one ``context_ids`` ``[1, tokens]``, asked in order as a chat
     (``history``: own or gold, as :func:`generate_shared`'s ``multi_turn``), the new content taken in under
     ``recompress`` (the module's docstring). The other arguments are :func:`generate_shared`'s; under
     ``compress_first_query`` the first call's new content and question are compressed with the context."""

@@ -11,8 +11,11 @@ gold one (``doc_to_history``).
 The context is compressed alone (``multi_request``; and ``multi_turn`` under ``compression_scope=context``), or,
 under ``compression_scope=prompt``, together with the first query, as a chat's first prompt (``multi_turn``).
 ``multi_request`` runs in the engine: the context's session is copied into each query's slot (``Request(prefix=)``),
-batched with the other queries, the compiled step as it is; a chat's turns wait for each other, so ``multi_turn``
-runs session by session (:func:`evalkit.compression.generate_shared`).
+batched with the other queries, the compiled step as it is. ``multi_turn`` runs in the engine too, every session of
+the run a chat (:class:`evalkit.compression.engine.Chat`, :meth:`~evalkit.compression.Engine.run_chats`): the chats
+decode together, each one's turns following one another in its slot, with the answers
+:func:`evalkit.compression.generate_shared` gives session by session (the eager reference, still what runs where the
+engine's slots cannot be copied back into a session: ``Engine.chat_refusal``, e.g. kv_bits, ThinK, MiniCache).
 Under speculative prefill (``method=spec_prefill``) the draft reads a session's context once and chooses the tokens
 the target prefills; every call reuses that choice (the queries are kept whole), and the first call's time to
 first token includes the draft's. A session is recorded in the progress file once all its turns are done; an
@@ -27,6 +30,7 @@ import torch
 
 import evalkit.compression as ec
 from evalkit.benchmark import FolderTask
+from evalkit.compression.engine import Chat
 from evalkit.core.console import PhaseBar
 from evalkit.core.errors import RunError
 from evalkit.lm.prompts import context_end
@@ -57,8 +61,8 @@ def generate_sessions(lm, requests, mode: str, history: str, disable_tqdm: bool 
     meter.start(lm.device)
     try:
         with PhaseBar(len(requests), done, disable=disable_tqdm) as bar:
-            for members, plan in zip(pending, plans):
-                texts, stats = _run_session(lm, plan, mode, history)
+
+            def finished(members: list[int], texts: list[str], stats: list[dict]) -> None:
                 for index, text, stat in zip(members, texts, stats):
                     outputs[index], lm.request_stats[owners[index]] = text, stat
                     meter.add({**stat, "prompt_tokens": stat["prefill_tokens_computed"]})
@@ -66,8 +70,15 @@ def generate_sessions(lm, requests, mode: str, history: str, disable_tqdm: bool 
                     lm.progress.add([{"key": keys[i], "text": outputs[i], "stats": lm.request_stats[owners[i]]}
                                      for i in members])
                 bar.update(len(members))
+
+            chat_refusal = getattr(lm.engine, "chat_refusal", None) if mode == "multi_turn" and pending else None
+            if chat_refusal is not None and chat_refusal() is None:
+                _chats_over_engine(lm, plans, history, lambda i, texts, stats: finished(pending[i], texts, stats))
+            else:
+                for members, plan in zip(pending, plans):
+                    finished(members, *_run_session(lm, plan, mode, history))
     finally:
-        meter.stop(lm._engine, lm.model)  # multi_request: the engine's counts (its utilization, its cache)
+        meter.stop(lm._engine, lm.model)  # the engine's counts (its utilization, its cache), where it ran
     return outputs
 
 
@@ -128,7 +139,7 @@ def _run_session(lm, plan: dict, mode: str, history: str) -> tuple[list[str], li
     """One session's answers (texts cut at their stop strings) and per-turn statistics."""
     members, options, context, queries = plan["members"], plan["options"], plan["context"], plan["queries"]
     gold, limits, context_text = plan["gold"], plan["limits"], plan["context_text"]
-    stops = sorted({s for option in options for s in option.until if s and s not in lm.stop_token_texts})
+    stops = _stop_strings(lm, options)
     context, positions, draft = _drafted(lm, context_text, members[0].args[0], context)
     context_ids = torch.tensor([context], device=lm.device)
     if mode == "multi_request":
@@ -144,10 +155,80 @@ def _run_session(lm, plan: dict, mode: str, history: str) -> tuple[list[str], li
                                  context_positions=positions)
         answers, stats = [answer.tolist() for answer in out.answers], [{**s, "turn": s["turn"] + 1} for s in out.stats]
         compressed = len(context) + (len(queries[0]) if first_in_prefix else 0)
+    return _session_rows(lm, options, answers, stats, draft, compressed)
+
+
+def _stop_strings(lm, options: list[GenerationOptions]) -> list[str]:
+    """The stop strings of a session's turns (those the model's end-of-sequence tokens spell left to its ids)."""
+    return sorted({s for option in options for s in option.until if s and s not in lm.stop_token_texts})
+
+
+def _session_rows(lm, options: list, answers: list, stats: list[dict], draft: dict,
+                  compressed: int) -> tuple[list[str], list[dict]]:
+    """A session's texts (cut at their stop strings) and rows' statistics from its answers' ids and its calls' stats
+    (``draft``: what a speculative prefill's draft cost, charged to the first call; ``compressed``: the prompt tokens
+    compressed once)."""
     if draft:  # the draft read the context once; its time is the first call's
         stats[0] = {**stats[0], **draft, "time_to_first_token_s": stats[0]["time_to_first_token_s"] + draft["draft_seconds"]}
     return [decoded_text(lm.tokenizer, answer, option.until) for answer, option in zip(answers, options)], [
         {**stat, "truncated": False, **cost_stats(lm, stat, compressed)} for stat in stats]
+
+
+def _chats_over_engine(lm, plans: list[dict], history: str, finished) -> None:
+    """``multi_turn`` in the engine: every session a chat, all of them decoded together (``Engine.run_chats``); as
+    each chat's last turn is done, ``finished(index, texts, stats)`` gets its rows, as :func:`_run_session` gives
+    them."""
+    chats, sessions = [], []
+    for plan in plans:
+        chat, session = _chat(lm, plan, history)
+        chats.append(chat)
+        sessions.append(session)
+
+    def on_chat(index: int, completions: list) -> None:
+        plan, (first_tokens, compressed, context_seconds, draft) = plans[index], sessions[index]
+        stats = []
+        for turn, completion in enumerate(completions):
+            stat = {**completion.stats, "turn": turn + 1}
+            if turn == 0:  # the context's prefill is the first call's (its tokens, wherever a draft put them)
+                stat["prefill_tokens_computed"] = stat["prompt_tokens"] = first_tokens
+                stat["prefill_tokens_shared"] = 0
+                stat["tokens_seen"] = first_tokens + max(stat["generated_tokens"] - 1, 0)
+                stat["realized_ratio"] = stat["tokens_seen"] / stat["peak_cache_tokens"]
+                for name in ("prefill_seconds", "time_to_first_token_s"):
+                    stat[name] = (stat.get(name) or 0.0) + context_seconds
+            stat["ttft_seconds"] = stat["time_to_first_token_s"]
+            stats.append(stat)
+        finished(index, *_session_rows(lm, plan["options"], [c.tokens for c in completions], stats, draft, compressed))
+
+    lm.engine.run_chats(chats, on_chat=on_chat)
+
+
+def _chat(lm, plan: dict, history: str) -> tuple[Chat, tuple[int, int, float, dict]]:
+    """A session as a chat: its first turn over the context (compressed with the first query under
+    ``compression_scope=prompt``, else alone: at admission, or before the run where a draft chose the context's
+    tokens and positions), its later turns the user's ids; and the first call's prompt tokens, those compressed
+    once, the seconds a context prefilled before the run took, and what its draft cost."""
+    options, queries, limits = plan["options"], plan["queries"], plan["limits"]
+    stops = _stop_strings(lm, options)
+    context, positions, draft = _drafted(lm, plan["context_text"], plan["members"][0].args[0], plan["context"])
+    first_ids, seconds = torch.tensor(context + queries[0], dtype=torch.long), 0.0
+    if lm.prompts.compression_scope == "prompt":  # a chat's first prompt, compressed whole
+        after = positions.max().cpu() + 1 + torch.arange(len(queries[0])) if positions is not None else None
+        first = ec.Request(first_ids, limits[0], stop_strings=stops,
+                           position_ids=torch.cat([positions.cpu(), after]) if after is not None else None)
+        compressed = len(first_ids)
+    elif positions is None:
+        first = ec.Request(first_ids, limits[0], stop_strings=stops, compress_prefix=len(context))
+        compressed = len(context)
+    else:  # the draft's tokens at their positions: prefilled and compressed alone before the run
+        prefix, seconds = ec.prefill_context(lm.model, lm.policy, torch.tensor([context], device=lm.device),
+                                             positions[None].to(lm.device))
+        first = ec.Request(torch.tensor(queries[0], dtype=torch.long), limits[0], stop_strings=stops, prefix=prefix)
+        compressed = len(context)
+    later = [ec.Request(torch.tensor(query, dtype=torch.long), limit, stop_strings=stops)
+             for query, limit in zip(queries[1:], limits[1:])]
+    gold = plan["gold"] if history == "gold" else None
+    return Chat([first, *later], gold), (len(first_ids), compressed, seconds, draft)
 
 
 def _drafted(lm, text: str, prompt: str, context: list[int]) -> tuple[list[int], torch.Tensor | None, dict]:

@@ -14,6 +14,9 @@ code as :func:`evalkit.compression.generate`, and its compressed cache is copied
 slots keep their state. Finished rows are detected on the device (EOS, length); the host looks every ``sync_every``
 steps, when it also checks stop strings, hands finished requests back and refills their slots.
 
+Chats (:meth:`Engine.run_chats`, :mod:`.chats`): a conversation's turns follow one another in one slot, the next
+turn's tokens prefilled on top of what the last one left there, while other chats decode in the other slots.
+
 Results do not depend on scheduling: a request's greedy tokens are those it gets alone, and sampling draws from a
 per-request stream (a counter-based hash of the request's seed, its token index and the vocabulary entry, turned
 into Gumbel noise), so a sampled request gets the same tokens whatever its neighbours and its slot.
@@ -30,10 +33,12 @@ from ..methods.sliding_window import layer_policies
 from ..model_spec import check_hookable, layer_devices
 from ..stopping import StopStrings, eos_ids, stop_token_ids
 from .accounting import Accounting
+from .chats import ChatRun
 from .model_runner import ModelRunner
-from .request import Completion, Request
+from .request import Chat, Completion, Request
 from .scheduler import Scheduler
 from .slot_pool import OUT_RING, SlotPool
+from .slot_snapshot import snapshot_refusal
 
 
 class Engine:
@@ -109,9 +114,38 @@ class Engine:
             if not isinstance(request, Request):
                 raise TypeError(f"requests must be evalkit.compression.engine.Request, got {type(request).__name__}")
         self.pool.prepare(stream, slot_tokens or self.requested_slot_tokens)
-        scheduler = Scheduler(stream, self.pool, self.stops, self.eos, self.sync_every)
+        return self._serve(Scheduler(stream, self.pool, self.stops, self.eos, self.sync_every), on_finish, on_step)
+
+    def chat_refusal(self) -> str | None:
+        """Why this engine cannot run chats (:meth:`run_chats`; None: it can)."""
+        return snapshot_refusal(self.pool)
+
+    def run_chats(self, chats: Iterable[Chat], on_chat: Callable[[int, list[Completion]], None] | None = None,
+                  slot_tokens: int | None = None, on_step: Callable[[str, int, float], None] | None = None
+                  ) -> list[list[Completion]]:
+        """Answer every turn of every chat (:class:`Chat`), greedy answers equal to
+        :func:`evalkit.compression.generate_shared`'s ``mode="multi_turn"`` on each alone; return each chat's
+        completions in turn order. The chats decode together in the slots; a chat's turns follow one another in its
+        slot (:mod:`.chats`), the host looking after every step so that a turn's slot is parked where it ended.
+        ``on_chat(index, completions)`` is called as each chat's last turn is done. A turn's
+        ``time_to_first_token_s`` counts from when it could start (the run's start, or its last turn's end)."""
+        chats = list(chats)
+        for chat in chats:
+            if not isinstance(chat, Chat):
+                raise TypeError(f"chats must be evalkit.compression.engine.Chat, got {type(chat).__name__}")
+        refusal = self.chat_refusal()
+        if refusal:
+            raise ValueError(refusal)
+        run = ChatRun(chats, self.pool, self.eos, on_chat)
+        stream = run.first_turns()
+        self.pool.prepare(stream, slot_tokens or self.requested_slot_tokens or (run.slot_tokens() if chats else None))
+        self._serve(Scheduler(stream, self.pool, self.stops, self.eos, 1, follow=run.follow), None, on_step)
+        return run.answers
+
+    def _serve(self, scheduler: Scheduler, on_finish, on_step) -> list[Completion]:
+        """Admit, decode ``scheduler.sync_every`` steps, collect, until the scheduler's stream is done."""
         step = _timed(on_step)
-        rounds = 0
+        rounds, every = 0, scheduler.sync_every
         while scheduler.busy:
             with step("prefill", scheduler.can_admit) as read:
                 ended_at_once = scheduler.admit()
@@ -122,14 +156,14 @@ class Engine:
             if not residents:
                 continue
             if self.grow:
-                self.pool.make_room(residents, self.sync_every)
+                self.pool.make_room(residents, every)
             greedy_only = not any(r.request.do_sample for r in residents.values())
             use_top_p = any(r.request.top_p is not None for r in residents.values())
             with step("decode" if rounds else "warm-up") as generated:
-                self.runner.run(self.sync_every, greedy_only, use_top_p)
-                generated(self.sync_every * len(residents))
+                self.runner.run(every, greedy_only, use_top_p)
+                generated(every * len(residents))
             rounds += 1
-            self.accounting.count(self.sync_every, len(residents))
+            self.accounting.count(every, len(residents))
             scheduler.collect(self.accounting.complete, on_finish)
         return scheduler.completions()
 

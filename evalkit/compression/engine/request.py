@@ -1,5 +1,5 @@
-"""What goes into the engine and comes out: a :class:`Request`, its :class:`Completion`, and the host's record of the
-request a slot serves (:class:`Resident`)."""
+"""What goes into the engine and comes out: a :class:`Request`, a :class:`Chat` of several turns, a :class:`Completion`,
+and the host's record of the request a slot serves (:class:`Resident`)."""
 
 from __future__ import annotations
 
@@ -53,6 +53,37 @@ class Request:
 
 
 @dataclasses.dataclass
+class Chat:
+    """A conversation whose turns are asked in order (:meth:`Engine.run_chats`), as
+    :func:`evalkit.compression.generate_shared` runs ``mode="multi_turn"``.
+
+    ``turns[0]`` is the first turn's request as any other (a query over a prefilled context, ``prefix=``; or the
+    context and the query, ``compress_prefix=``; or both compressed together). Each later turn is a request of the
+    user's ids alone (no ``prefix``, ``compress_prefix`` or ``position_ids``: the engine sets where it goes on): it
+    continues the conversation after the last answer's last token (``gold`` None: the model's own answer stays in
+    the conversation) or after ``gold[t]`` in place of turn ``t``'s answer (the model answers on a copy). Where the
+    last answer ended with an end-of-sequence id and the turn's ids begin with it, it is fed once.
+    """
+
+    turns: Sequence[Request]
+    gold: Sequence[Sequence[int] | torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        self.turns = list(self.turns)
+        if not self.turns or not all(isinstance(turn, Request) for turn in self.turns):
+            raise ValueError("a chat needs at least one turn, each an evalkit.compression.engine.Request")
+        if any(t.prefix is not None or t.compress_prefix is not None or t.position_ids is not None
+               for t in self.turns[1:]):
+            raise ValueError("a chat's later turns are the user's ids alone: the engine continues the conversation "
+                             "(no prefix, compress_prefix or position_ids)")
+        if self.gold is not None:
+            self.gold = [torch.as_tensor(answer, dtype=torch.long).reshape(-1) for answer in self.gold]
+            if len(self.gold) != len(self.turns):
+                raise ValueError(f"a chat's gold history is one answer per turn: {len(self.turns)} turns, "
+                                 f"{len(self.gold)} answers")
+
+
+@dataclasses.dataclass
 class Completion:
     index: int  # the request's place in the stream
     tokens: list[int]  # generated tokens (EOS included when it ended the request; nothing after a stop string)
@@ -73,3 +104,4 @@ class Resident:
     tokens: list[int] = dataclasses.field(default_factory=list)
     stop: object | None = None
     admitted_at: float = 0.0  # host clock when its first token was chosen (end of its admission)
+    session: object | None = None  # a chat's turn: the session admission moved into the slot (kept for the next turn)

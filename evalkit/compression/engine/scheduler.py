@@ -1,5 +1,6 @@
 """A stream's way through the slots: waiting requests take free slots in arrival order; the host looks at the slots
-every ``sync_every`` steps for new tokens, stop strings and finished requests, and hands those back."""
+every ``sync_every`` steps for new tokens, stop strings and finished requests, and hands those back. A finished
+request may name the request that follows it (a chat's next turn, ``follow``): that one takes the same slot next."""
 
 from __future__ import annotations
 
@@ -13,43 +14,61 @@ from ..stopping import StopStrings
 from .request import Completion, Request, Resident
 from .slot_pool import SlotPool
 
+Follow = Callable[[int, Resident, Completion], "Request | None"]  # a finished request's slot, record, completion
+
 
 class Scheduler:
     """One run of ``stream``: who waits, who holds which slot, who is done."""
 
     def __init__(self, stream: list[Request], pool: SlotPool, stops: StopStrings, eos: torch.Tensor | None,
-                 sync_every: int):
-        self.pool, self.stops, self.eos, self.sync_every = pool, stops, eos, sync_every
+                 sync_every: int, follow: Follow | None = None):
+        self.pool, self.stops, self.eos, self.sync_every, self.follow = pool, stops, eos, sync_every, follow
         self.waiting = deque(enumerate(stream))
         self.residents: dict[int, Resident] = {}
         self.done: dict[int, Completion] = {}
         self.started = time.perf_counter()
         self.admitted_tokens = 0
+        # Follow-ups by the slot they take next: (index, request, when it was ready); indices go on after the stream's.
+        self.following: dict[int, tuple[int, Request, float]] = {}
+        self.count = len(stream)
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.residents)
+        return bool(self.waiting or self.residents or self.following)
 
     @property
     def can_admit(self) -> bool:
         """Whether a request waits and a slot is free for it."""
-        return bool(self.waiting) and len(self.residents) < self.pool.slots
+        return bool(self.following) or bool(self.waiting) and len(self.residents) < self.pool.slots
 
     def admit(self) -> bool:
-        """Fill the free slots from the queue; return whether a request ended at its first token (EOS, or one new
-        token asked for). ``admitted_tokens``: the prompt tokens this call admitted."""
+        """Fill the free slots, each with the request that follows its last one, else from the queue; return whether
+        a request ended at its first token (EOS, one new token asked for, or for a follow-up a stop string).
+        ``admitted_tokens``: the prompt tokens this call admitted."""
         ended_at_once, self.admitted_tokens = False, 0
         for slot in range(self.pool.slots):
-            if slot not in self.residents and self.waiting:
-                index, request = self.waiting.popleft()
-                resident = self.residents[slot] = self.pool.admit(slot, index, request, self.eos)
-                resident.stop = self.stops.checker(request.stop_strings)
-                # Timed on the host where admission already synchronised (its first token was read back).
-                resident.admitted_at = time.perf_counter()
-                resident.stats["time_to_first_token_s"] = resident.admitted_at - self.started
-                ended_at_once |= resident.ended_at_once
-                self.admitted_tokens += request.input_ids.numel()
+            if slot in self.residents or not (self.waiting or slot in self.following):
+                continue
+            index, request, ready = (self.following.pop(slot) if slot in self.following
+                                     else (*self.waiting.popleft(), self.started))
+            resident = self.residents[slot] = self.pool.admit(slot, index, request, self.eos, self.follow is not None)
+            resident.stop = self.stops.checker(request.stop_strings)
+            # Timed on the host where admission already synchronised (its first token was read back).
+            resident.admitted_at = time.perf_counter()
+            resident.stats["time_to_first_token_s"] = resident.admitted_at - ready
+            if self.follow is not None and resident.stop is not None and not resident.ended_at_once:
+                self._stop_at_first(slot, resident)
+            ended_at_once |= resident.ended_at_once
+            self.admitted_tokens += request.input_ids.numel()
         return ended_at_once
+
+    def _stop_at_first(self, slot: int, resident: Resident) -> None:
+        """A chat's turn whose first token ends it with a stop string ends before any step feeds that token (as
+        ``generate`` stops), so that its slot holds what the conversation holds."""
+        first = int(self.pool.rows.out[slot, 0])
+        if self.stops.cut([first], 0, resident.request.stop_strings, resident.stop) is not None:
+            self.pool.rows.finished[slot] = True
+            resident.ended_at_once = True
 
     def collect(self, complete: Callable[[int, Resident], Completion],
                 on_finish: Callable[[Completion], None] | None) -> None:
@@ -71,6 +90,10 @@ class Scheduler:
             elif not finished[slot]:
                 continue
             self.done[resident.index] = completion = complete(slot, resident)
+            following = self.follow(slot, resident, completion) if self.follow is not None else None
+            if following is not None:  # before anything else runs in the slot
+                self.following[slot] = (self.count, following, time.perf_counter())
+                self.count += 1
             del self.residents[slot]
             self.pool.release(slot)
             if on_finish is not None:

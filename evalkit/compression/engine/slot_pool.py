@@ -178,8 +178,10 @@ class SlotPool:
             self.grow_to(needed)
 
     @torch.no_grad()
-    def admit(self, slot: int, index: int, request: Request, eos: torch.Tensor | None) -> Resident:
-        """Prefill and compress ``request`` alone, move its cache into ``slot`` and choose its first token."""
+    def admit(self, slot: int, index: int, request: Request, eos: torch.Tensor | None,
+              keep_session: bool = False) -> Resident:
+        """Prefill and compress ``request`` alone, move its cache into ``slot`` and choose its first token.
+        ``keep_session``: the resident keeps the session admission moved (a chat's turn), its own tensors."""
         device = self.model.device
         ids = request.input_ids[None].to(device)
         positions = request.position_ids[None].to(device) if request.position_ids is not None else None
@@ -187,7 +189,8 @@ class SlotPool:
             session, logits, seconds = continue_prefix(request.prefix, ids)
         else:
             session, logits, seconds = prefill(self.model, self.policy, ids, None, request.compress_prefix, positions,
-                                               self.prefill_chunk, self.prefill_chunk_mode, targets=self._targets(slot))
+                                               self.prefill_chunk, self.prefill_chunk_mode,
+                                               targets=None if keep_session else self._targets(slot))
         shifted = self._move_cache(slot, index, request, session.cache.layers)
         state = session.state
         row = SlotRows.empty(1, self.slot_tokens, self.out_width, self.rows.finished.device)
@@ -214,7 +217,8 @@ class SlotPool:
                  **({"prefill_tokens_computed": request.input_ids.numel(), "prefill_tokens_shared": shared}
                     if request.prefix is not None else {})}
         held, limit = int(state.valid[0].sum()), int(state.fixed[0]) + int(state.ring[0])
-        return Resident(index, request, stats, int(row.written[0]), held, limit, done)
+        return Resident(index, request, stats, int(row.written[0]), held, limit, done,
+                        session=session if keep_session else None)
 
     def release(self, slot: int) -> None:
         """A finished request's slot keeps none of its policy's state."""

@@ -45,7 +45,7 @@ def test_a_session_mode_on_a_task_without_sessions_or_beside_what_it_cannot_shar
     assert_one_line_error(result, tmp_path, "config error", "task.mode=multi_turn needs a task whose rows are sessions",
                           "task needle asks one query per context")
     for extra, named in (("prefill_chunk=64", "prefill_chunk"), ("fidelity_tokens=4", "fidelity_tokens"),
-                         ("+task.repeats=2", "task.repeats"), ("parallel=ray", "parallel=ray")):
+                         ("+task.repeats=2", "task.repeats")):
         with pytest.raises(ConfigError, match=f"task.mode=multi_request does not combine with {named}"):
             validate(compose("task=needle_multiturn", "task.mode=multi_request", extra), method_explicit=False)
 

@@ -3,11 +3,10 @@
     lm_eval --model evalkit --model_args pretrained=PATH,method=snapstream,budget=4x,max_context=8192 \
         --include_path tasks/ --tasks kv_retrieval
 
-This module only adapts lm-eval's requests to evalkit's and back (:mod:`evalkit.lm.requests` reads what lm-eval
-hands it): prompts become ids through :class:`evalkit.lm.prompts.PromptEncoder`; ``generate_until`` hands all of a task's
-requests to :class:`evalkit.compression.Engine` (continuous batching over ``batch_size`` static slots); log-likelihood
-is scored against the compressed context (:func:`evalkit.compression.score_continuation`); rolling log-likelihood is
-refused.
+This module only adapts lm-eval's requests to evalkit's and back (:mod:`evalkit.lm.requests`): prompts become ids
+(:class:`evalkit.lm.prompts.PromptEncoder`); ``generate_until`` hands a task's requests to :class:`evalkit.compression.Engine`
+(or its sessions to :mod:`evalkit.lm.sessions`); log-likelihood is scored against the compressed context
+(:func:`evalkit.compression.score_continuation`); rolling log-likelihood is refused.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from evalkit.config.method_config import policy_from_config
 from evalkit.core.console import PhaseBar, stream
 from evalkit.core.errors import ConfigError, RunError, model_unavailable
 from evalkit.lm.context_fit import asked_truncation, check_fit, prepare_fitting
+from evalkit.lm.parallel.sessions import answer_on_replicas
 from evalkit.lm.prompts import PromptEncoder
 from evalkit.lm.requests import check_model_arguments, finish_request, model_arguments
 from evalkit.lm.sessions import generate_sessions
@@ -35,14 +35,11 @@ from evalkit.results.progress import request_keys, stats_keys
 
 @register_model("evalkit")
 class EvalkitLM(LM):
-    """A transformers model plus a compression policy, as an lm-eval ``LM``.
-
-    Per-request statistics of the realized compression are kept in ``request_stats``, keyed by request
-    (:func:`evalkit.results.progress.stats_keys`), for the result tables; finished generations go to ``progress`` (an
-    :class:`evalkit.results.progress.Progress`) and survive a crash. ``fidelity_tokens`` > 0 also compares that many greedy
-    tokens with a full-cache run (agreement, KL); ``spec_prefill`` (SpecPrefill's settings with ``draft_model``)
-    lets a draft model pick the prompt tokens the target prefills.
-    """
+    """A transformers model plus a compression policy, as an lm-eval ``LM``. Per-request statistics of the realized
+    compression go to ``request_stats`` by request (:func:`evalkit.results.progress.stats_keys`), finished generations
+    to ``progress`` (:class:`evalkit.results.progress.Progress`: they survive a crash). ``fidelity_tokens`` > 0 also
+    compares that many greedy tokens with a full-cache run (agreement, KL); ``spec_prefill`` (SpecPrefill's settings
+    with ``draft_model``) lets a draft model pick the prompt tokens the target prefills."""
 
     def __init__(self, pretrained=None, model=None, tokenizer=None, policy: ec.Policy | None = None,
                  method: str = "full", budget: str | None = None, max_context: int | None = None, batch_size: int = 8,
@@ -129,6 +126,8 @@ class EvalkitLM(LM):
         if not requests:
             return []
         if self.mode != "single":
+            if hasattr(self._engine, "run_sessions"):  # parallel=ray: whole sessions on the replicas, recorded here
+                answer_on_replicas(self, requests, self.mode, self.history, disable_tqdm)
             return generate_sessions(self, requests, self.mode, self.history, disable_tqdm)
         keys = request_keys([(r.args[0], r.args[1]) for r in requests])
         owners, outputs = stats_keys(requests), [None] * len(requests)  # outputs: a text per request once generated

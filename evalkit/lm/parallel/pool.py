@@ -1,4 +1,5 @@
-"""A run's requests sharded over engine replicas on Ray, with the interface of one engine (``run``).
+"""A run's requests sharded over engine replicas on Ray, with the interface of one engine (``run``); a session task's
+sessions, each whole on one replica (``run_sessions``).
 
 Every finished request streams back to the run's process as it finishes and is handed to ``on_finish`` there: the
 run's one writer (its crash-safe progress file, then its tables) works as with one engine, so resume and the run's
@@ -78,13 +79,35 @@ class ReplicaPool:
         # A growing policy's slots are sized for the whole stream, as one engine sizes them (same reserved bytes).
         slot_tokens = max(slots_needed(self.model_config, self.policy, r) for r in requests) if requests else None
         done: dict[int, Completion] = {}
-        unfinished = [set(range(r, len(requests), len(self.actors))) for r in range(len(self.actors))]
+
+        def arrived(index: int, tokens, stats) -> None:
+            done[index] = Completion(index, tokens, stats)
+            if on_finish is not None:
+                on_finish(done[index])
+
+        self._distribute(requests, lambda actor, items: actor.generate.options(num_returns="streaming").remote(
+            items, slot_tokens), arrived, "requests")
+        return [done[i] for i in range(len(requests))]
+
+    def run_sessions(self, sessions: list[list], mode: str, history: str,
+                     on_session: Callable[[int, list[tuple[int, str, dict]]], None]) -> None:
+        """Answer whole sessions on the replicas (``sessions``: each one's lm-eval requests in turn order; session
+        ``i`` on replica ``i % replicas`` first). ``on_session(i, answers)`` is called here once per session, as it
+        arrives whole: ``answers`` (position in the session, text, statistics) per turn. A replica that dies takes
+        its unfinished sessions again, whole."""
+        self._distribute(sessions, lambda actor, items: actor.sessions.options(num_returns="streaming").remote(
+            items, mode, history), on_session, "sessions")
+
+    def _distribute(self, units: list, call: Callable, arrived: Callable, noun: str) -> None:
+        """Hand ``units`` out over the replicas (``call(actor, [(index, unit)...])``: a streaming call yielding
+        ``(index, *result)`` per finished unit) and ``arrived(index, *result)`` each one once, as it arrives."""
+        unfinished = [set(range(r, len(units), len(self.actors))) for r in range(len(self.actors))]
+        finished: set[int] = set()
         events: queue.Queue = queue.Queue()
 
         def stream(replica: int, indices: list[int], restarted: bool = False) -> None:
-            items = [(i, requests[i]) for i in indices]
-            threading.Thread(target=self._stream, args=(replica, items, slot_tokens, events, restarted),
-                             daemon=True).start()
+            items = [(i, units[i]) for i in indices]
+            threading.Thread(target=self._stream, args=(replica, items, call, events, restarted), daemon=True).start()
 
         streaming = len(self.actors)
         for replica, indices in enumerate(unfinished):
@@ -92,13 +115,11 @@ class ReplicaPool:
         while streaming:
             kind, replica, payload = events.get()
             if kind == "finished":
-                index, tokens, stats = payload
-                if index in done:  # defensive: a request is recorded once
+                if payload[0] in finished:  # defensive: a unit is recorded once
                     continue
-                unfinished[replica].discard(index)
-                done[index] = Completion(index, tokens, stats)
-                if on_finish is not None:
-                    on_finish(done[index])
+                unfinished[replica].discard(payload[0])
+                finished.add(payload[0])
+                arrived(*payload)
             elif kind == "error":
                 self.close()
                 raise payload
@@ -107,11 +128,11 @@ class ReplicaPool:
                 if self.deaths[replica] > self.settings.max_restarts:
                     self.close()
                     raise RunError(f"replica {replica} died {self.deaths[replica]} times (last: {_first_line(payload)})"
-                                   f"; {len(done)} of {len(requests)} generations are kept: run the same command again "
+                                   f"; {len(finished)} of {len(units)} {noun} are kept: run the same command again "
                                    "to resume")
                 if unfinished[replica]:  # Ray restarts the actor; the call waits for it
                     say(f"evalkit: replica {replica} died ({_first_line(payload)}); restarted, it takes its "
-                        f"{len(unfinished[replica])} unfinished requests again (death {self.deaths[replica]} of "
+                        f"{len(unfinished[replica])} unfinished {noun} again (death {self.deaths[replica]} of "
                         f"{self.settings.max_restarts} allowed)", err=True)
                     stream(replica, sorted(unfinished[replica]), restarted=True)
                     continue
@@ -119,20 +140,17 @@ class ReplicaPool:
             else:
                 if unfinished[replica]:  # the stream ended without them: never expected, never silent
                     self.close()
-                    raise RunError(f"replica {replica} ended without {len(unfinished[replica])} of its requests")
+                    raise RunError(f"replica {replica} ended without {len(unfinished[replica])} of its {noun}")
                 streaming -= 1
-        return [done[i] for i in range(len(requests))]
 
-    def _stream(self, replica: int, items: list, slot_tokens: int | None, events: queue.Queue,
-                restarted: bool) -> None:
+    def _stream(self, replica: int, items: list, call: Callable, events: queue.Queue, restarted: bool) -> None:
         """Run ``items`` on one replica (in a thread of this process), putting what happens on ``events``: each
-        completion as it arrives, the stream's end, a real error of the replica's code, or the replica's death."""
+        finished unit as it arrives, the stream's end, a real error of the replica's code, or the replica's death."""
         ray = self.ray
         try:
             if restarted:
                 self._wait_for(replica)
-            generator = self.actors[replica].generate.options(num_returns="streaming").remote(items, slot_tokens)
-            for ref in generator:
+            for ref in call(self.actors[replica], items):
                 events.put(("finished", replica, ray.get(ref)))
             events.put(("ended", replica, None))
         except ray.exceptions.RayTaskError as error:  # raised by the replica's own code: a real error

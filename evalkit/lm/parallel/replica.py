@@ -1,4 +1,5 @@
-"""One engine replica: the run's model and engine in a Ray actor's process, generating the requests it is handed.
+"""One engine replica: the run's model and engine in a Ray actor's process, generating the requests (or answering
+the whole sessions) it is handed.
 
 The replica loads the model exactly as a single-process run does (the run's ``load_lm``, handed over) and measures its
 own throughput; the run's process turns its completions into text, statistics and table rows.
@@ -56,6 +57,51 @@ class Replica:
             yield item
         worker.join()
 
+    def sessions(self, items: list, mode: str, history: str):
+        """``items``: (index, a session's lm-eval requests) pairs. Yields (index, [(position, text, stats)...]) as each
+        session is answered whole (:func:`evalkit.lm.sessions.generate_sessions`, which records a session once all
+        its turns are done: here that record is what streams back)."""
+        from evalkit.lm.sessions import generate_sessions
+        from evalkit.results.progress import request_keys
+
+        flat = [request for _, session in items for request in session]
+        owner = {}  # this replica's key of each request: (session index, position in it)
+        keys = iter(request_keys([(r.args[0], r.args[1]) for r in flat]))
+        for index, session in items:
+            owner.update({next(keys): (index, position) for position in range(len(session))})
+        finished: queue.Queue = queue.Queue()
+
+        def work() -> None:
+            self.lm.progress, self.lm.throughput = _Streamed(finished, owner), self.meter  # it measures into ours
+            try:
+                generate_sessions(self.lm, flat, mode, history, disable_tqdm=True)
+                finished.put(_END)
+            except BaseException as error:  # handed to the caller, raised there
+                finished.put(error)
+
+        worker = threading.Thread(target=work, daemon=True)
+        worker.start()
+        while (item := finished.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+        worker.join()
+
     def throughput(self):
         """What this replica measured of its own generations (since it last started)."""
         return self.meter
+
+
+class _Streamed:
+    """A replica's progress file as :func:`evalkit.lm.sessions.generate_sessions` sees it: nothing done before, and
+    each finished session's records put on ``finished`` as (session index, [(position, text, stats)...])."""
+
+    def __init__(self, finished: queue.Queue, owner: dict):
+        self.finished, self.owner = finished, owner
+
+    def get(self, key: str) -> None:
+        return None
+
+    def add(self, records: list[dict]) -> None:
+        placed = [(*self.owner[r["key"]], r["text"], r["stats"]) for r in records]
+        self.finished.put((placed[0][0], [(position, text, stats) for _, position, text, stats in placed]))

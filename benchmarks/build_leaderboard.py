@@ -64,7 +64,7 @@ def sweep_commands(model: str, args) -> list[list[str]]:
     base = ["evalkit", "-m", "+experiment=leaderboard_small", f"model={model}", f"limit={args.limit}",
             f"threads={args.threads}", f"results_dir={results}", f"hydra.sweep.dir={results / 'sweeps'}"]
     base += [f"+experiment/leaderboard_task={','.join(args.tasks)}"] if args.tasks != TASKS else []
-    base += [f"task.generation.max_gen_toks={args.max_gen_toks}"] if args.max_gen_toks else []
+    base += [f"++task.generation.max_gen_toks={args.max_gen_toks}"] if args.max_gen_toks else []
     budgets = args.budgets or list(RATIOS)
     context = base + ([f"method={','.join(args.methods)}"] if args.methods else [])
     context += ["budget=" + ",".join(["none", *budgets])] if args.budgets else []
@@ -354,6 +354,8 @@ def model_section(model: str, args, plan: list[str]) -> tuple[list[str], dict]:
     results, assets = args.results / model, args.assets / model
     metrics, samples = read_runs(results)
     summary = pd.read_csv(results / "report" / "summary.csv")
+    summary, partial = finished_tasks(summary)
+    samples = samples[samples["run_id"].isin(summary["run_id"])]
     board, full = leaderboard(summary, samples), full_cache(summary, samples)
     pooled = pooled_items(summary, samples)
     plot(board, full, assets / "score_vs_ratio.png", NAMES.get(model, model))
@@ -368,8 +370,14 @@ def model_section(model: str, args, plan: list[str]) -> tuple[list[str], dict]:
     grid = len(preset_methods()) * len(RATIOS) + len(QUERY_AWARE) * len(RATIOS)
     if len(board) < grid:
         lines += [f"**Partial grid:** {len(board)} of the preset's {grid} configurations per task ran in the time "
-                  "there was (the sweeps run the methods in the preset's order; the same command resumes the rest).",
+                  "there was (the sweeps run the methods in the preset's order, or some of the ratios first with "
+                  "`--budgets`; the same command resumes the rest).",
                   ""]
+    if partial:
+        lines += ["**Left out of the tables:** " + "; ".join(f"{task} ({n} of {most} configurations ran before the "
+                                                           "build stopped)" for task, (n, most) in partial.items())
+                  + ": a task enters the tables once it has every configuration the others have, so that every "
+                  "cell pools the same tasks (its runs are in report.html).", ""]
     if any(t["exit"] != 0 for t in times):
         lines += ["A sweep whose exit status is not 0 had a job fail after or before its run; every run it wrote is "
                   "read as written (each held to its manifest), and a configuration with no run shows as -.", ""]
@@ -402,6 +410,16 @@ def model_section(model: str, args, plan: list[str]) -> tuple[list[str], dict]:
     seconds = metrics[metrics["metric"] == "wall_seconds"].drop_duplicates("run_id")
     return lines, {"tasks": sorted(full["per_task"]), "run_seconds": seconds[seconds["method"] != "full"]["value"],
                    "full_seconds": seconds[seconds["method"] == "full"]["value"]}
+
+
+def finished_tasks(summary: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, tuple[int, int]]]:
+    """The runs of the tasks that have the full cache and as many configurations as the most covered task, and the
+    others' (configurations run, most run)."""
+    counts = summary[summary["method"] != "full"].apply(configuration, axis=1).groupby(summary["task"]).nunique()
+    with_full = set(summary.loc[summary["method"] == "full", "task"])
+    most = int(counts.max()) if len(counts) else 0
+    partial = {task: (int(n), most) for task, n in counts.items() if n < most or task not in with_full}
+    return summary[~summary["task"].isin(partial)], partial
 
 
 def interval_items(p: float, half: float = 0.05, z: float = 1.959964) -> int:
@@ -467,12 +485,13 @@ def page(args, sections: list[str], probe: dict[str, str], said: dict[str, dict]
             "(`compression_scope=context`: the context compressed before the question is read) and "
             f"{', '.join(QUERY_AWARE)} also query-aware (`compression_scope=prompt`); the full cache once. The jobs "
             "of a task share the model and each prompt's prefill. Greedy decoding, each task's own generation "
-            f"settings{gen_cap(args)}; {args.limit} item{'s' * (args.limit > 1)} per task, the first of its documents.",
+            f"settings{gen_cap(args)}; the first documents of each task, at most {args.limit} (each model's section "
+            "says how many it ran: its sweeps' `limit`).",
             ""]
     if cut:
         head += [f"**Cut here: tasks first.** This build ran {', '.join(ran)} only (the methods each model ran: "
                  f"its section); {', '.join(cut)} are in the preset but did not fit the time: on 2 CPU cores shared with other "
-                 "work a compressed run of one 4k item took "
+                 "work a compressed run (one job: its items at 4k tokens, batched) took "
                  + "; ".join(f"{int(s['run_seconds'].quantile(0.1))}-{int(s['run_seconds'].quantile(0.9))} s "
                              f"(10th-90th percentile, {model}), its full cache {int(s['full_seconds'].max())} s"
                              for model, s in said.items() if len(s["run_seconds"]) and len(s["full_seconds"]))

@@ -102,3 +102,24 @@ def test_a_file_missing_a_call_or_a_calls_content_is_one_line_and_nothing_writte
     result = evalkit("task=agent_loop", f"task.dataset.path={path}", "task.mode=multi_turn", *TINY,
                      f"results_dir={tmp_path / 'results'}", cwd=tmp_path)
     assert_one_line_error(result, tmp_path, str(path), fragment)
+
+
+def test_each_recompress_rule_runs_through_the_cli_and_its_rows_say_what_the_cache_held(tmp_path):
+    """The harness hands a call's new content to the rule: never appends (the rows of a run without the setting),
+    each_call holds the cache at one size once the documents exceed it, new_content grows by each call's share."""
+    path = write_calls(tmp_path / "calls.jsonl", file_rows())
+    runs = {}
+    for rule in ("", "never", "each_call", "new_content"):
+        results = tmp_path / (rule or "plain")
+        result = evalkit("task=agent_loop", f"task.dataset.path={path}", "task.mode=multi_turn", *TINY,
+                         "method=snapkv", "method.window=4", "+budget=tokens_24", "task.generation.max_gen_toks=3",
+                         *([f"+session.recompress={rule}"] if rule else []), f"results_dir={results}", cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-2000:]
+        runs[rule] = read_runs(results)[1].sort_values(["session_id", "turn"]).reset_index(drop=True)
+    assert runs["never"]["prediction"].tolist() == runs[""]["prediction"].tolist()
+    held = {rule: runs[rule]["cache_tokens_after"].tolist() for rule in ("each_call", "new_content")}
+    assert set(runs["each_call"]["session_recompress"]) == {"each_call"}
+    assert (runs["new_content"]["new_content_tokens"][runs["new_content"]["turn"] > 1] > 0).all()
+    later = runs["each_call"]["turn"] > 1  # the budget, then the call's question and answer: one size every call
+    assert runs["each_call"]["cache_tokens_after"][later].nunique() == 1
+    assert sum(held["new_content"]) > sum(held["each_call"])  # each call's share stays: the cache grows

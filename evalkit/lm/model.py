@@ -82,7 +82,7 @@ class EvalkitLM(LM):
         self.throughput = Throughput()  # what this process measured of its own generations (not resumed ones)
         self.progress, self.fidelity_tokens = progress, int(fidelity_tokens)
         self.spec_prefill = load_spec_prefill(spec_prefill, dtype, device) if spec_prefill else None
-        self.mode, self.history = "single", "own"  # a session task's task.mode and task.history (evalkit.lm.sessions)
+        self.mode, self.history, self.recompress = "single", "own", "never"  # task.mode, task.history, session.recompress
         self.truncation = asked_truncation(truncation)  # task.truncation (None: a prompt too long is refused)
 
     @property

@@ -71,7 +71,8 @@ def generate_sessions(lm, requests, mode: str, history: str, disable_tqdm: bool 
                                      for i in members])
                 bar.update(len(members))
 
-            chat_refusal = getattr(lm.engine, "chat_refusal", None) if mode == "multi_turn" and pending else None
+            engine_chats = mode == "multi_turn" and pending and lm.recompress == "never"
+            chat_refusal = getattr(lm.engine, "chat_refusal", None) if engine_chats else None
             if chat_refusal is not None and chat_refusal() is None:
                 _chats_over_engine(lm, plans, history, lambda i, texts, stats: finished(pending[i], texts, stats))
             else:
@@ -108,19 +109,21 @@ def _plan_session(lm, members: list, mode: str, history: str) -> dict:
         raise RunError(f"task {task.name}: a session decodes greedily; task.generation.do_sample=false")
     session_id = members[0].doc["session_id"]
     context, first_query, context_text = _split(lm, task, members[0], session_id)
-    queries = [first_query]
+    queries, contents = [first_query], [0]  # contents: how many of a query's ids are new content
     for request in members[1:]:
         own_context, query, _ = _split(lm, task, request, session_id)
         if own_context != context:
             raise RunError(f"session {session_id}: turn {request.doc['turn']}'s prompt does not begin with the same "
                            "context as turn 1's; a session's docs share one context")
-        queries.append(query if mode == "multi_request" else _follow_up(lm, task, request.doc))
+        query, content = (query, 0) if mode == "multi_request" else _follow_up(lm, task, request.doc)
+        queries.append(query)
+        contents.append(content)
     gold = [_ids(lm, _hook(task, "doc_to_history", r.doc)) for r in members] if history == "gold" else None
     limits = [option.max_new_tokens for option in options]
     positions = len(context) + (sum(map(len, queries)) + sum(limits) + sum(map(len, gold or []))
                                 if mode == "multi_turn" else max(map(len, queries)) + max(limits))
     return {"members": members, "options": options, "context": context, "context_text": context_text,
-            "queries": queries, "gold": gold, "limits": limits, "positions": positions}
+            "queries": queries, "contents": contents, "gold": gold, "limits": limits, "positions": positions}
 
 
 def _check_fit(lm, plans: list[dict], sessions: int, task: str) -> None:
@@ -147,12 +150,16 @@ def _run_session(lm, plan: dict, mode: str, history: str) -> tuple[list[str], li
         compressed = len(context)
     else:
         first_in_prefix = lm.prompts.compression_scope == "prompt"
-        out = ec.generate_shared(lm.model, context_ids, [torch.tensor(q, dtype=torch.long) for q in queries],
-                                 lm.policy, mode=mode, history=history,
-                                 gold_answers=[torch.tensor(g, dtype=torch.long) for g in gold] if gold else None,
-                                 max_new_tokens=limits, eos_token_id=lm.stop_token_ids, tokenizer=lm.tokenizer,
-                                 stop_strings=stops or None, compress_first_query=first_in_prefix,
-                                 context_positions=positions)
+        shared = dict(history=history, max_new_tokens=limits, eos_token_id=lm.stop_token_ids, tokenizer=lm.tokenizer,
+                      gold_answers=[torch.tensor(g, dtype=torch.long) for g in gold] if gold else None,
+                      stop_strings=stops or None, compress_first_query=first_in_prefix, context_positions=positions)
+        if lm.recompress == "never":
+            out = ec.generate_shared(lm.model, context_ids, [torch.tensor(q, dtype=torch.long) for q in queries],
+                                     lm.policy, mode=mode, **shared)
+        else:  # session.recompress: each call's new content taken in by the rule (evalkit.compression.agent_calls)
+            calls = [(torch.tensor(q[:n], dtype=torch.long), torch.tensor(q[n:], dtype=torch.long))
+                     for q, n in zip(queries, plan["contents"])]
+            out = ec.generate_calls(lm.model, context_ids, calls, lm.policy, recompress=lm.recompress, **shared)
         answers, stats = [answer.tolist() for answer in out.answers], [{**s, "turn": s["turn"] + 1} for s in out.stats]
         compressed = len(context) + (len(queries[0]) if first_in_prefix else 0)
     return _session_rows(lm, options, answers, stats, draft, compressed)
@@ -277,8 +284,8 @@ def _split(lm, task: FolderTask, request, session_id) -> tuple[list[int], list[i
     return ids[:split], ids[split:], text[:end]
 
 
-def _follow_up(lm, task: FolderTask, doc: dict) -> list[int]:
-    """A later turn's ids in a chat: its user text (``doc_to_follow_up``), under a chat template with what the
+def _follow_up(lm, task: FolderTask, doc: dict) -> tuple[list[int], int]:
+    """A later turn's ids in a chat, and how many of them are new content (:func:`_content_end`): its user text (``doc_to_follow_up``), under a chat template with what the
     template writes between an assistant answer and the next generation prompt, then what the answer is made to
     start with (``doc_to_follow_up_prefix``); without a chat template, the task's plain text
     (``doc_to_follow_up_plain``)."""
@@ -289,7 +296,22 @@ def _follow_up(lm, task: FolderTask, doc: dict) -> list[int]:
         text = rendered[rendered.index(_ANSWER) + len(_ANSWER):] + _hook(task, "doc_to_follow_up_prefix", doc)
     else:
         text = _hook(task, "doc_to_follow_up_plain", doc)
-    return _ids(lm, text)
+    return _ids(lm, text), _content_end(lm, task, doc, text)
+
+
+def _content_end(lm, task: FolderTask, doc: dict, text: str) -> int:
+    """How many of a follow-up's ids (``text`` tokenized) are the new content it brings before its question (an
+    agent's tool output, ``doc_to_new_content``; 0 for a task without that hook): the ids up to the content's end."""
+    hook = task.hook("doc_to_new_content")
+    content = hook(doc) if hook is not None else ""
+    if not content:
+        return 0
+    if content not in text:
+        raise RunError(f"task {task.name}: session {doc.get('session_id')}, turn {doc.get('turn')}: its "
+                       "doc_to_new_content is not in its follow-up text")
+    end = text.index(content) + len(content)
+    offsets = lm.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    return next((i for i, (start, _) in enumerate(offsets) if start >= end), len(offsets))
 
 
 def _ids(lm, text: str) -> list[int]:

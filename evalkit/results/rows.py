@@ -92,7 +92,7 @@ def task_rows(results: dict, task: str, stats: dict[tuple, dict], reasoning: dic
 STAT_COLUMNS = ("prompt_tokens", "generated_tokens", "hit_limit", "kept_prompt_tokens", "peak_cache_tokens", "tokens_seen",
                 "realized_ratio", "compression_ratio", "truncated", "token_agreement", "first_divergence", "kl_mean", "spec_kept_tokens",
                 "draft_seconds", "prefill_seconds", "decode_seconds", "time_to_first_token_s", "reserved_cache_tokens",
-                "prefill_tokens_computed", "prefill_tokens_shared")
+                "prefill_tokens_computed", "prefill_tokens_shared", "new_content_tokens", "cache_tokens_after")
 
 
 def sample_row(sample: dict, repeat: int, prediction, subset: str | None, metric: str | None, row_stats: dict,

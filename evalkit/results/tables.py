@@ -130,6 +130,10 @@ SAMPLE_COLUMNS: dict[str, pa.DataType] = {
     # answer token, and the positions the session's cache served it instead (0 under task.mode=single).
     "prefill_tokens_computed": pa.int64(),
     "prefill_tokens_shared": pa.int64(),
+    # session.recompress (the agent loop): the new content a call brought, and the tokens the cache held after the
+    # call (mean over layers and heads; null outside a rule other than never)
+    "new_content_tokens": pa.int64(),
+    "cache_tokens_after": pa.float64(),
     "code_extractor": pa.string(),  # SCBench RepoQA's: tree-sitter (the official extraction) or fallback; else null
     # Bytes, measured on the engine's own tensors (see evalkit.compression.Engine): held at the peak, reserved by
     # the slot, what a full cache holds for the same tokens, and evalkit.memory's prediction of the held bytes.

@@ -167,9 +167,9 @@ def load_lm(spec: RunSpec, progress: Progress | None = None, model=None, tokeniz
             progress=progress, fidelity_tokens=spec.fidelity_tokens, spec_prefill=spec.spec_prefill,
             revision=spec.revision, device_map=spec.device_map, compile=spec.compile,
             prefill_chunk=spec.prefill_chunk, prefill_chunk_mode=spec.prefill_chunk_mode,
-            truncation=spec.task_options.get("truncation"),
-        )
+            truncation=spec.task_options.get("truncation"))
         lm.mode, lm.history = spec.task_options.get("mode", "single"), spec.task_options.get("history", "own")
+        lm.recompress = spec.recompress
     except OSError as error:
         raise RunError(model_unavailable(spec.pretrained, error)) from None
     except ValueError as error:  # a config error (a learned file's against the model's layers) stays one

@@ -55,11 +55,6 @@ def session_refusal(spec):
         refusal = ec.recompress_refusal(spec.policy, spec.recompress)
         if refusal:
             raise ConfigError(refusal)
-        from evalkit.lm import sessions
-
-        if not getattr(sessions, "TAKES_RECOMPRESS", False):  # the runner says so once it calls ec.generate_calls
-            raise ConfigError(f"session.recompress={spec.recompress} is not run by task.mode=multi_turn's session "
-                              "runner yet (evalkit.lm.sessions); leave session.recompress out")
     others = [(spec.prefill_chunk is not None, "prefill_chunk"), (spec.fidelity_tokens > 0, "fidelity_tokens"),
               ((spec.task_options.get("repeats") or 1) > 1, "task.repeats")]
     named = [name for given, name in others if given]

@@ -42,11 +42,11 @@ import torch
 
 from .attention import hooked
 from .cache import PrefillPlan, RowState
-from .generate import _chooser, decode, eos_and_pad, prefill
+from .generate import _chooser, decode, eos_and_pad
 from .methods.base import Policy
 from .model_spec import cache_kwargs
 from .session import CompressionSession
-from .shared_context import HISTORIES, SharedContextOutput, _call_stats
+from .shared_context import HISTORIES, SharedContextOutput, _call_stats, prefill_first
 from .stopping import stop_criteria
 
 RECOMPRESS = ("never", "each_call", "new_content")
@@ -261,12 +261,9 @@ def generate_calls(model, context_ids: torch.Tensor, calls: list[tuple[torch.Ten
     limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(calls)
     device, stops = context_ids.device, set(eos.tolist()) if eos is not None else set()
     choose = _chooser(False, None, None, None, device)
-    first = torch.cat([context_ids, torch.cat(calls[0]).to(device)[None]], dim=1) if compress_first_query else context_ids
-    positions = None
-    if context_positions is not None:
-        after = context_positions.max() + 1 + torch.arange(first.shape[1] - context_ids.shape[1])
-        positions = torch.cat([context_positions.cpu(), after])[None].to(device)
-    session, logits, context_seconds = prefill(model, policy, first, position_ids=positions)
+    first, session, logits, context_seconds = prefill_first(model, policy, context_ids,
+                                                            torch.cat(calls[0]) if compress_first_query else None,
+                                                            context_positions)
     answers, stats, pending = [], [], torch.empty(0, dtype=torch.long, device=device)
     for turn, (new, question) in enumerate(calls):
         new, question = _after_answer(pending, new.to(device), question.to(device), stops)

@@ -84,12 +84,9 @@ def generate_shared(model, context_ids: torch.Tensor, queries: list[torch.Tensor
     limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(queries)
     choose = _chooser(False, None, None, None, context_ids.device)
     device, stops = context_ids.device, set(eos.tolist()) if eos is not None else set()
-    first = torch.cat([context_ids, queries[0].to(device)[None]], dim=1) if compress_first_query else context_ids
-    positions = None
-    if context_positions is not None:
-        after = context_positions.max() + 1 + torch.arange(first.shape[1] - context_ids.shape[1])
-        positions = torch.cat([context_positions.cpu(), after])[None].to(device)
-    session, logits, context_seconds = prefill(model, policy, first, position_ids=positions)
+    first, session, logits, context_seconds = prefill_first(model, policy, context_ids,
+                                                            queries[0] if compress_first_query else None,
+                                                            context_positions)
     answers, stats, pending = [], [], torch.empty(0, dtype=torch.long, device=device)
     for turn, query in enumerate(queries):
         query = query.to(device)
@@ -115,6 +112,19 @@ def generate_shared(model, context_ids: torch.Tensor, queries: list[torch.Tensor
         if mode == "multi_turn":
             pending = gold_answers[turn].to(device) if history == "gold" else answers[-1][-1:]
     return SharedContextOutput(answers=answers, stats=stats)
+
+
+def prefill_first(model, policy: Policy, context_ids: torch.Tensor, first_query: torch.Tensor | None,
+                  context_positions: torch.Tensor | None) -> tuple:
+    """A session's first prefill: the context, followed by ``first_query`` where it is compressed with it, at the
+    context's positions where a draft chose them (what follows from the largest + 1). The ids prefilled, the
+    session, the last logits and the seconds it took."""
+    first = context_ids if first_query is None else torch.cat([context_ids, first_query.to(context_ids.device)[None]], 1)
+    positions = None
+    if context_positions is not None:
+        after = context_positions.max() + 1 + torch.arange(first.shape[1] - context_ids.shape[1])
+        positions = torch.cat([context_positions.cpu(), after])[None].to(context_ids.device)
+    return first, *prefill(model, policy, first, position_ids=positions)
 
 
 @torch.no_grad()

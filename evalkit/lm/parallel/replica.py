@@ -31,31 +31,23 @@ class Replica:
         return os.getpid()
 
     def generate(self, items: list, slot_tokens: int | None = None):
-        """``items``: (index, request) pairs; ``slot_tokens``: the slot size of the run's whole stream. Yields (index, tokens, stats) as each request finishes (a streaming
-        generator: the run records each one as it arrives, so a replica that dies loses only its unfinished ones)."""
-        finished: queue.Queue = queue.Queue()
+        """``items``: (index, request) pairs; ``slot_tokens``: the slot size of the run's whole stream. Yields (index,
+        tokens, stats) as each request finishes (a streaming generator: the run records each one as it arrives, so a
+        replica that dies loses only its unfinished ones)."""
         indices = [index for index, _ in items]
 
-        def work() -> None:
+        def work(put) -> None:
             engine = self.lm.engine
             self.meter.start(self.lm.device)
             try:
                 engine.run([request for _, request in items], slot_tokens=slot_tokens,
-                           on_finish=lambda c: finished.put((indices[c.index], c.tokens, c.stats)))
-                finished.put(_END)
-            except BaseException as error:  # handed to the caller, raised there
-                finished.put(error)
+                           on_finish=lambda c: put((indices[c.index], c.tokens, c.stats)))
             finally:
                 self.meter.stop(engine, self.lm.model)
 
-        worker = threading.Thread(target=work, daemon=True)
-        worker.start()
-        while (item := finished.get()) is not _END:
-            if isinstance(item, BaseException):
-                raise item
+        for item in _streamed(work):
             self.meter.add(item[2])
             yield item
-        worker.join()
 
     def sessions(self, items: list, mode: str, history: str):
         """``items``: (index, a session's lm-eval requests) pairs. Yields (index, [(position, text, stats)...]) as each
@@ -69,39 +61,48 @@ class Replica:
         keys = iter(request_keys([(r.args[0], r.args[1]) for r in flat]))
         for index, session in items:
             owner.update({next(keys): (index, position) for position in range(len(session))})
-        finished: queue.Queue = queue.Queue()
 
-        def work() -> None:
-            self.lm.progress, self.lm.throughput = _Streamed(finished, owner), self.meter  # it measures into ours
-            try:
-                generate_sessions(self.lm, flat, mode, history, disable_tqdm=True)
-                finished.put(_END)
-            except BaseException as error:  # handed to the caller, raised there
-                finished.put(error)
+        def work(put) -> None:
+            self.lm.progress, self.lm.throughput = _Streamed(put, owner), self.meter  # it measures into ours
+            generate_sessions(self.lm, flat, mode, history, disable_tqdm=True)
 
-        worker = threading.Thread(target=work, daemon=True)
-        worker.start()
-        while (item := finished.get()) is not _END:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-        worker.join()
+        yield from _streamed(work)
 
     def throughput(self):
         """What this replica measured of its own generations (since it last started)."""
         return self.meter
 
 
+def _streamed(work):
+    """What ``work(put)`` puts, yielded as it comes, ``work`` running in a thread (its error raised here)."""
+    finished: queue.Queue = queue.Queue()
+
+    def run() -> None:
+        try:
+            work(finished.put)
+            finished.put(_END)
+        except BaseException as error:  # handed to the caller, raised there
+            finished.put(error)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    while (item := finished.get()) is not _END:
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+    worker.join()
+
+
 class _Streamed:
     """A replica's progress file as :func:`evalkit.lm.sessions.generate_sessions` sees it: nothing done before, and
-    each finished session's records put on ``finished`` as (session index, [(position, text, stats)...])."""
+    each finished session's records handed to ``put`` as (session index, [(position, text, stats)...])."""
 
-    def __init__(self, finished: queue.Queue, owner: dict):
-        self.finished, self.owner = finished, owner
+    def __init__(self, put, owner: dict):
+        self.put, self.owner = put, owner
 
     def get(self, key: str) -> None:
         return None
 
     def add(self, records: list[dict]) -> None:
         placed = [(*self.owner[r["key"]], r["text"], r["stats"]) for r in records]
-        self.finished.put((placed[0][0], [(position, text, stats) for _, position, text, stats in placed]))
+        self.put((placed[0][0], [(position, text, stats) for _, position, text, stats in placed]))

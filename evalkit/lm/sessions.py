@@ -285,10 +285,10 @@ def _split(lm, task: FolderTask, request, session_id) -> tuple[list[int], list[i
 
 
 def _follow_up(lm, task: FolderTask, doc: dict) -> tuple[list[int], int]:
-    """A later turn's ids in a chat, and how many of them are new content (:func:`_content_end`): its user text (``doc_to_follow_up``), under a chat template with what the
-    template writes between an assistant answer and the next generation prompt, then what the answer is made to
-    start with (``doc_to_follow_up_prefix``); without a chat template, the task's plain text
-    (``doc_to_follow_up_plain``)."""
+    """A later turn's ids in a chat, and how many of them are new content (:func:`_with_content_end`): its user text
+    (``doc_to_follow_up``), under a chat template with what the template writes between an assistant answer and the
+    next generation prompt, then what the answer is made to start with (``doc_to_follow_up_prefix``); without a chat
+    template, the task's plain text (``doc_to_follow_up_plain``)."""
     if lm.use_chat_template:
         chat = [{"role": "user", "content": "-"}, {"role": "assistant", "content": _ANSWER},
                 {"role": "user", "content": _hook(task, "doc_to_follow_up", doc)}]
@@ -296,22 +296,23 @@ def _follow_up(lm, task: FolderTask, doc: dict) -> tuple[list[int], int]:
         text = rendered[rendered.index(_ANSWER) + len(_ANSWER):] + _hook(task, "doc_to_follow_up_prefix", doc)
     else:
         text = _hook(task, "doc_to_follow_up_plain", doc)
-    return _ids(lm, text), _content_end(lm, task, doc, text)
+    return _with_content_end(lm, task, doc, text)
 
 
-def _content_end(lm, task: FolderTask, doc: dict, text: str) -> int:
-    """How many of a follow-up's ids (``text`` tokenized) are the new content it brings before its question (an
-    agent's tool output, ``doc_to_new_content``; 0 for a task without that hook): the ids up to the content's end."""
+def _with_content_end(lm, task: FolderTask, doc: dict, text: str) -> tuple[list[int], int]:
+    """A follow-up's ids (``text`` tokenized) and how many of them are the new content it brings before its question
+    (an agent's tool output, ``doc_to_new_content``; 0 for a task without that hook): the ids up to its end."""
     hook = task.hook("doc_to_new_content")
     content = hook(doc) if hook is not None else ""
     if not content:
-        return 0
+        return _ids(lm, text), 0
     if content not in text:
         raise RunError(f"task {task.name}: session {doc.get('session_id')}, turn {doc.get('turn')}: its "
                        "doc_to_new_content is not in its follow-up text")
     end = text.index(content) + len(content)
-    offsets = lm.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-    return next((i for i, (start, _) in enumerate(offsets) if start >= end), len(offsets))
+    encoded = lm.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = encoded["offset_mapping"]
+    return encoded["input_ids"], next((i for i, (start, _) in enumerate(offsets) if start >= end), len(offsets))
 
 
 def _ids(lm, text: str) -> list[int]:

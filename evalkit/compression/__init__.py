@@ -9,15 +9,7 @@ Pure torch + transformers; no Hydra or lm-eval imports here.
     out = ec.generate(model, input_ids, policy, max_new_tokens=64)
 """
 
-from .agent_calls import (
-    RECOMPRESS,
-    cache_tokens,
-    generate_calls,
-    held_tokens,
-    recompress_refusal,
-    share_of,
-    take_in,
-)
+from .agent_calls import generate_calls
 from .cache import CompressedCache
 from .engine import Completion, Engine, Request, compile_backend
 from .fidelity import fidelity
@@ -28,6 +20,7 @@ from .kv_format import KVFormat, kv_format
 from .loglikelihood import score_continuation
 from .methods.base import Policy
 from .methods.budget import POLICIES, budget_capacity, method_params, policy_from_budget
+from .recompress import RECOMPRESS, cache_tokens, held_tokens, recompress_refusal, share_of, take_in
 from .session import CHUNK_MODES, CompressionSession, chunk_mode_refusal
 from .shared_context import SharedContextOutput, generate_shared, prefill_context
 from .spec_prefill import SpecPrefill, map_by_characters

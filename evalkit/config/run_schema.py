@@ -51,7 +51,7 @@ MEMORY = {"enforce": Key("bool", "a budget that does not fit the deployment is a
 
 # What a multi_turn session's compressed cache does with the new content a later call brings (a tool output): never
 # (appended, the default), each_call (the whole cache compressed again to the budget), new_content (the new content
-# alone compressed to its share). evalkit.compression.agent_calls runs them.
+# alone compressed to its share). evalkit.compression.recompress runs them.
 SESSION = {"recompress": Key("str", "a later call's new content: appended, the cache recompressed, or the content "
                                     "compressed alone", choices=("never", "each_call", "new_content"),
                              says="one of never, each_call, new_content")}

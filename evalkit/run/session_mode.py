@@ -1,6 +1,6 @@
 """A run's task mode, checked: ``task.mode`` (single | multi_request | multi_turn), ``task.history`` (own | gold) and
 ``session.recompress`` (never | each_call | new_content), and what a session mode cannot be combined with yet. The
-modes themselves: :mod:`evalkit.lm.sessions`; the recompression rules: :mod:`evalkit.compression.agent_calls`."""
+modes themselves: :mod:`evalkit.lm.sessions`; the recompression rules: :mod:`evalkit.compression.recompress`."""
 
 from __future__ import annotations
 

@@ -50,6 +50,10 @@ def declared() -> list[tuple[tuple[str, ...], str, Key, str]]:
     found = [((), name, key, "kv_retrieval") for name, key in run_schema.RUN.items() if key.kind != "any"]
     found += [((), f"model.{name}", key, "kv_retrieval") for name, key in run_schema.MODEL.items() if key.kind != "any"]
     found += [((), f"memory.{name}", key, "kv_retrieval") for name, key in run_schema.MEMORY.items()]
+    # session.*: on a task without sessions (a valid rule other than never is refused by a rule) and on a session
+    # task in multi_turn, where it is taken
+    for overrides, task in (((), "kv_retrieval"), (("task=agent_loop", "task.mode=multi_turn"), "agent_loop")):
+        found += [(overrides, f"session.{name}", key, task) for name, key in run_schema.SESSION.items()]
     found += [(("parallel=ray",), f"parallel.{name}", key, "kv_retrieval") for name, key in run_schema.PARALLEL.items()
               if name != "name"]
     found += [(("logger=wandb",), f"logger.{name}", key, "kv_retrieval") for name, key in run_schema.LOGGER.items()
@@ -266,8 +270,20 @@ def test_every_declared_key_is_walked():
     """The walk covers every group: a task's, a method's and the run's keys among them."""
     names = {name for _, name, _, _ in DECLARED}
     assert {"seed", "model.max_context", "task.truncation", "task.dataset.lengths", "task.dataset.n_sessions",
-            "task.generation.max_gen_toks", "parallel.replicas", "logger.project", "method.window"} <= names
+            "task.generation.max_gen_toks", "parallel.replicas", "logger.project", "method.window",
+            "session.recompress"} <= names
     assert {task for *_, task in DECLARED} == set(task_names()) | {"kv_retrieval"}
+
+
+def test_every_session_rule_is_taken_on_a_session_task_and_refused_by_a_rule_elsewhere():
+    """session.recompress: each declared value runs a multi_turn session task; a rule other than never on a task
+    without sessions is refused in one line that names it (before anything loads)."""
+    for rule in run_schema.SESSION["recompress"].choices:
+        overrides = ("task=agent_loop", "task.mode=multi_turn", "method=snapkv", "budget=4x")
+        assert assert_answered(with_value(base(overrides, "agent_loop"), "session.recompress", rule), overrides) == \
+            "taken", rule
+        if rule != "never":
+            assert_refused(with_value(base((), "kv_retrieval"), "session.recompress", rule), (), "session.recompress")
 
 
 # -- data rows -----------------------------------------------------------------------------------------------------

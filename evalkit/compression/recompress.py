@@ -11,20 +11,24 @@
 - ``new_content`` (compress the new content at the context's ratio): the new content alone is compressed, as a
   prompt of its own (its keys computed over the held cache, its last queries scoring its own keys), to its share of
   the budget: the fraction of the context that the budget kept, ``ceil(new * prompt_capacity / context)``, at least
-  the method's sink + window (and a size the method takes) and at most the new content; the held tokens stay as they are, bit for bit. The cache
-  grows by each call's share, at the budget's ratio.
+  a size the method takes with its sink + window and at most the new content; the held tokens stay as they are, bit
+  for bit. The cache grows by each call's share, at the budget's ratio; a cache of one static size (SnapStream's and
+  StreamingLLM's ring) writes the share through its ring instead, the oldest ring tokens going.
+
+Per-head layouts (:mod:`.recompress_heads`: H2O's accumulated attention; :mod:`.recompress_passes`: KVzip's
+reconstruction passes) and the full cache (every rule appends: nothing to compress) follow the same rules; the
+definitions are docs/methods.md's "Agent loop".
 
 The budget is the one policy's for every call. Each call's statistics are :func:`generate_shared`'s, plus
 ``recompress`` (the rule), ``new_content_tokens``, ``cache_tokens_compressed`` (the tokens held per layer and KV head
-right after the call's compression; None where none ran) and ``cache_tokens_after`` (held once the call's answer is
-done). ``kept_prompt_tokens`` is what the last compression kept (``each_call``) or the context's (``new_content``,
-whose shares count as appended tokens, as ``never``'s whole new contents do).
+right after the call's compression) and ``cache_tokens_after`` (held once the call's answer is done).
+``kept_prompt_tokens`` is what the last compression kept (``each_call``) or the context's (``new_content``, whose
+shares count as appended tokens, as ``never``'s whole new contents do).
 
-Re-scoring a held cache needs one budget for every layer and head, tokens held as computed, in a row layout: a method
-with a per-head layout or its own layer budgets, one that rewrites or quantizes what it keeps, scores from hidden
-states or by passes of its own, or keeps state per request is refused in one line (:func:`recompress_refusal`), and so,
-under ``each_call``, is one that reads every prompt query (the held tokens' are gone); ``new_content`` also refuses a
-method whose cache has one static size (a ring, or eviction while decoding): the shares would outgrow it.
+Re-scoring a held cache needs one budget for every layer and head, tokens held as computed: a method with another
+per-head layout or its own layer budgets, one that rewrites or quantizes what it keeps, scores from hidden states or
+by passes other than KVzip's, or keeps state per request is refused in one line (:func:`recompress_refusal`), and
+so, under ``each_call``, is one that reads every prompt query (the held tokens' are gone).
 """
 
 from __future__ import annotations
@@ -34,13 +38,15 @@ import math
 
 import torch
 
-from .attention import hooked
-from .cache import PrefillPlan, RowState
-from .methods.base import Policy
-from .model_spec import cache_kwargs
+from .cache import RowState
+from .held_cache import cache_tokens, held_tokens, run_content
+from .methods.base import UNBOUNDED, Policy
+from .recompress_heads import accumulates_attention, take_in_accumulated
+from .recompress_passes import keeps_fed_ids, reconstructs, take_in_by_passes
 from .session import CompressionSession
 
 RECOMPRESS = ("never", "each_call", "new_content")
+__all__ = ["RECOMPRESS", "cache_tokens", "held_tokens", "keeps_fed_ids", "recompress_refusal", "share_of", "take_in"]
 
 
 def recompress_refusal(policy: Policy, rule: str) -> str | None:
@@ -49,95 +55,94 @@ def recompress_refusal(policy: Policy, rule: str) -> str | None:
         return f"session.recompress must be one of {', '.join(RECOMPRESS)}, got {rule!r}"
     if rule == "never":
         return None
+    own_rule = accumulates_attention(policy) or reconstructs(policy)
     reasons = [
-        (policy.per_head, "holds its tokens per KV head (a per-head layout), which one re-scored prompt does not keep"),
+        (policy.extra_passes and not own_rule, "scores the prompt with passes of its own other than KVzip's"),
+        (policy.per_head and not own_rule, "holds its tokens per KV head by a rule of its own (a per-head layout "
+                                           "other than H2O's accumulated attention or KVzip's passes)"),
         (policy.reads_every_query and rule == "each_call", "reads every prompt query, and the held tokens' are gone"),
         (policy.rewrites, "rewrites the tokens it keeps"),
-        (policy.extra_passes, "scores the prompt with passes of its own over the whole of it"),
         (policy.reads_hidden_states, "scores from hidden states the cache does not hold"),
         (policy.selects_while_decoding or policy.keeps_slot_state, "keeps every token and reads part of them"),
         (policy.kv_format is not None, "holds its tokens quantized (kv_bits)"),
         (type(policy).layer_budget is not Policy.layer_budget, "sizes each layer's budget itself"),
+        (rule == "new_content" and policy.prompt_capacity() is not None and _size_field(policy) is None,
+         "is not sized by a capacity that a share of the budget could set"),
     ]
     reason = next((why for refused, why in reasons if refused), None)
-    if reason is None and rule == "new_content" and policy.cache_capacity() is not None:
-        return (f"session.recompress=new_content cannot keep new content beside what {policy.name} holds: its cache has "
-                "one static size (a ring, or eviction while decoding); use session.recompress=each_call or never")
-    if reason is None and rule == "new_content" and policy.prompt_capacity() is not None and \
-            "capacity" not in {field.name for field in dataclasses.fields(policy)}:
-        reason = "is not sized by a capacity that a share of the budget could set"
     if reason is None:
         return None
     return (f"session.recompress={rule} cannot re-score the cache {policy.name} holds: it {reason}; use "
             "session.recompress=never")
 
 
-def cache_tokens(session: CompressionSession) -> float:
-    """The tokens the session's cache holds now (row 0), mean over layers and KV heads, read off its validity."""
-    counts = [float(layer.heads.valid[0].sum(dim=-1).float().mean()) if layer.layout.per_head
-              else float(session.state.valid[0, : layer.get_seq_length()].sum()) for layer in session.cache.layers]
-    return sum(counts) / len(counts)
-
-
-def held_tokens(session: CompressionSession) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Every layer's held tokens in text order per KV head (row 0 of a row-layout cache): keys ``[1, Hkv, h, D]``,
-    values and text positions ``[1, Hkv, h]``."""
-    state, held = session.state, []
-    for layer in session.cache.layers:
-        slots = layer.get_seq_length()
-        valid, later = state.valid[:1, :slots], state.slot_pos[:1, :slots]
-        positions = later[:, None, :].expand(-1, layer.keys.shape[1], -1).clone()
-        prompt = layer.prompt_positions[:1]
-        written = prompt.shape[-1]
-        positions[..., :written] = torch.where(later[:, None, :written] < 0, prompt, positions[..., :written])
-        count = int(valid.sum())
-        order = positions.masked_fill(~valid[:, None], torch.iinfo(torch.long).max).argsort(dim=-1, stable=True)
-        order = order[..., :count]
-        gather = order[..., None].expand(-1, -1, -1, layer.keys.shape[-1])
-        held.append((layer.keys[:1].gather(2, gather), layer.values[:1].gather(2, gather),
-                     positions.gather(2, order)))
-    return held
-
-
 class _NewContentShare(Policy, register=False):
     """The method's selection over the last ``new`` tokens of a prompt alone (a call's new content, sized to its
-    share: ``sized``); the held tokens before them all kept, in order."""
+    share: ``sized``; None: all of it); the held tokens before them all kept, in order. ``ring``: a static cache's
+    ``(fixed, ring)`` slots, through whose ring the share is written (the oldest ring tokens go)."""
 
-    def __init__(self, sized: Policy, new: int):
-        self.sized, self.new = sized, new
+    def __init__(self, sized: Policy | None, new: int, ring: tuple[int, int] | None = None):
+        self.sized, self.new, self.ring = sized, new, ring
 
     def prefill_queries(self) -> int | None:
-        return self.sized.prefill_queries()
+        return 0 if self.sized is None else self.sized.prefill_queries()
 
     def select(self, view, kv_heads: int):
         held = view.keys.shape[2] - self.new
-        alone = dataclasses.replace(view, keys=view.keys[:, :, held:], values=view.values[:, :, held:],
-                                    key_valid=view.key_valid[:, held:], positions=view.positions[:, held:],
-                                    prior_sums=None, hidden=None)
-        indices, counts, raw = self.sized.select(alone, kv_heads)
-        kept = torch.arange(held, device=indices.device).expand(indices.shape[0], kv_heads, held)
-        return (torch.cat([kept, indices + held], dim=-1), counts + held,
-                torch.nn.functional.pad(raw, (held, 0)))
+        device = view.keys.device
+        if self.sized is None:
+            indices = torch.arange(self.new, device=device).expand(1, kv_heads, self.new)
+            raw = torch.zeros(1, kv_heads, self.new, device=device)
+        else:
+            alone = dataclasses.replace(view, keys=view.keys[:, :, held:], values=view.values[:, :, held:],
+                                        key_valid=view.key_valid[:, held:], positions=view.positions[:, held:],
+                                        prior_sums=None, hidden=None)
+            indices, counts, raw = self.sized.select(alone, kv_heads)
+            if bool((counts != counts.flatten()[0]).any()):
+                raise RuntimeError(f"{self.sized.name} kept different counts per head of a row-layout cache")
+        kept = torch.arange(held, device=device)
+        if self.ring is not None:  # the share through the ring: its last `ring` tokens, then the newest held ones
+            fixed, ring = self.ring
+            share = indices.shape[-1]
+            written = min(share, ring)
+            stays = min(held - fixed, ring - written)
+            kept = torch.cat([kept[:fixed], kept[held - stays:]])
+            indices = indices[..., share - written:]
+        kept = kept.expand(indices.shape[0], kv_heads, -1)
+        count = torch.full((indices.shape[0], kv_heads), kept.shape[-1] + indices.shape[-1], device=device)
+        return torch.cat([kept, indices + held], dim=-1), count, torch.nn.functional.pad(raw, (held, 0))
 
 
 def share_of(policy: Policy, new: int, context: int) -> int:
     """The tokens ``new_content`` keeps of ``new`` new tokens: the fraction of the ``context`` tokens the budget kept,
-    at least the method's sink + window (and the smallest size the method takes), at most all of them."""
+    at least the smallest size the method takes with its sink + window, at most all of them."""
     capacity = policy.prompt_capacity()
     if capacity is None:
         return new
-    share = min(new, max(math.ceil(new * min(capacity, context) / context), policy.kept_sink() + policy.kept_window()))
-    while share < new and _sized(policy, share) is None:
+    share = min(new, math.ceil(new * min(capacity, context) / context))
+    while share < new and not _takes(policy, share):
         share += 1
     return share
 
 
-def _sized(policy: Policy, share: int) -> Policy | None:
-    """``policy`` keeping ``share`` prompt tokens (its capacity moved by as much as its prompt capacity), or None
-    where the method takes no such size."""
+def _takes(policy: Policy, share: int) -> bool:
+    sized = sized_to(policy, share)
+    return sized is not None and share >= sized.kept_sink() + sized.kept_window()
+
+
+def _size_field(policy: Policy) -> str | None:
+    """The setting that sizes ``policy``'s prompt: its capacity, or StreamingLLM's window (None: neither)."""
+    fields = {field.name for field in dataclasses.fields(policy)}
+    return next((name for name in ("capacity", "window") if name in fields and name in policy.budget_fields), None)
+
+
+def sized_to(policy: Policy, share: int) -> Policy | None:
+    """``policy`` keeping ``share`` prompt tokens (its capacity, or window, moved by as much as its prompt capacity),
+    or None where the method takes no such size."""
+    field = _size_field(policy)
     try:
-        sized = dataclasses.replace(policy, capacity=policy.capacity - policy.prompt_capacity() + share)
-    except ValueError:
+        sized = dataclasses.replace(policy, **{field: getattr(policy, field) - policy.prompt_capacity() + share})
+    except (ValueError, TypeError):
         return None
     for name, value in vars(policy).items():  # what was bound at run time, as Policy.for_prompt keeps it
         if name not in vars(sized):
@@ -163,49 +168,51 @@ def take_in(session: CompressionSession, ids: torch.Tensor, rule: str, share: in
     (``each_call``: the held tokens and the new content to the budget; ``new_content``: the new content alone to
     ``share`` tokens). Returns the logits after its last token ``[1, vocab]``."""
     _check_session(session, ids, rule)
-    cache, model, count = session.cache, session.model, ids.shape[1]
+    policy = session.policy
+    sized = sized_to(policy, share) if rule == "new_content" and share < ids.shape[1] else None
+    if rule == "new_content" and share < ids.shape[1] and sized is None:
+        raise ValueError(f"session.recompress=new_content: {policy.name} takes no share of {share} tokens "
+                         "(ec.share_of gives one it takes)")
+    if reconstructs(policy):
+        return take_in_by_passes(session, ids, rule, sized)
+    if policy.per_head:
+        return take_in_accumulated(session, ids, rule, share)
+    return _take_in_rows(session, ids, rule, sized)
+
+
+def _take_in_rows(session: CompressionSession, ids: torch.Tensor, rule: str, sized: Policy | None) -> torch.Tensor:
+    cache, count, state = session.cache, ids.shape[1], session.state
     for layer, (keys, values, positions) in zip(cache.layers, held_tokens(session)):
         layer.keys, layer.values, layer.prompt_positions = keys, values, positions
     held = cache.layers[0].keys.shape[-2]
-    device = cache.layers[0].keys.device
-    positions = session.state.seq_len[:, None].to(device) + torch.arange(count, device=device)
     keep = session.policy.prompt_capacity()
-    compress = keep is not None and held + count > keep if rule == "each_call" else share < count
-    plan = PrefillPlan(torch.ones(1, held + count, dtype=torch.bool, device=device),
-                       torch.cat([torch.full((1, held), -1, device=device), positions], dim=1), compress,
-                       chunk_mode="compress")
-    policies = cache.layer_policies
-    if rule == "new_content" and compress:
-        sized = _sized(session.policy, share)
-        if sized is None:
-            raise ValueError(f"session.recompress=new_content: {session.policy.name} takes no share of {share} tokens "
-                             "(ec.share_of gives one it takes)")
-        cache.layer_policies = [_NewContentShare(sized, count)] * len(policies)
-    cache.plan, cache.compressed_layers, cache.chunk_memory = plan, set(), {}
-    try:
-        with hooked(model):
-            output = model(input_ids=ids, attention_mask=None, position_ids=positions, use_cache=True,
-                           logits_to_keep=1, evalkit_cache=cache, **cache_kwargs(model, cache))
-        session._check_every_layer_compressed()
-    finally:
-        cache.plan, cache.layer_policies, cache.chunk_memory = None, policies, {}
+    ring = (int(state.fixed[0]), int(state.ring[0])) if int(state.ring[0]) < UNBOUNDED else None
+    policies = None
+    if rule == "each_call":
+        compress = keep is not None and held + count > keep
+    else:
+        compress = sized is not None or (ring is not None and held - ring[0] + count > ring[1])
+        if compress:
+            policies = [_NewContentShare(sized, count, ring)] * len(cache.layers)
+    output = run_content(session, ids, compress, policies)
     _settle(session, held + count, count, rule)
     return output.logits[:, -1].float()
 
 
 def _settle(session: CompressionSession, before: int, count: int, rule: str) -> None:
     """The row's bookkeeping once new content is taken in: its kept tokens as a prompt's (text order, the next slot
-    after them), ``count`` more positions seen, the peak raised to the ``before`` tokens held before selection."""
+    after them; under ``new_content`` the held layout's fixed slots and ring stay), ``count`` more positions seen,
+    the peak raised to the ``before`` tokens held before selection."""
     cache, state = session.cache, session.state
     kept = {layer.keys.shape[-2] for layer in cache.layers}
     if len(kept) != 1:
         raise RuntimeError(f"layers kept different counts after taking in new content: {sorted(kept)}")
     kept = torch.tensor([kept.pop()])
-    fixed, ring = session.policy.decode_layout(kept)
+    fixed, ring = session.policy.decode_layout(kept) if rule == "each_call" else (state.fixed, state.ring)
     device = state.valid.device
     cache.state = RowState(valid=torch.ones(1, int(kept), dtype=torch.bool, device=device),
                            slot_pos=torch.full((1, int(kept)), -1, dtype=torch.long, device=device),
-                           seq_len=state.seq_len + count, written=kept.clone(), fixed=fixed, ring=ring,
+                           seq_len=state.seq_len + count, written=kept.clone(), fixed=fixed.clone(), ring=ring.clone(),
                            kept_prompt=kept.clone() if rule == "each_call" else state.kept_prompt.clone(),
                            peak=torch.maximum(state.peak, torch.tensor([before])))
     cache.prefill_slots = [layer.keys.shape[-2] for layer in cache.layers]

@@ -23,6 +23,7 @@ from .methods.budget import POLICIES, budget_capacity, method_params, policy_fro
 from .recompress import RECOMPRESS, cache_tokens, held_tokens, recompress_refusal, share_of, take_in
 from .session import CHUNK_MODES, CompressionSession, chunk_mode_refusal
 from .shared_context import SharedContextOutput, generate_shared, prefill_context
+from .spec_calls import CallText, SpecCalls, call_text
 from .spec_prefill import SpecPrefill, map_by_characters
 from .stopping import stop_token_ids
 from .views import DecodeView, PrefillView
@@ -46,6 +47,9 @@ __all__ = [
     "Policy",
     "Request",
     "SpecPrefill",
+    "SpecCalls",
+    "CallText",
+    "call_text",
     "CHUNK_MODES",
     "budget_capacity",
     "chunk_mode_refusal",

@@ -18,7 +18,12 @@ decode together, each one's turns following one another in its slot, with the an
 engine's slots cannot be copied back into a session: ``Engine.chat_refusal``, e.g. kv_bits, ThinK, MiniCache).
 Under speculative prefill (``method=spec_prefill``) the draft reads a session's context once and chooses the tokens
 the target prefills; every call reuses that choice (the queries are kept whole), and the first call's time to
-first token includes the draft's. A session is recorded in the progress file once all its turns are done; an
+first token includes the draft's. In a ``multi_turn`` session whose calls bring new content (a task with
+``doc_to_new_content``: the agent loop) the draft runs IN THE LOOP instead (:class:`evalkit.compression.SpecCalls`,
+through :func:`evalkit.compression.generate_calls`): at each call it reads the last answer, the call's new content and
+its question on top of its own cache, and picks the new content's tokens the target prefills (the first call's: the
+context's); each call's row carries its ``spec_kept_tokens`` and ``draft_seconds``, and its time to first token the
+draft's. A session is recorded in the progress file once all its turns are done; an
 interrupted one runs again whole.
 """
 
@@ -57,6 +62,11 @@ def generate_sessions(lm, requests, mode: str, history: str, disable_tqdm: bool 
     pending = [members for members in sessions.values() if outputs[members[0]] is None]
     plans = [_plan_session(lm, [requests[i] for i in members], mode, history) for members in pending]
     _check_fit(lm, plans, len(sessions), requests[0].task_name)  # before anything generates
+    drafts_calls = any(plan["texts"] for plan in plans)
+    if drafts_calls and lm.recompress != "never":
+        raise RunError(f"method=spec_prefill in the agent loop takes each call's new content under "
+                       f"session.recompress=never only (the draft's kept tokens keep their original positions, which "
+                       f"{lm.recompress} does not recompress yet); leave session.recompress out")
     meter = lm.throughput
     meter.start(lm.device)
     try:
@@ -71,7 +81,7 @@ def generate_sessions(lm, requests, mode: str, history: str, disable_tqdm: bool 
                                      for i in members])
                 bar.update(len(members))
 
-            engine_chats = mode == "multi_turn" and pending and lm.recompress == "never"
+            engine_chats = mode == "multi_turn" and pending and lm.recompress == "never" and not drafts_calls
             chat_refusal = getattr(lm.engine, "chat_refusal", None) if engine_chats else None
             if chat_refusal is not None and chat_refusal() is None:
                 _chats_over_engine(lm, plans, history, lambda i, texts, stats: finished(pending[i], texts, stats))
@@ -110,20 +120,27 @@ def _plan_session(lm, members: list, mode: str, history: str) -> dict:
     session_id = members[0].doc["session_id"]
     context, first_query, context_text = _split(lm, task, members[0], session_id)
     queries, contents = [first_query], [0]  # contents: how many of a query's ids are new content
+    drafts = lm.spec_prefill is not None and mode == "multi_turn" and task.hook("doc_to_new_content") is not None
+    prompt = members[0].args[0]  # the draft reads the calls as text (the first: the context and its question)
+    texts = [_call_text(lm, prompt, context + first_query, len(context), lm.prompts.add_special_tokens(prompt))
+             ] if drafts else None
     for request in members[1:]:
         own_context, query, _ = _split(lm, task, request, session_id)
         if own_context != context:
             raise RunError(f"session {session_id}: turn {request.doc['turn']}'s prompt does not begin with the same "
                            "context as turn 1's; a session's docs share one context")
-        query, content = (query, 0) if mode == "multi_request" else _follow_up(lm, task, request.doc)
+        query, content, text = (query, 0, "") if mode == "multi_request" else _follow_up(lm, task, request.doc)
         queries.append(query)
         contents.append(content)
+        if drafts:
+            texts.append(_call_text(lm, text, query, content))
     gold = [_ids(lm, _hook(task, "doc_to_history", r.doc)) for r in members] if history == "gold" else None
     limits = [option.max_new_tokens for option in options]
     positions = len(context) + (sum(map(len, queries)) + sum(limits) + sum(map(len, gold or []))
                                 if mode == "multi_turn" else max(map(len, queries)) + max(limits))
     return {"members": members, "options": options, "context": context, "context_text": context_text,
-            "queries": queries, "contents": contents, "gold": gold, "limits": limits, "positions": positions}
+            "queries": queries, "contents": contents, "gold": gold, "limits": limits, "positions": positions,
+            "texts": texts}
 
 
 def _check_fit(lm, plans: list[dict], sessions: int, task: str) -> None:
@@ -143,7 +160,9 @@ def _run_session(lm, plan: dict, mode: str, history: str) -> tuple[list[str], li
     members, options, context, queries = plan["members"], plan["options"], plan["context"], plan["queries"]
     gold, limits, context_text = plan["gold"], plan["limits"], plan["context_text"]
     stops = _stop_strings(lm, options)
-    context, positions, draft = _drafted(lm, context_text, members[0].args[0], context)
+    texts = plan["texts"]
+    context, positions, draft = _drafted(lm, context_text, members[0].args[0], context) if not texts else \
+        (context, None, {})
     context_ids = torch.tensor([context], device=lm.device)
     if mode == "multi_request":
         answers, stats = _over_engine(lm, context_ids, positions, queries, limits, stops)
@@ -153,15 +172,17 @@ def _run_session(lm, plan: dict, mode: str, history: str) -> tuple[list[str], li
         shared = dict(history=history, max_new_tokens=limits, eos_token_id=lm.stop_token_ids, tokenizer=lm.tokenizer,
                       gold_answers=[torch.tensor(g, dtype=torch.long) for g in gold] if gold else None,
                       stop_strings=stops or None, compress_first_query=first_in_prefix, context_positions=positions)
-        if lm.recompress == "never":
+        if lm.recompress == "never" and not texts:
             out = ec.generate_shared(lm.model, context_ids, [torch.tensor(q, dtype=torch.long) for q in queries],
                                      lm.policy, mode=mode, **shared)
-        else:  # session.recompress: each call's new content taken in by the rule (evalkit.compression.agent_calls)
+        else:  # each call's new content taken in by the rule, or chosen by the draft (evalkit.compression.agent_calls)
             calls = [(torch.tensor(q[:n], dtype=torch.long), torch.tensor(q[n:], dtype=torch.long))
                      for q, n in zip(queries, plan["contents"])]
-            out = ec.generate_calls(lm.model, context_ids, calls, lm.policy, recompress=lm.recompress, **shared)
+            out = ec.generate_calls(lm.model, context_ids, calls, lm.policy, recompress=lm.recompress, **shared,
+                                    draft=ec.SpecCalls(lm.spec_prefill, lm.tokenizer, texts) if texts else None)
         answers, stats = [answer.tolist() for answer in out.answers], [{**s, "turn": s["turn"] + 1} for s in out.stats]
-        compressed = len(context) + (len(queries[0]) if first_in_prefix else 0)
+        compressed = (out.stats[0]["spec_kept_tokens"] if texts else len(context)) + \
+            (len(queries[0]) if first_in_prefix else 0)
     return _session_rows(lm, options, answers, stats, draft, compressed)
 
 
@@ -284,8 +305,8 @@ def _split(lm, task: FolderTask, request, session_id) -> tuple[list[int], list[i
     return ids[:split], ids[split:], text[:end]
 
 
-def _follow_up(lm, task: FolderTask, doc: dict) -> tuple[list[int], int]:
-    """A later turn's ids in a chat, and how many of them are new content (:func:`_with_content_end`): its user text
+def _follow_up(lm, task: FolderTask, doc: dict) -> tuple[list[int], int, str]:
+    """A later turn's ids in a chat, how many of them are new content (:func:`_with_content_end`) and its text: its user text
     (``doc_to_follow_up``), under a chat template with what the template writes between an assistant answer and the
     next generation prompt, then what the answer is made to start with (``doc_to_follow_up_prefix``); without a chat
     template, the task's plain text (``doc_to_follow_up_plain``)."""
@@ -296,7 +317,7 @@ def _follow_up(lm, task: FolderTask, doc: dict) -> tuple[list[int], int]:
         text = rendered[rendered.index(_ANSWER) + len(_ANSWER):] + _hook(task, "doc_to_follow_up_prefix", doc)
     else:
         text = _hook(task, "doc_to_follow_up_plain", doc)
-    return _with_content_end(lm, task, doc, text)
+    return (*_with_content_end(lm, task, doc, text), text)
 
 
 def _with_content_end(lm, task: FolderTask, doc: dict, text: str) -> tuple[list[int], int]:
@@ -313,6 +334,20 @@ def _with_content_end(lm, task: FolderTask, doc: dict, text: str) -> tuple[list[
     encoded = lm.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     offsets = encoded["offset_mapping"]
     return encoded["input_ids"], next((i for i, (start, _) in enumerate(offsets) if start >= end), len(offsets))
+
+
+def _call_text(lm, text: str, ids: list[int], content: int, special: bool = False) -> ec.CallText:
+    """A call as the draft of speculative prefill reads it: its ``text``, where each of its target ``ids`` lies in it
+    (the tokenizer's offsets; the ids must be the text's own) and how many of them are new ``content``."""
+    try:
+        encoded = lm.tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
+    except NotImplementedError:  # a slow tokenizer
+        raise RunError("method=spec_prefill in the agent loop maps the draft's text to the target's tokens by their "
+                       "characters, which needs a fast tokenizer") from None
+    if encoded["input_ids"] != ids:
+        raise RunError("a call's ids are not its text's own as the tokenizer reads it alone, so the draft cannot "
+                       "place them; method=spec_prefill in the agent loop needs a tokenizer that keeps them")
+    return ec.CallText(text, [tuple(span) for span in encoded["offset_mapping"]], content)
 
 
 def _ids(lm, text: str) -> list[int]:

@@ -39,16 +39,7 @@ class ChatRun:
         return [chat.turns[0] for chat in self.chats]
 
     def slot_tokens(self) -> int:
-        """The slots a growing policy needs for the longest chat: its first turn's, then every later turn's tokens
-        and answer (the fed tokens at most the user's ids and the last answer's last token, or the gold answer)."""
-        config, policy = self.pool.model.config, self.pool.policy
-
-        def needed(chat: Chat) -> int:
-            later = sum(turn.input_ids.numel() + turn.max_new_tokens for turn in chat.turns[1:])
-            pending = sum(len(answer) for answer in chat.gold[:-1]) if chat.gold is not None else len(chat.turns) - 1
-            return slots_needed(config, policy, chat.turns[0]) + later + pending
-
-        return max(needed(chat) for chat in self.chats)
+        return chat_slot_tokens(self.pool.model.config, self.pool.policy, self.chats)
 
     def follow(self, slot: int, resident: Resident, completion: Completion) -> Request | None:
         """The request of the turn after ``completion``'s (None: its chat is done, handed to ``on_chat``)."""
@@ -72,3 +63,17 @@ class ChatRun:
         request = dataclasses.replace(following, input_ids=torch.cat([pending, query]), prefix=session)
         self.turn_of[id(request)] = (chat_index, turn + 1, request)
         return request
+
+
+def chat_slot_tokens(config, policy, chats: list[Chat]) -> int:
+    """The slots a growing ``policy`` needs for the longest of ``chats``: its first turn's, then every later turn's
+    tokens and answer (the fed tokens at most the user's ids and the last answer's last token, or the gold answer).
+    What :meth:`Engine.run_chats` reserves by default; a run that spreads its chats over several engines hands each
+    the whole run's."""
+
+    def needed(chat: Chat) -> int:
+        later = sum(turn.input_ids.numel() + turn.max_new_tokens for turn in chat.turns[1:])
+        pending = sum(len(answer) for answer in chat.gold[:-1]) if chat.gold is not None else len(chat.turns) - 1
+        return slots_needed(config, policy, chat.turns[0]) + later + pending
+
+    return max(needed(chat) for chat in chats)

@@ -123,3 +123,39 @@ def test_each_recompress_rule_runs_through_the_cli_and_its_rows_say_what_the_cac
     later = runs["each_call"]["turn"] > 1  # the budget, then the call's question and answer: one size every call
     assert runs["each_call"]["cache_tokens_after"][later].nunique() == 1
     assert sum(held["new_content"]) > sum(held["each_call"])  # each call's share stays: the cache grows
+
+
+def test_the_agent_loop_table_reads_a_sweeps_runs_and_prints_accuracy_by_call_per_rule(tmp_path, capsys):
+    """benchmarks/agent_loop_table.py --skip-runs over runs the CLI wrote: a row per (method, rule), accuracy per call
+    and the mean cache_tokens_after, each with its interval over sessions; its mistakes are one line, exit 2."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import agent_loop_table
+
+    path = write_calls(tmp_path / "calls.jsonl", file_rows())
+    results = tmp_path / "results"
+    for rule in ("never", "each_call"):
+        result = evalkit("task=agent_loop", f"task.dataset.path={path}", "task.mode=multi_turn", *TINY,
+                         "method=snapkv", "method.window=4", "+budget=tokens_24", "task.generation.max_gen_toks=3",
+                         f"+session.recompress={rule}", f"results_dir={results}", cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-2000:]
+    samples = read_runs(results)[1]
+    assert agent_loop_table.main(["--skip-runs", "--results", str(results), "--methods", "snapkv"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "| method | rule | sessions | call 1 | call 2 | call 3 | cache_tokens_after |"
+    rows = {tuple(cell.strip() for cell in line.strip("|").split("|")[:3]) for line in lines[2:]}
+    assert rows == {("snapkv", "never", "2"), ("snapkv", "each_call", "2")}
+    each = samples[samples["session_recompress"] == "each_call"]
+    mean = each["cache_tokens_after"].mean()
+    assert any(line.startswith("| snapkv | each_call |") and line.split("|")[-2].strip().startswith(f"{mean:.2f}"
+                                                                                                    .rstrip("0").rstrip("."))
+               for line in lines)
+    for argv, fragment in ((["--skip-runs", "--results", str(tmp_path / "none")], "no results under"),
+                           (["--skip-runs", "--results", str(results), "--methods", "h2o"], "no agent_loop runs of h2o")):
+        assert agent_loop_table.main(argv) == 2
+        assert fragment in capsys.readouterr().err
+    with pytest.raises(SystemExit) as raised:
+        agent_loop_table.main(["--skip-runs", "--methods", "quest"])
+    assert raised.value.code == 2 and "unknown methods ['quest']" in capsys.readouterr().err

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -239,3 +241,51 @@ def test_a_recompress_rule_beside_the_loops_draft_is_one_line(tmp_path):
                      "method.draft_model=builtin:kv_retrieval_tiny", "+session.recompress=each_call",
                      f"results_dir={tmp_path / 'results'}", cwd=tmp_path)
     assert_one_line_error(result, tmp_path, "session.recompress=never only")
+
+
+BENCH_COMMAND = "python benchmarks/bench_agent_draft.py --sessions 20 --calls 3 --doc-tokens 120 --keep 0.5 --threads 1"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_agent_draft
+
+    return bench_agent_draft
+
+
+def test_the_benchmarks_documented_command_parses_and_its_mistakes_are_one_line(tmp_path, capsys):
+    module = bench()
+    for doc in ("docs/benchmarks.md", "docs/engine.md"):
+        assert BENCH_COMMAND in (ROOT / doc).read_text(), doc
+    args = module.parse(BENCH_COMMAND.split()[2:])
+    assert (args.model, args.draft, args.sessions, args.calls, args.doc_tokens, args.keep, args.threads) == \
+        ("gemma3_270m", module.SMOLLM2, 20, 3, 120, 0.5, 1)
+    for argv, fragment in ((["--keep", "0"], "--keep must be in (0, 1], got 0.0"),
+                           (["--calls", "13"], "--calls must be at least 2 and at most 12, got 13"),
+                           (["--sessions", "1"], "--sessions must be at least 2, got 1"),
+                           (["--variant", "x"], "invalid choice: 'x'")):
+        with pytest.raises(SystemExit) as raised:
+            module.parse(argv)
+        error = capsys.readouterr().err
+        assert raised.value.code == 2 and fragment in error and error.count("\n") == 1, error
+    # A setting the harness refuses is one line too, before anything loads.
+    assert module.main(["--model", "no_such_model", "--results", str(tmp_path / "bad")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_the_benchmark_runs_with_and_without_the_draft_side_by_side(tmp_path, capsys):
+    module = bench()
+    assert module.main(["--model", "kv_retrieval_tiny", "--draft", "builtin:kv_retrieval_tiny", "--max-context", "512",
+                        "--sessions", "2", "--calls", "2", "--doc-tokens", "40", "--chunk-size", "4",
+                        "--results", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| call | prefill tokens, no draft | with "))
+    assert lines[header - 1].startswith("agent_loop (recall) on kv_retrieval_tiny, draft builtin:kv_retrieval_tiny: 2 ")
+    calls = [line.split(" | ") for line in lines[header + 2: header + 4]]
+    assert [call[0] for call in calls] == ["| 1", "| 2"]
+    assert all(int(call[2]) < int(call[1]) for call in calls)  # the target computes fewer tokens with the draft
+    assert 0.4 < float(calls[1][3]) < 0.75  # keep 0.5 of the document's chunks of 4
+    assert lines[-1].startswith("accuracy: no draft") and "95% interval" in lines[-1] and "over 2 sessions" in lines[-1]
+    plain, drafted = (read_runs(tmp_path / name)[1] for name in ("plain", "draft"))
+    assert plain["spec_kept_tokens"].isna().all() and drafted["spec_kept_tokens"].notna().all()

@@ -10,9 +10,7 @@ from test_sessions import SMALL, needs_smollm2
 from evalkit.results import read_table
 
 TIMED = {"run_id", "started_at", "prefill_seconds", "decode_seconds", "time_to_first_token_s", "kv_byte_seconds",
-         "ttft_seconds", "draft_seconds", "git_revision",  # what differs between two runs, and the code between them
-         # a replica's engine reserves the slots its own share of the sessions needs (docs/methods.md)
-         "reserved_cache_tokens", "kv_bytes_reserved"}
+         "ttft_seconds", "draft_seconds", "git_revision"}  # what differs between two runs, and the code between them
 SESSIONS = ("task.dataset.per_length=4", "method=snapkv", "+budget=2x", "batch_size=2")
 
 

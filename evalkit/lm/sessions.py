@@ -36,6 +36,7 @@ import torch
 import evalkit.compression as ec
 from evalkit.benchmark import FolderTask
 from evalkit.compression.engine import Chat
+from evalkit.compression.engine.chats import chat_slot_tokens
 from evalkit.core.console import PhaseBar
 from evalkit.core.errors import RunError
 from evalkit.lm.prompts import context_end
@@ -45,13 +46,15 @@ from evalkit.results.progress import request_keys, stats_keys
 _ANSWER = "\x00evalkit-answer\x00"  # where an assistant answer goes in a rendered chat
 
 
-def generate_sessions(lm, requests, mode: str, history: str, disable_tqdm: bool = False) -> list[str]:
+def generate_sessions(lm, requests, mode: str, history: str, disable_tqdm: bool = False,
+                      slot_tokens: int | None = None) -> list[str]:
     """The answers to ``requests`` (lm-eval's, of a session task), session by session; each one's statistics go to
-    ``lm.request_stats`` and each finished session to ``lm.progress``."""
+    ``lm.request_stats`` and each finished session to ``lm.progress``. ``slot_tokens``: the slot size the
+    engine reserves for chats (default: what these need; :func:`run_chat_slot_tokens`)."""
     keys = request_keys([(r.args[0], r.args[1]) for r in requests])
     owners = stats_keys(requests)
     outputs: list[str | None] = [None] * len(requests)
-    sessions = _sessions(requests)
+    sessions = sessions_of(requests)
     done = 0
     for members in sessions.values():
         records = [lm.progress.get(keys[i]) if lm.progress is not None else None for i in members]
@@ -84,7 +87,8 @@ def generate_sessions(lm, requests, mode: str, history: str, disable_tqdm: bool 
             engine_chats = mode == "multi_turn" and pending and lm.recompress == "never" and not drafts_calls
             chat_refusal = getattr(lm.engine, "chat_refusal", None) if engine_chats else None
             if chat_refusal is not None and chat_refusal() is None:
-                _chats_over_engine(lm, plans, history, lambda i, texts, stats: finished(pending[i], texts, stats))
+                _chats_over_engine(lm, plans, history, lambda i, texts, stats: finished(pending[i], texts, stats),
+                                   slot_tokens)
             else:
                 for members, plan in zip(pending, plans):
                     finished(members, *_run_session(lm, plan, mode, history))
@@ -93,7 +97,7 @@ def generate_sessions(lm, requests, mode: str, history: str, disable_tqdm: bool 
     return outputs
 
 
-def _sessions(requests) -> dict[str, list[int]]:
+def sessions_of(requests) -> dict[str, list[int]]:
     """The requests' indices by session, each in turn order; a doc without a session or a turn is one line."""
     sessions: dict[str, list[int]] = collections.defaultdict(list)
     for index, request in enumerate(requests):
@@ -202,10 +206,20 @@ def _session_rows(lm, options: list, answers: list, stats: list[dict], draft: di
         {**stat, "truncated": False, **cost_stats(lm, stat, compressed)} for stat in stats]
 
 
-def _chats_over_engine(lm, plans: list[dict], history: str, finished) -> None:
-    """``multi_turn`` in the engine: every session a chat, all of them decoded together (``Engine.run_chats``); as
-    each chat's last turn is done, ``finished(index, texts, stats)`` gets its rows, as :func:`_run_session` gives
-    them."""
+def run_chat_slot_tokens(lm, sessions: list[list], mode: str, history: str) -> int | None:
+    """The slot size one engine running all of ``sessions`` (each its lm-eval requests in turn order) as chats
+    reserves, for a run that spreads them over several engines (None where they do not run as chats, or where a
+    draft picks the contexts' tokens: each engine then sizes its own)."""
+    if mode != "multi_turn" or lm.recompress != "never" or lm.spec_prefill is not None or not sessions:
+        return None
+    plans = [_plan_session(lm, members, mode, history) for members in sessions]
+    return chat_slot_tokens(lm.model.config, lm.policy, [_chat(lm, plan, history)[0] for plan in plans])
+
+
+def _chats_over_engine(lm, plans: list[dict], history: str, finished, slot_tokens: int | None = None) -> None:
+    """``multi_turn`` in the engine: every session a chat, all of them decoded together (``Engine.run_chats``, its
+    slots ``slot_tokens`` long, default what these chats need); as each chat's last turn is done,
+    ``finished(index, texts, stats)`` gets its rows, as :func:`_run_session` gives them."""
     chats, sessions = [], []
     for plan in plans:
         chat, session = _chat(lm, plan, history)
@@ -228,7 +242,7 @@ def _chats_over_engine(lm, plans: list[dict], history: str, finished) -> None:
             stats.append(stat)
         finished(index, *_session_rows(lm, plan["options"], [c.tokens for c in completions], stats, draft, compressed))
 
-    lm.engine.run_chats(chats, on_chat=on_chat)
+    lm.engine.run_chats(chats, on_chat=on_chat, slot_tokens=slot_tokens)
 
 
 def _chat(lm, plan: dict, history: str) -> tuple[Chat, tuple[int, int, float, dict]]:

@@ -90,13 +90,15 @@ class ReplicaPool:
         return [done[i] for i in range(len(requests))]
 
     def run_sessions(self, sessions: list[list], mode: str, history: str,
-                     on_session: Callable[[int, list[tuple[int, str, dict]]], None]) -> None:
+                     on_session: Callable[[int, list[tuple[int, str, dict]]], None],
+                     chat_slot_tokens: int | None = None) -> None:
         """Answer whole sessions on the replicas (``sessions``: each one's lm-eval requests in turn order; session
         ``i`` on replica ``i % replicas`` first). ``on_session(i, answers)`` is called here once per session, as it
         arrives whole: ``answers`` (position in the session, text, statistics) per turn. A replica that dies takes
-        its unfinished sessions again, whole."""
+        its unfinished sessions again, whole. ``chat_slot_tokens``: the slot size of the whole run's chats, which
+        each replica's engine reserves (as one engine running them all would)."""
         self._distribute(sessions, lambda actor, items: actor.sessions.options(num_returns="streaming").remote(
-            items, mode, history), on_session, "sessions")
+            items, mode, history, chat_slot_tokens), on_session, "sessions")
 
     def _distribute(self, units: list, call: Callable, arrived: Callable, noun: str) -> None:
         """Hand ``units`` out over the replicas (``call(actor, [(index, unit)...])``: a streaming call yielding

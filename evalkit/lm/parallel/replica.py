@@ -49,10 +49,11 @@ class Replica:
             self.meter.add(item[2])
             yield item
 
-    def sessions(self, items: list, mode: str, history: str):
+    def sessions(self, items: list, mode: str, history: str, chat_slot_tokens: int | None = None):
         """``items``: (index, a session's lm-eval requests) pairs. Yields (index, [(position, text, stats)...]) as each
         session is answered whole (:func:`evalkit.lm.sessions.generate_sessions`, which records a session once all
-        its turns are done: here that record is what streams back)."""
+        its turns are done: here that record is what streams back). ``chat_slot_tokens``: the whole run's chat slot
+        size."""
         from evalkit.lm.sessions import generate_sessions
         from evalkit.results.progress import request_keys
 
@@ -64,7 +65,7 @@ class Replica:
 
         def work(put) -> None:
             self.lm.progress, self.lm.throughput = _Streamed(put, owner), self.meter  # it measures into ours
-            generate_sessions(self.lm, flat, mode, history, disable_tqdm=True)
+            generate_sessions(self.lm, flat, mode, history, disable_tqdm=True, slot_tokens=chat_slot_tokens)
 
         yield from _streamed(work)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from evalkit.core.console import PhaseBar
 from evalkit.core.errors import RunError
-from evalkit.lm.sessions import _sessions
+from evalkit.lm.sessions import run_chat_slot_tokens, sessions_of
 from evalkit.results.progress import request_keys
 
 
@@ -18,8 +18,10 @@ def answer_on_replicas(lm, requests, mode: str, history: str, disable_tqdm: bool
         raise RunError("parallel=ray records each session as it arrives: it needs the run's progress file (the "
                        "evalkit command keeps one)")
     keys = request_keys([(r.args[0], r.args[1]) for r in requests])
-    pending = [members for members in _sessions(requests).values()
+    pending = [members for members in sessions_of(requests).values()
                if not all(lm.progress.get(keys[i]) for i in members)]
+    # every replica's engine reserves what one engine running all the chats would (the same reserved bytes)
+    slot_tokens = run_chat_slot_tokens(lm, [[requests[i] for i in members] for members in pending], mode, history)
     meter = lm.throughput
     meter.start(lm.device)
     with PhaseBar(len(requests), len(requests) - sum(map(len, pending)), disable=disable_tqdm) as bar:
@@ -36,6 +38,7 @@ def answer_on_replicas(lm, requests, mode: str, history: str, disable_tqdm: bool
             bar.update(len(records))
 
         try:
-            lm._engine.run_sessions([[requests[i] for i in members] for members in pending], mode, history, arrived)
+            lm._engine.run_sessions([[requests[i] for i in members] for members in pending], mode, history, arrived,
+                                    slot_tokens)
         finally:
             meter.stop(lm._engine, lm.model)

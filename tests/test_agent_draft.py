@@ -240,7 +240,7 @@ def test_a_recompress_rule_beside_the_loops_draft_is_one_line(tmp_path):
     result = evalkit(*TINY, f"task.dataset.path={calls_file(tmp_path)}", "method=spec_prefill",
                      "method.draft_model=builtin:kv_retrieval_tiny", "+session.recompress=each_call",
                      f"results_dir={tmp_path / 'results'}", cwd=tmp_path)
-    assert_one_line_error(result, tmp_path, "session.recompress=never only")
+    assert_one_line_error(result, tmp_path, "session.recompress=each_call does not combine with method=spec_prefill")
 
 
 BENCH_COMMAND = "python benchmarks/bench_agent_draft.py --sessions 20 --calls 3 --doc-tokens 120 --keep 0.5 --threads 1"

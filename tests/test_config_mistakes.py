@@ -25,6 +25,8 @@ from evalkit.run import precheck
     (["+parallel.address=auto"], ["parallel.address=auto takes no effect with parallel=single"]),
     (["+logger.project=mine"], ["logger.project=mine takes no effect with logger=none",
                                 "add logger=trackio or logger=wandb"]),
+    (["task=needle_multiturn", "task.mode=multi_turn", "+session.recompress=each_call"],
+     ["session.recompress=each_call takes no effect with task needle_multiturn: its calls bring no new content"]),
 ])
 def test_a_setting_that_would_take_no_effect_is_one_line(tmp_path, overrides, fragments):
     result = evalkit(*overrides, "limit=2", f"results_dir={tmp_path / 'results'}", cwd=tmp_path)

@@ -32,9 +32,10 @@ def check_mode(task_name: str, options: dict) -> None:
                           f"the scbench_* tasks); task {task_name} asks one query per context: use task.mode=single")
 
 
-def check_recompress(session: dict, options: dict) -> str:
+def check_recompress(session: dict, options: dict, task_name: str) -> str:
     """``session.recompress`` (its value checked already), read: a rule other than ``never`` only under
-    ``task.mode=multi_turn``, where one chat's calls bring their content into one cache."""
+    ``task.mode=multi_turn``, where one chat's calls bring their content into one cache, and for a task whose calls
+    bring new content (its ``doc_to_new_content`` hook: ``agent_loop``)."""
     rule, mode = session.get("recompress") or "never", options.get("mode", "single")
     if rule != "never" and mode != "multi_turn":
         why = ("each query continues its own copy of the context, so no call's content reaches a later one"
@@ -42,6 +43,11 @@ def check_recompress(session: dict, options: dict) -> str:
         raise ConfigError(f"session.recompress={rule} takes no effect with task.mode={mode}: it says what a multi_turn "
                           f"session's cache does with each call's new content, and here {why}; add "
                           "task.mode=multi_turn, or leave session.recompress out")
+    hook = getattr(task_of(task_name, options), "hook", None)
+    if rule != "never" and (hook is None or hook("doc_to_new_content") is None):
+        raise ConfigError(f"session.recompress={rule} takes no effect with task {task_name}: its calls bring no new "
+                          "content (a task with a doc_to_new_content hook does, e.g. agent_loop); leave "
+                          "session.recompress out")
     return rule
 
 
@@ -49,6 +55,10 @@ def session_refusal(spec):
     """``spec``, or a ConfigError saying why its session mode cannot run with the rest of it: what shares one
     context's cache across calls is one process's sessions, prefilled whole, greedy."""
     mode = spec.task_options.get("mode", "single")
+    if spec.recompress != "never" and spec.spec_prefill is not None:
+        raise ConfigError(f"session.recompress={spec.recompress} does not combine with method=spec_prefill yet: the "
+                          "draft's kept tokens keep their original positions, which a recompression does not take; "
+                          "leave session.recompress out")
     if spec.recompress != "never":
         import evalkit.compression as ec
 

@@ -172,7 +172,7 @@ def precheck(cfg: dict, method_explicit: bool = True, sweeping: bool = False) ->
     method_settings(cfg.get("method") or {}, budget, method_explicit)
     max_context = _require(model, "max_context", "model")
     task_name, options = _checked_task(cfg.get("task") or {})
-    recompress = check_recompress(cfg.get("session") or {}, options)
+    recompress = check_recompress(cfg.get("session") or {}, options, task_name)
     return {
         "budget": budget, "max_context": max_context, "task": task_name, "options": options, "recompress": recompress,
         "warnings": _checked_kv_settings(cfg, sweeping),

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import pandas as pd
+from bench_sessions import eager_chats  # the run without a draft answers call by call, as the run with one
 
 from evalkit.results.outputs import OneLineParser
 from evalkit.results.paired_stats import compare, pair_items
@@ -86,19 +87,6 @@ def configs(args, calls: str, results: str) -> dict:
              f"method.chunk_size={args.chunk_size}"]
     return {"no draft": validate(compose(*base, "method=full", f"results_dir={results}/plain"), method_explicit=True),
             "draft": validate(compose(*base, *draft, f"results_dir={results}/draft"), method_explicit=True)}
-
-
-@contextlib.contextmanager
-def eager_chats():
-    """The run without a draft answers call by call in the eager session loop, as the run with one does."""
-    import evalkit.compression as ec
-
-    refusal = ec.Engine.chat_refusal
-    ec.Engine.chat_refusal = lambda self: "the eager session loop, as the draft's"
-    try:
-        yield
-    finally:
-        ec.Engine.chat_refusal = refusal
 
 
 def per_call(plain: pd.DataFrame, drafted: pd.DataFrame) -> list[str]:

@@ -21,6 +21,7 @@ import torch
 from .generate import _chooser, decode, eos_and_pad
 from .methods.base import Policy
 from .recompress import RECOMPRESS, cache_tokens, recompress_refusal, share_of, take_in
+from .recompress_passes import keeps_fed_ids, reconstructs
 from .session import CompressionSession
 from .shared_context import HISTORIES, SharedContextOutput, _call_stats, prefill_first
 from .stopping import stop_criteria
@@ -87,6 +88,8 @@ def generate_calls(model, context_ids: torch.Tensor, calls: list[tuple[torch.Ten
     first, session, logits, context_seconds = prefill_first(model, policy, context_ids,
                                                             torch.cat(calls[0]) if compress_first_query else None,
                                                             context_positions)
+    if recompress == "each_call" and reconstructs(policy):  # KVzip reconstructs the held text: its ids are kept
+        session = keeps_fed_ids(session, first, context_positions)
     answers, stats, pending = [], [], torch.empty(0, dtype=torch.long, device=device)
     for turn, (new, question) in enumerate(calls):
         said = None if turn == 0 else gold_answers[turn - 1].to(device) if history == "gold" else answers[-1]

@@ -39,7 +39,7 @@ def sweep_command(method: str, args: argparse.Namespace) -> list[str]:
 
 def interval(sums: np.ndarray, counts: np.ndarray) -> str:
     """``mean [low, high]`` of sum(sums) / sum(counts), the interval resampling the units (sessions); "-" where no
-    unit has a value (``never`` runs through the engine's chats, whose rows carry no ``cache_tokens_after``)."""
+    unit has a value."""
     if not counts.sum():
         return "-"
     low, high = bootstrap_interval(sums, counts)
@@ -49,6 +49,11 @@ def interval(sums: np.ndarray, counts: np.ndarray) -> str:
 def table(samples: pd.DataFrame) -> str:
     """The markdown table: a row per (method, rule), accuracy per call and mean ``cache_tokens_after``."""
     samples = samples.assign(rule=samples["session_recompress"].fillna("never"))
+    # Appended, a cache never drops within a call: what it held at the answer's end is the call's peak (rows written
+    # before cache_tokens_after was recorded under never carry only that).
+    appended = samples["rule"] == "never"
+    samples["cache_tokens_after"] = samples["cache_tokens_after"].where(~appended | samples["cache_tokens_after"].notna(),
+                                                                        samples["peak_cache_tokens"])
     calls = sorted(samples["turn"].dropna().astype(int).unique())
     header = ["method", "rule", "sessions", *(f"call {call}" for call in calls), "cache_tokens_after"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

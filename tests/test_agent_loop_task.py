@@ -123,6 +123,14 @@ def test_each_recompress_rule_runs_through_the_cli_and_its_rows_say_what_the_cac
     later = runs["each_call"]["turn"] > 1  # the budget, then the call's question and answer: one size every call
     assert runs["each_call"]["cache_tokens_after"][later].nunique() == 1
     assert sum(held["new_content"]) > sum(held["each_call"])  # each call's share stays: the cache grows
+    # never appends (in the engine's chats): every call's content and answer stay, so the cache grows call by call
+    # past new_content's, and a call's row says what it held: the kept prompt, then every token fed since
+    never = runs["never"]
+    for _, session in never.groupby("session_id"):
+        assert session["cache_tokens_after"].is_monotonic_increasing and session["cache_tokens_after"].nunique() > 1
+    assert never["cache_tokens_after"].sum() > sum(held["new_content"])
+    first = never[never["turn"] == 1]
+    assert (first["cache_tokens_after"] == first["kept_prompt_tokens"] + first["generated_tokens"] - 1).all()
 
 
 def test_the_agent_loop_table_reads_a_sweeps_runs_and_prints_accuracy_by_call_per_rule(tmp_path, capsys):

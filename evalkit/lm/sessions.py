@@ -184,7 +184,9 @@ def _run_session(lm, plan: dict, mode: str, history: str) -> tuple[list[str], li
                      for q, n in zip(queries, plan["contents"])]
             out = ec.generate_calls(lm.model, context_ids, calls, lm.policy, recompress=lm.recompress, **shared,
                                     draft=ec.SpecCalls(lm.spec_prefill, lm.tokenizer, texts) if texts else None)
-        answers, stats = [answer.tolist() for answer in out.answers], [{**s, "turn": s["turn"] + 1} for s in out.stats]
+        # appended, a chat's cache never drops within a call: what it held at its answer's end is its peak
+        answers, stats = [answer.tolist() for answer in out.answers], [
+            {"cache_tokens_after": s["peak_cache_tokens"], **s, "turn": s["turn"] + 1} for s in out.stats]
         compressed = (out.stats[0]["spec_kept_tokens"] if texts else len(context)) + \
             (len(queries[0]) if first_in_prefix else 0)
     return _session_rows(lm, options, answers, stats, draft, compressed)
@@ -239,6 +241,7 @@ def _chats_over_engine(lm, plans: list[dict], history: str, finished, slot_token
                 for name in ("prefill_seconds", "time_to_first_token_s"):
                     stat[name] = (stat.get(name) or 0.0) + context_seconds
             stat["ttft_seconds"] = stat["time_to_first_token_s"]
+            stat["cache_tokens_after"] = stat["peak_cache_tokens"]  # appended: held at the answer's end
             stats.append(stat)
         finished(index, *_session_rows(lm, plan["options"], [c.tokens for c in completions], stats, draft, compressed))
 

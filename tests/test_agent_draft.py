@@ -275,6 +275,7 @@ def test_the_benchmarks_documented_command_parses_and_its_mistakes_are_one_line(
 
 
 def test_the_benchmark_runs_with_and_without_the_draft_side_by_side(tmp_path, capsys):
+    """benchmarks/bench_agent_draft.py on the built-in model: both runs, the table per call, the paired interval."""
     module = bench()
     assert module.main(["--model", "kv_retrieval_tiny", "--draft", "builtin:kv_retrieval_tiny", "--max-context", "512",
                         "--sessions", "2", "--calls", "2", "--doc-tokens", "40", "--chunk-size", "4",

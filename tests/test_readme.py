@@ -158,6 +158,9 @@ BENCHMARK_TESTS = {
     "bench_real_model.py": RUN_BY_THIS_FILE,
     "bench_shared_context.py": RUN_BY_THIS_FILE,
     "bench_sessions.py": RUN_BY_THIS_FILE,
+    "agent_loop_table.py":
+        "tests/test_agent_loop_task.py::test_the_agent_loop_table_reads_a_sweeps_runs_and_prints_accuracy_by_call_per_rule",
+    "bench_agent_draft.py": "tests/test_agent_draft.py::test_the_benchmark_runs_with_and_without_the_draft_side_by_side",
     "bench_multiturn_needle.py": RUN_BY_THIS_FILE,
     "parity_scbench.py": "tests/test_sessions.py::test_the_scbench_paritys_evalkit_side_builds_scored_cases_for_every_task",
     "bench_shared_prefill.py": RUN_BY_THIS_FILE,

@@ -33,15 +33,6 @@ def reconstructs(policy: Policy) -> bool:
             and not getattr(policy, "appends", False) and not hasattr(policy, "run_pass"))
 
 
-class _FedIdsKept(CompressionSession):
-    """A session that keeps the ids it is fed, with their text positions (``fed_ids``)."""
-
-    def step(self, input_ids: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:
-        positions = self.state.seq_len[:1].cpu() + torch.arange(input_ids.shape[1])
-        self.fed_ids.append((input_ids[0].cpu(), positions))
-        return super().step(input_ids, active)
-
-
 def keeps_fed_ids(session: CompressionSession, first_ids: torch.Tensor,
                   context_positions: torch.Tensor | None = None) -> CompressionSession:
     """``session`` (prefilled with ``first_ids`` ``[1, n]``, its context at ``context_positions`` where a draft chose
@@ -52,8 +43,7 @@ def keeps_fed_ids(session: CompressionSession, first_ids: torch.Tensor,
     if context_positions is not None:
         context = context_positions.cpu()
         positions = torch.cat([context, context.max() + 1 + torch.arange(count - len(context))])
-    session.__class__ = _FedIdsKept
-    session.fed_ids = [(first_ids[0].cpu(), positions)]
+    session.fed_ids = [(first_ids[0].cpu(), positions)]  # step adds each later feed; a fork copies its own
     return session
 
 

@@ -74,6 +74,8 @@ class CompressionSession:
     ``[batch, kv_heads, slots, head_dim]``.
     """
 
+    fed_ids: list | None = None  # row 0's ids fed so far with their text positions, where a rule asked for them
+
     def __init__(self, model, policy: Policy):
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be an evalkit.compression policy, got {type(policy).__name__}")
@@ -284,6 +286,8 @@ class CompressionSession:
         if active is not None and tuple(active.shape) != (len(input_ids),):
             raise ValueError(f"step takes active of shape [batch] = [{len(input_ids)}], got {list(active.shape)}")
         count, device = input_ids.shape[1], input_ids.device
+        if self.fed_ids is not None:  # kept for a rule that reads the held text again (recompress_passes.keeps_fed_ids)
+            self.fed_ids.append((input_ids[0].cpu(), self.state.seq_len[:1].cpu() + torch.arange(count)))
         if active is None:
             active = torch.ones(input_ids.shape[0], dtype=torch.bool)
         if count > 1 and (self.evicting or self.layout.wraps(self.state, count)):

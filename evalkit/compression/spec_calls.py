@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from .attention import attention_implementation
 from .model_spec import cache_kwargs, layer_kinds, returned_cache
 from .spec_prefill import SpecPrefill, _prompt_attention, map_by_characters
 from .stopping import stop_token_ids
@@ -87,7 +88,7 @@ class SpecCalls:
         rows = self._read(ids, score=call.content > 0)
         kept = torch.zeros(0, dtype=torch.long)
         if call.content:
-            importance = _pooled(self.spec, rows)[begin:]
+            importance = self.spec.pooled(rows)[begin:]
             shift = len(said_text)
             mapped = map_by_characters(encoded["offset_mapping"], importance,
                                        [(start + shift, end + shift) for start, end in call.offsets[: call.content]])
@@ -118,9 +119,7 @@ class SpecCalls:
             self._forward(tokens[:, -1:])
             return None
         model, end = self.spec.draft, self.read + 1
-        original = model.config._attn_implementation
-        model.config._attn_implementation = "eager"  # attention probabilities are needed
-        try:
+        with attention_implementation(model, "eager"):  # attention probabilities are needed
             out = self._forward(tokens[:, -1:], attentions=True)
             rows = [_prompt_attention(out.attentions, end)]
             for _ in range(self.spec.look_ahead_cnt - 1):
@@ -129,8 +128,6 @@ class SpecCalls:
                     break
                 out = self._forward(token, attentions=True)
                 rows.append(_prompt_attention(out.attentions, end))
-        finally:
-            model.config._attn_implementation = original
         self._cut_to(end)
         return torch.stack(rows)
 
@@ -156,13 +153,3 @@ class SpecCalls:
             raise ValueError(f"the draft's cache holds {self.cache.get_seq_length()} tokens after its look-ahead, not "
                              f"the {end} it read; use look_ahead_cnt=1")
 
-
-def _pooled(spec: SpecPrefill, rows: torch.Tensor) -> torch.Tensor:
-    """SpecPrefill's importance of every key from its queries' rows ``[queries, layers, heads, keys]``: average
-    pooling along the keys (``pool_kernel``, padding counted as ``pool_count_pad`` says), max over layers x heads,
-    mean over the queries."""
-    if spec.pool_kernel and spec.pool_kernel > 1:
-        flat = torch.nn.functional.avg_pool1d(rows.reshape(-1, 1, rows.shape[-1]), spec.pool_kernel, stride=1,
-                                              padding=spec.pool_kernel // 2, count_include_pad=spec.pool_count_pad)
-        rows = flat.reshape(rows.shape)
-    return rows.amax(dim=(1, 2)).mean(dim=0).cpu()

@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from .attention import attention_implementation
 from .model_spec import cache_kwargs, returned_cache
 from .stopping import stop_token_ids
 
@@ -66,9 +67,7 @@ class SpecPrefill:
         ids = draft_ids[None].to(model.device)
         n = ids.shape[1]
         eos = stop_token_ids(model, self.draft_tokenizer)
-        original = model.config._attn_implementation
-        model.config._attn_implementation = "eager"  # attention probabilities are needed
-        try:
+        with attention_implementation(model, "eager"):  # attention probabilities are needed
             out = model(input_ids=ids, use_cache=True, output_attentions=True)
             rows = [_prompt_attention(out.attentions, n)]
             cache, token = returned_cache(out), out.logits[:, -1].argmax(-1, keepdim=True)
@@ -79,15 +78,17 @@ class SpecPrefill:
                             position_ids=torch.tensor([[n + step]], device=ids.device))
                 rows.append(_prompt_attention(out.attentions, n))
                 cache, token = returned_cache(out), out.logits[:, -1].argmax(-1, keepdim=True)
-        finally:
-            model.config._attn_implementation = original
-        scores = torch.stack(rows)  # [queries, layers, heads, n]
+        return self.pooled(torch.stack(rows))
+
+    def pooled(self, rows: torch.Tensor) -> torch.Tensor:
+        """Importance of every key from its queries' attention rows ``[queries, layers, heads, keys]``: average
+        pooling along the keys (``pool_kernel``, padding counted as ``pool_count_pad`` says), max over layers x heads,
+        mean over the queries."""
         if self.pool_kernel and self.pool_kernel > 1:
-            flat = scores.reshape(-1, 1, n)
-            flat = torch.nn.functional.avg_pool1d(flat, self.pool_kernel, stride=1, padding=self.pool_kernel // 2,
-                                                  count_include_pad=self.pool_count_pad)
-            scores = flat.reshape(scores.shape)
-        return scores.amax(dim=(1, 2)).mean(dim=0).cpu()
+            flat = torch.nn.functional.avg_pool1d(rows.reshape(-1, 1, rows.shape[-1]), self.pool_kernel, stride=1,
+                                                  padding=self.pool_kernel // 2, count_include_pad=self.pool_count_pad)
+            rows = flat.reshape(rows.shape)
+        return rows.amax(dim=(1, 2)).mean(dim=0).cpu()
 
     # -- mapping to the target's tokens and choosing -----------------------------------------------------------------
     def target_importance(self, text: str, target_tokenizer, add_special_tokens: bool = True

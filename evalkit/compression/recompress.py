@@ -169,10 +169,12 @@ def take_in(session: CompressionSession, ids: torch.Tensor, rule: str, share: in
     ``share`` tokens). Returns the logits after its last token ``[1, vocab]``."""
     _check_session(session, ids, rule)
     policy = session.policy
-    sized = sized_to(policy, share) if rule == "new_content" and share < ids.shape[1] else None
-    if rule == "new_content" and share < ids.shape[1] and sized is None:
-        raise ValueError(f"session.recompress=new_content: {policy.name} takes no share of {share} tokens "
-                         "(ec.share_of gives one it takes)")
+    sized = None  # new_content: the method at the content's share, where that is less than all of it
+    if rule == "new_content" and share < ids.shape[1]:
+        sized = sized_to(policy, share)
+        if sized is None:
+            raise ValueError(f"session.recompress=new_content: {policy.name} takes no share of {share} tokens "
+                             "(ec.share_of gives one it takes)")
     if reconstructs(policy):
         return take_in_by_passes(session, ids, rule, sized)
     if policy.per_head:

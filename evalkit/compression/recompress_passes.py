@@ -48,7 +48,7 @@ def keeps_fed_ids(session: CompressionSession, first_ids: torch.Tensor,
 
 
 def _ids_at(session: CompressionSession, positions: torch.Tensor) -> torch.Tensor:
-    fed = getattr(session, "fed_ids", None)
+    fed = session.fed_ids
     if fed is None:
         raise ValueError(f"session.recompress=each_call reconstructs the tokens {session.policy.name} holds, and this "
                          "session kept no ids of what it was fed (ec.keeps_fed_ids after its prefill)")
@@ -106,13 +106,12 @@ def _pass_scores(session: CompressionSession, policy, text: torch.Tensor, text_i
     for layer in layers:
         in_text = layer.heads.valid[:1] & torch.isin(layer.heads.positions[:1], text)
         scores.append(torch.full(in_text.shape, float("-inf"), device=device).masked_fill(in_text, 0.0))
-    modules = attention_modules(session.model)
+    modules, query_heads = attention_modules(session.model), session.model.config.num_attention_heads
     for begin, end, pass_ids in policy.passes(text_ids):
         fork = session.fork()
         first_pass = int(fork.state.seq_len[0])
         for layer in fork.cache.layers:
             layer.layout = HeadLayout(_PassQueries(len(pass_ids)), fork.cache.rotary)
-            query_heads = session.model.config.num_attention_heads
             layer.heads.queries = layer.keys.new_empty(1, query_heads, 0, layer.keys.shape[-1])
         fork.step(pass_ids.to(device)[None])
         span, sink = text[begin:end], text[: min(policy.sink, begin)]
